@@ -1,0 +1,29 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   -> venv, torch 2.13.0 (CPU) first, the rest, redis-server, then `ddloco up`
+#   make test   -> the same set-up, then the whole test suite
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO_FLAGS ?= --report reports/demo
+
+.PHONY: demo test setup clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/python -m common.redis_server --check
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/ddloco up $(DEMO_FLAGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) reports runs *.egg-info

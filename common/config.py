@@ -1,0 +1,330 @@
+"""Typed configuration: frozen keyword-only dataclasses, loadable from TOML, overridable by flags.
+
+Two kinds of config:
+- ``RunConfig`` (task + algorithm) is shared by every process of a run. Its hash is stored in
+  Redis once (SET NX); a learner or shard whose hash differs is refused with a clear error.
+- ``LearnerOptions``, ``SyncerOptions``, ``Endpoints`` and ``UpOptions`` are per process.
+
+TOML layout (every section and key optional)::
+
+    [task]      # TaskConfig
+    [algo]      # AlgoConfig
+    [endpoints] # Endpoints
+    [learner]   # LearnerOptions
+    [syncer]    # SyncerOptions
+    [up]        # UpOptions
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping, TypeVar
+
+from common.quant import CODECS
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or unknown."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """The model and data every learner trains (identical on every process of a run)."""
+
+    name: str = "gpt"
+    """Built-in task: "gpt" (byte-level GPT on the Python standard library's sources)."""
+    seed: int = 0
+    """Seed of the model initialisation and of the train/held-out split."""
+    seq_len: int = 64
+    """Tokens (bytes) per training sequence."""
+    batch_size: int = 16
+    """Sequences per inner step."""
+    n_layer: int = 6
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block."""
+    n_embd: int = 64
+    """Embedding width."""
+    eval_batches: int = 8
+    """Held-out batches per evaluation."""
+    heldout_fraction: float = 0.1
+    """Fraction of the corpus files kept out of training for evaluation."""
+    corpus_max_bytes: int = 4_000_000
+    """Cap on corpus size read from disk (keeps start-up fast)."""
+
+    def __post_init__(self) -> None:
+        _check(self.name in ("gpt",), f"task.name must be 'gpt', got {self.name!r}")
+        _check(self.seq_len >= 2, "task.seq_len must be >= 2")
+        _check(self.batch_size >= 1, "task.batch_size must be >= 1")
+        _check(self.n_layer >= 1 and self.n_head >= 1, "task.n_layer and task.n_head must be >= 1")
+        _check(self.n_embd % self.n_head == 0, "task.n_embd must be divisible by task.n_head")
+        _check(0.0 < self.heldout_fraction < 0.5, "task.heldout_fraction must be in (0, 0.5)")
+        _check(self.eval_batches >= 1, "task.eval_batches must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgoConfig:
+    """Decoupled DiLoCo hyper-parameters (ALGORITHM.md); identical on every process of a run."""
+
+    fragments: int = 24
+    """P: number of balanced parameter fragments."""
+    sync_every_steps: int = 24
+    """H: each fragment is merged about once every H learner steps."""
+    tau: int = 2
+    """tau: at most tau rounds in flight per shard; grace budget is tau learner steps."""
+    quorum: int = 1
+    """K: minimum answers before a round may merge (K = M is lock-step DiLoCo)."""
+    grace_gamma: float = 0.8
+    """gamma: fraction of the slack (tau*xi_step - xi_quorum - xi_sync) spent in the grace window."""
+    grace_enabled: bool = True
+    """Adaptive grace window on/off (off: merge as soon as the quorum is reached)."""
+    outer_lr: float = 0.7
+    """eta: outer Nesterov learning rate."""
+    outer_momentum: float = 0.9
+    """mu: outer Nesterov momentum."""
+    inner_lr: float = 3e-3
+    """AdamW learning rate of the inner loop."""
+    inner_weight_decay: float = 0.0
+    """AdamW weight decay of the inner loop."""
+    inner_warmup_steps: int = 20
+    """Linear learning-rate warm-up of the inner loop, in steps."""
+    uplink_codec: str = "int4"
+    """Codec of learners' fragment deltas: fp32, bf16, int8, int4."""
+    downlink_codec: str = "fp32"
+    """Codec of broadcast merged fragments: fp32 or bf16 (the syncer adopts the decoded value)."""
+    mix_alpha: float = 0.0
+    """alpha: learner keeps alpha*theta + (1-alpha)*Theta on receipt (0 = overwrite)."""
+    history_versions: int = 8
+    """Past versions kept per fragment to rebuild deltas against an older base."""
+    lockstep: bool = False
+    """Learners stop every H steps until every fragment is merged (synchronous DiLoCo baseline)."""
+
+    def __post_init__(self) -> None:
+        _check(self.fragments >= 1, "algo.fragments must be >= 1")
+        _check(self.sync_every_steps >= 1, "algo.sync_every_steps must be >= 1")
+        _check(self.tau >= 1, "algo.tau must be >= 1")
+        _check(self.quorum >= 1, "algo.quorum must be >= 1")
+        _check(0.0 <= self.grace_gamma <= 1.0, "algo.grace_gamma must be in [0, 1]")
+        _check(self.outer_lr > 0, "algo.outer_lr must be > 0")
+        _check(0.0 <= self.outer_momentum < 1.0, "algo.outer_momentum must be in [0, 1)")
+        _check(self.inner_lr > 0, "algo.inner_lr must be > 0")
+        _check(self.uplink_codec in CODECS, f"algo.uplink_codec must be one of {CODECS}")
+        _check(self.downlink_codec in ("fp32", "bf16"), "algo.downlink_codec must be fp32 or bf16")
+        _check(0.0 <= self.mix_alpha < 1.0, "algo.mix_alpha must be in [0, 1)")
+        _check(self.history_versions >= 1, "algo.history_versions must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything that must be identical on every process of one run."""
+
+    task: TaskConfig = field(default_factory=TaskConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """Stable hash of the run config; processes with another digest are refused."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Endpoints:
+    """Where a process finds the rest of the cluster: all a learner needs to join."""
+
+    run_id: str = "demo"
+    """Run identifier: namespaces every Redis key and every message."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis holding membership, counters and round state."""
+    broker_pub: str = "tcp://127.0.0.1:5555"
+    """Broker XSUB endpoint: publishers connect here."""
+    broker_sub: str = "tcp://127.0.0.1:5556"
+    """Broker XPUB endpoint: subscribers connect here."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.run_id) and ":" not in self.run_id and "{" not in self.run_id,
+               "endpoints.run_id must be non-empty without ':' or '{'")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearnerOptions:
+    """Per-learner knobs (not part of the run hash)."""
+
+    learner_id: str = ""
+    """Unique id; empty means <hostname>-<pid>."""
+    data_shard: int = 0
+    """Which stream of training batches this learner reads."""
+    max_steps: int = 0
+    """Stop after this many inner steps (0 = run until stopped)."""
+    slowdown: float = 1.0
+    """Emulate a slower chip: every step takes this factor longer."""
+    step_time_floor_ms: float = 0.0
+    """Emulated accelerator step time: a step never takes less than this."""
+    threads: int = 1
+    """torch intra-op threads (share the cores between co-located learners)."""
+    heartbeat_interval_s: float = 0.5
+    """How often the learner refreshes its heartbeat and counters in Redis."""
+    heartbeat_ttl_s: float = 3.0
+    """A learner whose heartbeat is older than this is considered gone."""
+    join_timeout_s: float = 120.0
+    """Give up (exit non-zero) if the shards don't serve the current fragments within this."""
+
+    def __post_init__(self) -> None:
+        _check(self.slowdown >= 1.0, "learner.slowdown must be >= 1")
+        _check(self.step_time_floor_ms >= 0.0, "learner.step_time_floor_ms must be >= 0")
+        _check(self.threads >= 1, "learner.threads must be >= 1")
+        _check(self.max_steps >= 0, "learner.max_steps must be >= 0")
+        _check(self.heartbeat_ttl_s > self.heartbeat_interval_s > 0,
+               "learner.heartbeat_ttl_s must exceed learner.heartbeat_interval_s > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncerOptions:
+    """Per-shard knobs (not part of the run hash)."""
+
+    shard: int = 0
+    """k: this shard owns fragments p with p % shards == k."""
+    shards: int = 1
+    """S: number of shards."""
+    checkpoint_dir: str = "runs/checkpoints"
+    """Directory of the shard's atomic checkpoint (empty: no checkpoints)."""
+    checkpoint_every_merges: int = 20
+    """Checkpoint after this many merges (and always on SIGTERM)."""
+    rpc_bind: str = "tcp://127.0.0.1:0"
+    """ROUTER endpoint serving full fragments on request (port 0 = pick a free one)."""
+    advertise_host: str = ""
+    """Host name learners use to reach rpc_bind (empty: the host in rpc_bind)."""
+    initial_step_time_s: float = 0.2
+    """Assumed learner step time before any learner has reported one."""
+    reopen_after_steps: float = 4.0
+    """Re-publish a round's open message after this many learner step times without quorum."""
+    downtime_gap_s: float = 5.0
+    """(reporting) a gap between merges longer than this counts as global downtime."""
+
+    def __post_init__(self) -> None:
+        _check(self.shards >= 1, "syncer.shards must be >= 1")
+        _check(0 <= self.shard < self.shards, "syncer.shard must be in [0, shards)")
+        _check(self.checkpoint_every_merges >= 1, "syncer.checkpoint_every_merges must be >= 1")
+        _check(self.initial_step_time_s > 0, "syncer.initial_step_time_s must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpOptions:
+    """`ddloco up`: a whole local cluster."""
+
+    learners: int = 4
+    """M: learner processes."""
+    syncers: int = 2
+    """S: syncer shard processes."""
+    steps: int = 400
+    """Inner steps per learner (0 = until --minutes)."""
+    minutes: float = 4.0
+    """Wall-clock cap of the run."""
+    report_dir: str = ""
+    """Write report.json and plots here (empty: no report)."""
+    eval_every_s: float = 20.0
+    """Evaluate the global model this often during the run."""
+    seed: int = 0
+    """Seed of the run (model init, data split, learner streams)."""
+
+    def __post_init__(self) -> None:
+        _check(self.learners >= 1, "up.learners must be >= 1")
+        _check(self.syncers >= 1, "up.syncers must be >= 1")
+        _check(self.steps >= 0, "up.steps must be >= 0")
+        _check(self.minutes > 0, "up.minutes must be > 0")
+
+
+T = TypeVar("T")
+
+
+def from_mapping(cls: type[T], data: Mapping[str, Any] | None, *, section: str) -> T:
+    """Build ``cls`` from a TOML section; unknown keys are an error naming the section."""
+    data = dict(data or {})
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown key(s) in [{section}]: {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return cls(**data)
+
+
+def override(obj: T, **changes: Any) -> T:
+    """Replace the fields given (None means keep), re-running validation."""
+    kept = {k: v for k, v in changes.items() if v is not None}
+    return dataclasses.replace(obj, **kept) if kept else obj  # type: ignore[type-var]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfigFile:
+    """Every section of a TOML config file, resolved to dataclasses with defaults."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    endpoints: Endpoints = field(default_factory=Endpoints)
+    learner: LearnerOptions = field(default_factory=LearnerOptions)
+    syncer: SyncerOptions = field(default_factory=SyncerOptions)
+    up: UpOptions = field(default_factory=UpOptions)
+
+
+_SECTIONS = ("task", "algo", "endpoints", "learner", "syncer", "up")
+
+
+def load_config(path: str | Path | None) -> ConfigFile:
+    """Load a TOML file (or defaults when ``path`` is None)."""
+    if path is None:
+        return ConfigFile()
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {p}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+    unknown = sorted(set(data) - set(_SECTIONS))
+    if unknown:
+        raise ConfigError(f"unknown section(s) in {p}: {', '.join(unknown)}; known: {', '.join(_SECTIONS)}")
+    return ConfigFile(
+        run=RunConfig(task=from_mapping(TaskConfig, data.get("task"), section="task"),
+                      algo=from_mapping(AlgoConfig, data.get("algo"), section="algo")),
+        endpoints=from_mapping(Endpoints, data.get("endpoints"), section="endpoints"),
+        learner=from_mapping(LearnerOptions, data.get("learner"), section="learner"),
+        syncer=from_mapping(SyncerOptions, data.get("syncer"), section="syncer"),
+        up=from_mapping(UpOptions, data.get("up"), section="up"),
+    )
+
+
+def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
+    """Inverse of ``RunConfig.to_dict`` (used to pass a run config to child processes)."""
+    return RunConfig(task=from_mapping(TaskConfig, d.get("task"), section="task"),
+                     algo=from_mapping(AlgoConfig, d.get("algo"), section="algo"))
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    raise ConfigError(f"cannot write {type(v).__name__} to TOML")
+
+
+def dump_toml(cfg: ConfigFile) -> str:
+    """Inverse of ``load_config``: every section with every resolved value."""
+    sections = {"task": cfg.run.task, "algo": cfg.run.algo, "endpoints": cfg.endpoints,
+                "learner": cfg.learner, "syncer": cfg.syncer, "up": cfg.up}
+    lines: list[str] = []
+    for name, obj in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in fields(obj)]
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,155 @@
+"""Control-plane operations on Redis: run config, membership, heartbeats, events.
+
+Every write helper accepts a pipeline so callers batch their round trips. Redis is
+coordination only: each daemon re-writes its own entries periodically, so a Redis that
+restarts empty is rebuilt without losing training progress.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Mapping
+
+import redis
+
+from common.config import RunConfig, run_config_from_dict
+from common.keys import EVENTS_MAXLEN, Keys
+
+
+class ConfigMismatch(RuntimeError):
+    """This process's run config differs from the one the run was started with."""
+
+
+class RunConfigMissing(RuntimeError):
+    """No run config in Redis (the run was not started, or wrong run id / Redis URL)."""
+
+
+def connect(url: str, *, timeout_s: float = 2.0) -> redis.Redis:
+    """A Redis client with bounded timeouts (a lost Redis must never hang a daemon)."""
+    return redis.Redis.from_url(url, decode_responses=True, socket_timeout=timeout_s,
+                                socket_connect_timeout=timeout_s, health_check_interval=10)
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def describe_difference(ours: RunConfig, theirs: RunConfig) -> str:
+    """Human-readable list of the fields that differ, e.g. 'algo.quorum=2 (run has 1)'."""
+    a, b = _flatten(ours.to_dict()), _flatten(theirs.to_dict())
+    diffs = [f"{k}={a.get(k)!r} (run has {b.get(k)!r})" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return ", ".join(diffs) or "no field differs (digest mismatch)"
+
+
+def publish_run_config(r: redis.Redis, keys: Keys, cfg: RunConfig) -> None:
+    """Record the run config once; raise ConfigMismatch if the run already has another one."""
+    digest = cfg.digest()
+    created = r.hsetnx(keys.config, "digest", digest)
+    if created:
+        r.hset(keys.config, mapping={"json": json.dumps(cfg.to_dict(), sort_keys=True),
+                                     "created_at": time.time()})
+        return
+    theirs_digest = r.hget(keys.config, "digest")
+    if theirs_digest == digest:
+        if not r.hexists(keys.config, "json"):  # lost between HSETNX and HSET: repair
+            r.hset(keys.config, "json", json.dumps(cfg.to_dict(), sort_keys=True))
+        return
+    theirs = fetch_run_config(r, keys, wait_s=2.0)
+    raise ConfigMismatch(f"refused: config of run {keys.run_id!r} differs: {describe_difference(cfg, theirs)}")
+
+
+def fetch_run_config(r: redis.Redis, keys: Keys, *, wait_s: float = 0.0,
+                     stop: Any | None = None) -> RunConfig:
+    """Read the run config; wait up to ``wait_s`` for it to appear."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        blob = r.hget(keys.config, "json")
+        if blob:
+            return run_config_from_dict(json.loads(blob))
+        if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+            raise RunConfigMissing(
+                f"run {keys.run_id!r} has no config in Redis; start it with `ddloco up` or pass --config "
+                f"to a syncer (check --run-id and --redis-url)")
+        (stop.wait(0.2) if stop is not None else time.sleep(0.2))
+
+
+def beat(pipe: Any, keys: Keys, learner_id: str, fields: Mapping[str, Any], ttl_s: float) -> None:
+    """Heartbeat + membership + counters of a learner, batched on ``pipe``."""
+    pipe.sadd(keys.learners, learner_id)
+    pipe.hset(keys.learner(learner_id), mapping=dict(fields))
+    pipe.set(keys.heartbeat(learner_id), "1", px=int(ttl_s * 1000))
+
+
+def leave(pipe: Any, keys: Keys, learner_id: str) -> None:
+    """Deregister a learner (graceful stop): no longer counted live."""
+    pipe.srem(keys.learners, learner_id)
+    pipe.delete(keys.heartbeat(learner_id))
+    pipe.hset(keys.learner(learner_id), "status", "left")
+
+
+def live_learners(r: redis.Redis, keys: Keys) -> dict[str, dict[str, str]]:
+    """Members with a fresh heartbeat, with their counters."""
+    members = sorted(r.smembers(keys.learners))
+    if not members:
+        return {}
+    pipe = r.pipeline(transaction=False)
+    for m in members:
+        pipe.exists(keys.heartbeat(m))
+        pipe.hgetall(keys.learner(m))
+    res = pipe.execute()
+    return {m: res[2 * i + 1] for i, m in enumerate(members) if res[2 * i]}
+
+
+def all_learners(r: redis.Redis, keys: Keys) -> dict[str, dict[str, str]]:
+    """Every learner hash of the run (live or not), found by scanning learner:* keys."""
+    out: dict[str, dict[str, str]] = {}
+    prefix = keys.learner("")
+    for k in r.scan_iter(match=prefix + "*", count=500):
+        out[k[len(prefix):]] = r.hgetall(k)
+    return out
+
+
+def add_event(r_or_pipe: Any, keys: Keys, kind: str, **fields: Any) -> None:
+    """Append to the capped events stream (join, leave, merge, drop, refuse, failure)."""
+    entry = {"kind": kind, "t": f"{time.time():.6f}"}
+    for k, v in fields.items():
+        entry[k] = v if isinstance(v, (str, int, float)) else json.dumps(v)
+    r_or_pipe.xadd(keys.events, entry, maxlen=EVENTS_MAXLEN, approximate=True)
+
+
+def read_events(r: redis.Redis, keys: Keys, *, kind: str | None = None) -> list[dict[str, Any]]:
+    """Every event in the stream (oldest first), optionally of one kind."""
+    out = []
+    for _id, e in r.xrange(keys.events):
+        if kind is None or e.get("kind") == kind:
+            out.append(e)
+    return out
+
+
+def register_shard(pipe: Any, keys: Keys, shard: int, fields: Mapping[str, Any]) -> None:
+    """Shard entry (rpc endpoint, shard count, counters); re-written periodically."""
+    pipe.sadd(keys.shards, shard)
+    pipe.hset(keys.shard(shard), mapping=dict(fields))
+
+
+def shard_table(r: redis.Redis, keys: Keys) -> dict[int, dict[str, str]]:
+    """Every registered shard's hash, by shard index."""
+    ids = sorted(int(k) for k in r.smembers(keys.shards))
+    pipe = r.pipeline(transaction=False)
+    for k in ids:
+        pipe.hgetall(keys.shard(k))
+    return {k: h for k, h in zip(ids, pipe.execute()) if h}
+
+
+def shard_endpoints(r: redis.Redis, keys: Keys) -> tuple[int, dict[int, str]]:
+    """(S, {shard: rpc endpoint}) of the registered shards; S = 0 when none registered."""
+    table = shard_table(r, keys)
+    counts = {int(h.get("shards", 0)) for h in table.values()}
+    n = max(counts) if counts else 0
+    return n, {k: h["rpc"] for k, h in table.items() if h.get("rpc") and k < n}

@@ -1,0 +1,55 @@
+"""The Redis key schema: every key name of a run, and nothing else, lives here.
+
+All keys of run ``R`` share the prefix ``ddl:{R}:`` (the braces make them one Redis Cluster
+hash slot). Redis holds coordination state only, never the model.
+
+| key                          | type   | content                                                  |
+|------------------------------|--------|----------------------------------------------------------|
+| config                       | hash   | digest, json (the RunConfig), created_at; set once (NX)  |
+| learners                     | set    | ids of learners that joined and did not leave            |
+| learner:<id>                 | hash   | steps, tokens, step_ema_s, status, counters, timings     |
+| hb:<id>                      | string | heartbeat, expires after heartbeat_ttl_s                 |
+| shards                       | set    | shard indices that registered                            |
+| shard:<k>                    | hash   | rpc endpoint, pid, merges, counters                      |
+| frag:<p>                     | hash   | version, round, shard, merged_at, contributors           |
+| events                       | stream | join, leave, merge, drop, refuse, failure (capped)       |
+"""
+from __future__ import annotations
+
+EVENTS_MAXLEN = 20_000
+
+
+class Keys:
+    """Key names of one run."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.prefix = f"ddl:{{{run_id}}}:"
+
+    @property
+    def config(self) -> str:
+        return self.prefix + "config"
+
+    @property
+    def learners(self) -> str:
+        return self.prefix + "learners"
+
+    def learner(self, learner_id: str) -> str:
+        return f"{self.prefix}learner:{learner_id}"
+
+    def heartbeat(self, learner_id: str) -> str:
+        return f"{self.prefix}hb:{learner_id}"
+
+    @property
+    def shards(self) -> str:
+        return self.prefix + "shards"
+
+    def shard(self, shard: int) -> str:
+        return f"{self.prefix}shard:{shard}"
+
+    def fragment(self, fragment: int) -> str:
+        return f"{self.prefix}frag:{fragment}"
+
+    @property
+    def events(self) -> str:
+        return self.prefix + "events"

@@ -1,0 +1,46 @@
+"""Process lifecycle shared by the daemons: signals, parent-death, warm/cold shutdown."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+
+PR_SET_PDEATHSIG = 1
+
+
+def install_stop_handlers(stop: threading.Event) -> None:
+    """First SIGTERM/SIGINT: graceful stop (``stop`` is set); a second one exits at once."""
+
+    def handler(signum, _frame):
+        if stop.is_set():
+            os._exit(128 + signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent dies (preexec_fn use)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    except OSError:
+        pass
+
+
+def process_start_time() -> float | None:
+    """Wall-clock time this process started (Linux /proc), so boot time (imports) is counted."""
+    try:
+        with open("/proc/self/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])
+        with open("/proc/stat") as fh:
+            btime = next(int(line.split()[1]) for line in fh if line.startswith("btime"))
+        return btime + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None

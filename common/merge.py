@@ -1,0 +1,138 @@
+"""Merge math of one round (ALGORITHM.md §5). All fp32.
+
+For the M answers of a round of fragment p, with Δ_m = Θ_p − θ_m the outer gradient of
+learner m against the syncer's current value::
+
+    w_m = c_tokens² / c_steps            (0 when c_steps = 0);   ŵ = w / Σ w
+    Δ   = Σ ŵ_m Δ_m                      embedding tensors
+    Δ   = RDA_ŵ(Δ_m)                     every other tensor, per tensor
+    b  ← μ·b + Δ;   Θ ← Θ − η·(Δ + μ·b)  (torch.optim.SGD with nesterov=True)
+
+Radial-directional averaging keeps the step size from shrinking as M grows::
+
+    RDA_ŵ(v) = (Σ ŵ_m ‖v_m‖) · unit(Σ ŵ_m unit(v_m)),    unit(0) = 0
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+
+def _check_matrix(vectors: torch.Tensor, weights: torch.Tensor) -> None:
+    if vectors.dim() != 2:
+        raise ValueError(f"vectors must be [M, n], got shape {tuple(vectors.shape)}")
+    if weights.dim() != 1 or weights.shape[0] != vectors.shape[0]:
+        raise ValueError(
+            f"weights must be [M] with M = {vectors.shape[0]}, got shape {tuple(weights.shape)}"
+        )
+    if vectors.shape[0] == 0:
+        raise ValueError("nothing to merge: no contributors (M = 0)")
+
+
+def contribution_weights(c_tokens: Sequence[float], c_steps: Sequence[float]) -> torch.Tensor:
+    """Normalised contribution weights ŵ [M] (float32) of a round's contributors.
+
+    ``w_m = c_tokens² / c_steps`` ("quantity × quality"), 0 where ``c_steps == 0``, divided by
+    Σ w. When every w is 0 the result is all zeros and the caller skips the merge.
+    """
+    if len(c_tokens) != len(c_steps):
+        raise ValueError(f"got {len(c_tokens)} token counts but {len(c_steps)} step counts")
+    tokens = torch.as_tensor(list(map(float, c_tokens)), dtype=torch.float64)
+    steps = torch.as_tensor(list(map(float, c_steps)), dtype=torch.float64)
+    for label, counts in (("c_tokens", tokens), ("c_steps", steps)):
+        if not bool(torch.isfinite(counts).all()) or bool((counts < 0).any()):
+            raise ValueError(f"{label} must be finite and >= 0, got {counts.tolist()}")
+    # Counters are integers up to ~1e9 squared: compute in float64, return float32.
+    raw = torch.where(steps > 0, tokens.square() / steps.clamp_min(1.0), torch.zeros_like(steps))
+    total = raw.sum()
+    if total <= 0:
+        return torch.zeros(len(c_steps), dtype=torch.float32)
+    return (raw / total).to(torch.float32)
+
+
+def weighted_average(vectors: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ_m ŵ_m v_m: vectors [M, n], weights [M] -> [n]."""
+    _check_matrix(vectors, weights)
+    return weights @ vectors                                            # [M] @ [M, n] -> [n]
+
+
+def radial_directional_average(
+    vectors: torch.Tensor, weights: torch.Tensor, eps: float = 1e-12
+) -> torch.Tensor:
+    """RDA: (Σ ŵ_m ‖v_m‖) · unit(Σ ŵ_m unit(v_m)); vectors [M, n], weights [M] -> [n].
+
+    unit(0) = 0. If the mean direction's norm is below ``eps`` (opposite or zero inputs), the
+    result falls back to the weighted average.
+    """
+    _check_matrix(vectors, weights)
+    norms = torch.linalg.vector_norm(vectors, dim=1)                    # [M]
+    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+    units = vectors / safe.unsqueeze(1)                                 # [M, n], zero rows stay 0
+    direction = weights @ units                                         # [n]
+    direction_norm = torch.linalg.vector_norm(direction)
+    if not bool(direction_norm >= eps):
+        return weighted_average(vectors, weights)
+    radius = (weights * norms).sum()
+    return direction * (radius / direction_norm)
+
+
+def merge_outer_gradients(
+    outer_grads: torch.Tensor,
+    weights: torch.Tensor,
+    spans: Sequence[tuple[int, int, bool]],
+) -> torch.Tensor:
+    """Merged outer gradient Δ [numel] of one fragment.
+
+    ``outer_grads`` [M, numel] holds one Δ_m per row; ``weights`` [M] are normalised;
+    ``spans`` is ``Fragment.spans``: each tensor's ``(start, stop, embedding)``. Embedding
+    tensors use the weighted average, every other tensor RDA, each tensor separately.
+    """
+    _check_matrix(outer_grads, weights)
+    numel = outer_grads.shape[1]
+    expected_start = 0
+    for start, stop, _ in spans:
+        if start != expected_start or stop < start:
+            raise ValueError(f"spans must tile [0, {numel}) in order, got {list(spans)}")
+        expected_start = stop
+    if expected_start != numel:
+        raise ValueError(f"spans cover {expected_start} values but outer_grads has {numel}")
+    merged = torch.empty(numel, dtype=torch.float32, device=outer_grads.device)
+    for start, stop, embedding in spans:
+        block = outer_grads[:, start:stop]                              # [M, stop - start]
+        combine = weighted_average if embedding else radial_directional_average
+        merged[start:stop] = combine(block, weights)
+    return merged
+
+
+def outer_nesterov_step(
+    theta: torch.Tensor,
+    momentum: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    lr: float,
+    momentum_coef: float,
+) -> None:
+    """One outer SGD step with Nesterov momentum, in place on ``theta`` and ``momentum``.
+
+    Bit-identical to ``torch.optim.SGD([theta], lr=lr, momentum=momentum_coef,
+    nesterov=True)`` when ``momentum`` starts at zeros: same op sequence as torch's
+    single-tensor SGD.
+    """
+    if theta.shape != grad.shape or theta.shape != momentum.shape:
+        raise ValueError(
+            f"shape mismatch: theta {tuple(theta.shape)}, momentum {tuple(momentum.shape)}, "
+            f"grad {tuple(grad.shape)}"
+        )
+    if not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be finite and > 0, got {lr}")
+    if not 0.0 <= momentum_coef < 1.0:
+        raise ValueError(f"momentum_coef must be in [0, 1), got {momentum_coef}")
+    with torch.no_grad():
+        if momentum_coef == 0:
+            theta.add_(grad, alpha=-lr)
+            return
+        momentum.mul_(momentum_coef).add_(grad)                         # b ← μ·b + Δ
+        step = grad.add(momentum, alpha=momentum_coef)                  # Δ + μ·b
+        theta.add_(step, alpha=-lr)                                     # Θ ← Θ − η·(Δ + μ·b)

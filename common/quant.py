@@ -1,0 +1,231 @@
+"""Wire codecs for flat fp32 vectors (ALGORITHM.md §7).
+
+One encoder and its exact inverse per codec; the frame layout of every codec is written once,
+here, and nowhere else:
+
+========  ==========================================================  ==================
+codec     frames                                                      bytes for n values
+========  ==========================================================  ==================
+fp32      [values float32]                                            4n
+bf16      [values bfloat16, round to nearest even]                    2n
+int8      [q int8 in [-127, 127]], [scales bf16, one per block]       n + 2*ceil(n/64)
+int4      [q nibbles in [-7, 7]], [scales bf16, one per block]        ceil(n/2) + 2*ceil(n/64)
+========  ==========================================================  ==================
+
+int8/int4 use blockwise absmax scaling with ``BLOCK`` = 64 values per block:
+``scale = bf16(absmax / L)`` with L = 127 (int8) or 7 (int4), ``q = clamp(round(x / scale),
+-L, L)``, decoded as ``q * scale``. The scale is rounded to bf16 *before* quantising, so the
+decoder multiplies by exactly the scale the encoder divided by. An all-zero block has scale 0
+and decodes to zeros. int4 packs two values per byte, low nibble first, as 4-bit two's
+complement; an odd count is padded with a zero nibble. Round to nearest, no error feedback.
+
+All integers are little-endian (the native order of every machine we run on). Frames are
+``memoryview`` objects in byte format over freshly allocated arrays the caller owns, so they
+can be handed to ``zmq.Socket.send_multipart(..., copy=False)`` without copying and are not
+affected by later in-place changes of the input.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
+"""Codec names, in order of decreasing precision."""
+
+BLOCK = 64
+"""Values per absmax scaling block of the int8 and int4 codecs."""
+
+_LEVELS: dict[str, int] = {"int8": 127, "int4": 7}
+"""Largest quantisation level L of each blockwise codec (levels are -L..L)."""
+
+
+class CodecError(ValueError):
+    """Unknown codec, invalid input vector, or frames that do not match the codec's layout."""
+
+
+# --------------------------------------------------------------------------------------------
+# sizes
+
+
+def _check_codec(codec: str) -> None:
+    if codec not in CODECS:
+        raise CodecError(f"unknown codec {codec!r}; expected one of {CODECS}")
+
+
+def _check_numel(numel: int) -> None:
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise CodecError(f"numel must be a non-negative int, got {numel!r}")
+
+
+def _frame_nbytes(numel: int, codec: str) -> tuple[int, ...]:
+    """Exact byte size of each frame ``encode`` produces for ``numel`` values."""
+    if codec == "fp32":
+        return (4 * numel,)
+    if codec == "bf16":
+        return (2 * numel,)
+    n_blocks = math.ceil(numel / BLOCK)
+    values = numel if codec == "int8" else math.ceil(numel / 2)
+    return (values, 2 * n_blocks)
+
+
+def payload_nbytes(numel: int, codec: str) -> int:
+    """Total bytes of the frames ``encode`` returns for a vector of ``numel`` values."""
+    _check_codec(codec)
+    _check_numel(numel)
+    return sum(_frame_nbytes(numel, codec))
+
+
+# --------------------------------------------------------------------------------------------
+# encode
+
+
+def _as_frame(t: torch.Tensor) -> memoryview:
+    """Byte-format memoryview over a CPU tensor's memory (bf16 goes through int16)."""
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return memoryview(t.numpy()).cast("B")
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise CodecError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.float32:
+        raise CodecError(f"expected a float32 tensor, got {x.dtype}")
+    if x.dim() != 1:
+        raise CodecError(f"expected a 1-D tensor, got shape {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise CodecError("expected a contiguous tensor")
+    if x.device.type != "cpu":
+        raise CodecError(f"expected a CPU tensor, got device {x.device}")
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """True if a float32/bf16 CPU tensor holds no NaN/inf (numpy is the fastest check on CPU)."""
+    if t.dtype == torch.bfloat16:       # numpy has no bf16: NaN/inf have all exponent bits set
+        bits = t.detach().view(torch.int16).numpy()
+        return not bool(((bits & 0x7F80) == 0x7F80).any())
+    return bool(np.isfinite(t.detach().numpy()).all())
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or ``CodecError`` if it holds NaN/inf."""
+    if not _all_finite(t):
+        raise CodecError("non-finite values")
+    return t
+
+
+def _quantise_blocks(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise absmax quantisation.
+
+    Returns ``q`` (int8, padded length ``n_blocks * BLOCK``, zeros in the padding) and the bf16
+    ``scales`` [n_blocks].
+    """
+    n = x.numel()
+    n_blocks = math.ceil(n / BLOCK)
+    padded = x.new_zeros(n_blocks * BLOCK)
+    padded[:n] = x
+    blocks = padded.view(n_blocks, BLOCK)                             # [B, 64]
+    absmax = _finite(blocks.abs().amax(dim=1))                        # [B], NaN/inf propagate
+    scales = (absmax / levels).to(torch.bfloat16)                     # [B]
+    scales_f = scales.float()
+    # An all-zero block has scale 0: divide by 1 instead (its values are 0 anyway). So does a
+    # block whose absmax/L underflows bf16 (absmax below ~6e-39): it decodes to zeros.
+    divisor = torch.where(scales_f > 0, scales_f, torch.ones_like(scales_f))
+    blocks.div_(divisor.unsqueeze(1)).round_().clamp_(-levels, levels)
+    return padded.to(torch.int8), scales
+
+
+def _pack_nibbles(q: torch.Tensor, n: int) -> torch.Tensor:
+    """Pack int8 values in [-8, 7] two per byte, low nibble first: ceil(n/2) uint8 bytes."""
+    n_bytes = math.ceil(n / 2)
+    pairs = q[: 2 * n_bytes].view(torch.uint8).view(n_bytes, 2)       # [n/2, 2], two's compl.
+    return (pairs[:, 0] & 0x0F) | (pairs[:, 1] << 4)
+
+
+def encode(x: torch.Tensor, codec: str) -> list[memoryview]:
+    """Encode a 1-D contiguous float32 CPU vector into the codec's payload frames.
+
+    Raises ``CodecError`` for an unknown codec, a tensor of the wrong kind, or NaN/inf values.
+    """
+    _check_codec(codec)
+    _check_input(x)
+    x = x.detach()
+    if codec == "fp32":
+        return [_as_frame(_finite(x).clone())]
+    if codec == "bf16":   # checked after rounding: NaN/inf input, or overflow of the bf16 range
+        return [_as_frame(_finite(x.to(torch.bfloat16)))]
+    q, scales = _quantise_blocks(x, _LEVELS[codec])
+    n = x.numel()
+    values = q[:n] if codec == "int8" else _pack_nibbles(q, n)
+    return [_as_frame(values), _as_frame(scales)]
+
+
+# --------------------------------------------------------------------------------------------
+# decode
+
+
+def _as_bytes_view(frame: Any) -> memoryview:
+    """Byte-format memoryview over bytes, a memoryview, a numpy array or a zmq.Frame."""
+    try:
+        view = memoryview(frame)
+    except TypeError:
+        buffer = getattr(frame, "buffer", None)   # zmq.Frame on builds without buffer protocol
+        if buffer is None:
+            raise CodecError(f"frame of type {type(frame).__name__} is not a buffer") from None
+        view = memoryview(buffer)
+    if not view.c_contiguous:
+        raise CodecError("frame buffer is not contiguous")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _to_tensor(view: memoryview, dtype: np.dtype) -> torch.Tensor:
+    """Copy a byte view into a new, writable, aligned tensor of the given numpy dtype."""
+    return torch.from_numpy(np.frombuffer(view, dtype=dtype).copy())
+
+
+def _dequantise_blocks(q: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """``q * scale`` per block; ``q`` is int8 of length >= n, scales bf16 [n_blocks]."""
+    n_blocks = scales.numel()
+    out = torch.zeros(n_blocks * BLOCK, dtype=torch.float32)
+    out[:n] = q[:n]
+    out.view(n_blocks, BLOCK).mul_(scales.float().unsqueeze(1))
+    return out[:n]
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``_pack_nibbles``: uint8 [k] -> int8 [2k] in [-8, 7]."""
+    nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=1).view(-1)   # [2k] in 0..15
+    return (nibbles.view(torch.int8) ^ 8) - 8                            # sign-extend 4 bits
+
+
+def decode(frames: Sequence[Any], codec: str, numel: int) -> torch.Tensor:
+    """Decode payload frames into a new 1-D float32 tensor of length ``numel``.
+
+    Every frame's length is checked exactly against the codec's layout; a wrong frame count,
+    a wrong size or non-finite content raises ``CodecError``.
+    """
+    _check_codec(codec)
+    _check_numel(numel)
+    expected = _frame_nbytes(numel, codec)
+    if len(frames) != len(expected):
+        raise CodecError(f"codec {codec} expects {len(expected)} frame(s), got {len(frames)}")
+    views = [_as_bytes_view(f) for f in frames]
+    for i, (view, nbytes) in enumerate(zip(views, expected)):
+        if view.nbytes != nbytes:
+            raise CodecError(
+                f"codec {codec} frame {i} for {numel} values must be {nbytes} bytes, "
+                f"got {view.nbytes}"
+            )
+    if codec == "fp32":
+        return _finite(_to_tensor(views[0], np.dtype("<f4")))
+    if codec == "bf16":
+        return _finite(_to_tensor(views[0], np.dtype("<i2")).view(torch.bfloat16)).float()
+    scales = _finite(_to_tensor(views[1], np.dtype("<i2")).view(torch.bfloat16))
+    if codec == "int8":
+        q = _to_tensor(views[0], np.dtype("i1"))
+    else:
+        q = _unpack_nibbles(_to_tensor(views[0], np.dtype("u1")))
+    return _dequantise_blocks(q, scales, numel)

@@ -1,0 +1,120 @@
+"""The fragment request path: DEALER sockets asking the owning shard's ROUTER for fragment p.
+
+Used by a joining learner, by a learner that detected a version gap, and by the `ddloco up`
+monitor that evaluates the global model. Replies are ordinary FRAG messages (``common.wire``).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import zmq
+
+from common import control, wire
+from common.fragments import owner
+from common.keys import Keys
+
+
+class FragmentClient:
+    """Owns one DEALER per shard endpoint; not thread-safe (use from one thread)."""
+
+    def __init__(self, ctx: zmq.Context, *, run_id: str, sender: str) -> None:
+        self.ctx = ctx
+        self.run_id = run_id
+        self.sender = sender
+        self.shards = 0
+        self.endpoints: dict[int, str] = {}
+        self.sockets: dict[int, zmq.Socket] = {}
+        self.malformed = 0
+
+    def set_endpoints(self, shards: int, endpoints: dict[int, str]) -> None:
+        """(Re)connect to the shards' advertised endpoints; a moved shard gets a new socket."""
+        self.shards = shards
+        for k, ep in endpoints.items():
+            if self.endpoints.get(k) == ep:
+                continue
+            old = self.sockets.pop(k, None)
+            if old is not None:
+                old.close(linger=0)
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RCVHWM, 10_000)
+            s.connect(ep)
+            self.sockets[k] = s
+            self.endpoints[k] = ep
+
+    def request(self, fragment: int) -> bool:
+        """Ask the owner of ``fragment`` for its current value; False if the owner is unknown."""
+        if self.shards <= 0:
+            return False
+        s = self.sockets.get(owner(fragment, self.shards))
+        if s is None:
+            return False
+        frames = wire.encode(kind=wire.GET, run=self.run_id, sender=self.sender, fragment=fragment)
+        try:
+            s.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def receive(self, sock: zmq.Socket) -> list[wire.Message]:
+        """Drain replies waiting on ``sock``; malformed ones are counted and dropped."""
+        out = []
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return out
+            try:
+                msg = wire.decode(frames, expect_run=self.run_id)
+            except wire.WireError:
+                self.malformed += 1
+                continue
+            if msg.kind == wire.FRAG:
+                out.append(msg)
+            else:
+                self.malformed += 1
+
+    def close(self) -> None:
+        for s in self.sockets.values():
+            s.close(linger=0)
+        self.sockets.clear()
+        self.endpoints.clear()
+
+
+def fetch_fragments(r: Any, keys: Keys, n_fragments: int, *, timeout_s: float = 10.0,
+                    sender: str = "monitor") -> dict[int, tuple[int, torch.Tensor]]:
+    """Blocking: current (version, value) of every fragment, from the shards. Raises TimeoutError."""
+    ctx = zmq.Context()
+    client = FragmentClient(ctx, run_id=keys.run_id, sender=sender)
+    got: dict[int, tuple[int, torch.Tensor]] = {}
+    try:
+        deadline = time.monotonic() + timeout_s
+        asked_at = -1e9
+        poller = zmq.Poller()
+        registered: set[int] = set()
+        while len(got) < n_fragments:
+            now = time.monotonic()
+            if now >= deadline:
+                raise TimeoutError(f"shards served {len(got)}/{n_fragments} fragments within {timeout_s}s")
+            if now - asked_at > 1.0:
+                client.set_endpoints(*control.shard_endpoints(r, keys))
+                for s in client.sockets.values():
+                    if id(s) not in registered:
+                        poller.register(s, zmq.POLLIN)
+                        registered.add(id(s))
+                for p in range(n_fragments):
+                    if p not in got:
+                        client.request(p)
+                asked_at = now
+            for sock, _ in poller.poll(100):
+                for msg in client.receive(sock):
+                    try:
+                        got[msg.fragment] = (msg.version, msg.values())
+                    except wire.WireError:
+                        client.malformed += 1
+        return got
+    finally:
+        client.close()
+        ctx.destroy(linger=0)

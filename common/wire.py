@@ -1,0 +1,193 @@
+"""The wire protocol: the one module that encodes and decodes every message.
+
+Frame layout of every message, on PUB/SUB and on the fragment request path alike::
+
+    [topic, header, payload_0, payload_1, ...]
+
+- ``topic``: ``<run>|<kind>.<pppp>`` (ASCII, fixed-width fragment number), so a SUB prefix
+  matches exactly one fragment of one run.
+- ``header``: a msgpack map with the protocol version, run id, sender, kind, fragment,
+  round/version/base, counters, codec, element count, payload frame sizes and a CRC32.
+- ``payload_i``: raw bytes (codec frames, see ``common.quant``), sent without copying.
+
+``decode`` is the exact inverse of ``encode``; anything malformed raises a ``WireError``
+subclass, which daemons count and drop.
+"""
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import msgpack
+import torch
+
+from common import quant
+
+PROTOCOL_VERSION = 1
+
+OPEN = "open"    # syncer -> learners: round r of fragment p is open (carries the current version)
+UPDATE = "upd"   # learner -> syncer: quantized delta for an open round
+FRAG = "frag"    # syncer -> learners: full merged fragment (broadcast, or reply to GET)
+GET = "get"      # learner/monitor -> syncer (request path): send me fragment p
+KINDS = (OPEN, UPDATE, FRAG, GET)
+
+_HEADER_KEYS = ("v", "run", "from", "kind", "frag", "round", "attempt", "ver", "base",
+                "steps", "tokens", "codec", "numel", "sizes", "crc", "t")
+
+
+class WireError(ValueError):
+    """A message that cannot be decoded; the receiver counts it and drops it."""
+
+
+class FrameError(WireError):
+    """Wrong number or shape of frames."""
+
+
+class HeaderError(WireError):
+    """The header is not a valid msgpack map with the expected fields and types."""
+
+
+class ProtocolVersionError(WireError):
+    """The sender speaks another protocol version."""
+
+
+class PayloadError(WireError):
+    """Payload sizes or checksum do not match the header, or the codec rejects it."""
+
+
+class WrongRunError(WireError):
+    """A well-formed message for another run."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message:
+    """One decoded message; ``payload`` holds the raw codec frames (not yet dequantized)."""
+
+    kind: str
+    run: str
+    sender: str
+    fragment: int
+    round: int = -1
+    attempt: int = 0
+    version: int = -1
+    base: int = -1
+    steps: int = 0
+    tokens: int = 0
+    codec: str = ""
+    numel: int = 0
+    sent_at: float = 0.0
+    payload: tuple[Any, ...] = field(default=(), repr=False)
+
+    @property
+    def payload_nbytes(self) -> int:
+        return sum(len(memoryview(f)) for f in self.payload)
+
+    def values(self) -> torch.Tensor:
+        """Dequantize the payload to a flat fp32 tensor (raises PayloadError)."""
+        try:
+            return quant.decode(self.payload, self.codec, self.numel)
+        except quant.CodecError as e:
+            raise PayloadError(str(e)) from None
+
+
+def topic(run: str, kind: str, fragment: int) -> bytes:
+    """Exact topic of a message; also a SUB prefix matching exactly one fragment."""
+    return f"{run}|{kind}.{fragment:04d}".encode()
+
+
+def topic_prefix(run: str, kind: str) -> bytes:
+    """SUB prefix matching every fragment of one kind in one run."""
+    return f"{run}|{kind}.".encode()
+
+
+def _crc(frames: Sequence[Any]) -> int:
+    c = 0
+    for f in frames:
+        c = zlib.crc32(f, c)
+    return c
+
+
+def encode(*, kind: str, run: str, sender: str, fragment: int, values: torch.Tensor | None = None,
+           codec: str = "fp32", round: int = -1, attempt: int = 0, version: int = -1,
+           base: int = -1, steps: int = 0, tokens: int = 0) -> list[Any]:
+    """Build the frames of one message; ``values`` (flat fp32) is quantized with ``codec``."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown message kind {kind!r}")
+    payload: list[Any] = []
+    numel = 0
+    if values is not None:
+        numel = int(values.numel())
+        payload = list(quant.encode(values, codec))
+    else:
+        codec = ""
+    sizes = [len(memoryview(f)) for f in payload]
+    header = {
+        "v": PROTOCOL_VERSION, "run": run, "from": sender, "kind": kind, "frag": int(fragment),
+        "round": int(round), "attempt": int(attempt), "ver": int(version), "base": int(base),
+        "steps": int(steps), "tokens": int(tokens), "codec": codec, "numel": numel,
+        "sizes": sizes, "crc": _crc(payload), "t": time.time(),
+    }
+    return [topic(run, kind, fragment), msgpack.packb(header, use_bin_type=True), *payload]
+
+
+def _frame_bytes(f: Any) -> Any:
+    """zmq.Frame -> its buffer; bytes/memoryview pass through."""
+    buf = getattr(f, "buffer", None)
+    return buf if buf is not None else f
+
+
+def decode(frames: Sequence[Any], *, expect_run: str | None = None) -> Message:
+    """Inverse of ``encode``. Raises a ``WireError`` subclass for anything malformed."""
+    if len(frames) < 2:
+        raise FrameError(f"expected >= 2 frames (topic, header), got {len(frames)}")
+    parts = [_frame_bytes(f) for f in frames]
+    try:
+        header = msgpack.unpackb(parts[1], raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise HeaderError(f"header is not msgpack: {type(e).__name__}") from None
+    if not isinstance(header, dict):
+        raise HeaderError("header is not a map")
+    if header.get("v") != PROTOCOL_VERSION:
+        raise ProtocolVersionError(f"protocol version {header.get('v')!r}, expected {PROTOCOL_VERSION}")
+    missing = [k for k in _HEADER_KEYS if k not in header]
+    if missing:
+        raise HeaderError(f"header lacks {', '.join(missing)}")
+    ints = ("frag", "round", "attempt", "ver", "base", "steps", "tokens", "numel", "crc")
+    if not all(type(header[k]) is int for k in ints):
+        raise HeaderError("integer header field has another type")
+    if not all(isinstance(header[k], str) for k in ("run", "from", "kind", "codec")):
+        raise HeaderError("string header field has another type")
+    kind = header["kind"]
+    if kind not in KINDS:
+        raise HeaderError(f"unknown kind {kind!r}")
+    if expect_run is not None and header["run"] != expect_run:
+        raise WrongRunError(f"message for run {header['run']!r}, this is run {expect_run!r}")
+    if bytes(parts[0]) != topic(header["run"], kind, header["frag"]):
+        raise HeaderError("topic does not match header")
+    if header["frag"] < 0 or header["numel"] < 0 or header["steps"] < 0 or header["tokens"] < 0:
+        raise HeaderError("negative fragment, element count or counter")
+    payload = tuple(parts[2:])
+    sizes = header["sizes"]
+    if not isinstance(sizes, list) or len(sizes) != len(payload):
+        raise PayloadError(f"header announces {len(sizes) if isinstance(sizes, list) else '?'} payload frames, got {len(payload)}")
+    if [len(memoryview(p)) for p in payload] != sizes:
+        raise PayloadError("payload frame sizes differ from header")
+    if payload:
+        if header["codec"] not in quant.CODECS:
+            raise PayloadError(f"unknown codec {header['codec']!r}")
+        if quant.payload_nbytes(header["numel"], header["codec"]) != sum(sizes):
+            raise PayloadError("payload size does not match codec and element count")
+    if _crc(payload) != header["crc"]:
+        raise PayloadError("payload checksum mismatch")
+    return Message(kind=kind, run=header["run"], sender=header["from"], fragment=header["frag"],
+                   round=header["round"], attempt=header["attempt"], version=header["ver"],
+                   base=header["base"], steps=header["steps"], tokens=header["tokens"],
+                   codec=header["codec"], numel=header["numel"], sent_at=float(header["t"]),
+                   payload=payload)
+
+
+def message_nbytes(frames: Sequence[Any]) -> int:
+    """Total bytes of a frame list (for counters)."""
+    return sum(len(memoryview(_frame_bytes(f))) for f in frames)

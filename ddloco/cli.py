@@ -1,0 +1,245 @@
+"""`ddloco`: the command-line front end (the only code that reads argv).
+
+    ddloco up       a whole local cluster (Redis, broker, S shards, M learners) + report
+    ddloco status   live view of a run from Redis
+    ddloco broker   the ZeroMQ forwarder daemon
+    ddloco syncer   one syncer shard daemon
+    ddloco learner  one learner daemon (built-in task)
+    ddloco sim      goodput simulator at paper scale
+
+Exit codes: 0 success, 1 runtime failure, 2 bad usage or config, 3 refused by the run.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from typing import Any, Sequence
+
+from common.config import (ConfigError, ConfigFile, Endpoints, LearnerOptions, SyncerOptions, load_config,
+                           override)
+
+EXIT_FAILURE, EXIT_USAGE, EXIT_REFUSED = 1, 2, 3
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--config", metavar="FILE.toml", help="TOML config file (sections task, algo, endpoints, "
+                   "learner, syncer, up); flags override it")
+    g.add_argument("--run-id", help="run identifier (namespaces Redis keys and messages)")
+    g.add_argument("--redis-url", help="Redis URL, e.g. redis://host:6379/0")
+    g.add_argument("--broker-pub", help="broker XSUB endpoint publishers connect to, e.g. tcp://host:5555")
+    g.add_argument("--broker-sub", help="broker XPUB endpoint subscribers connect to, e.g. tcp://host:5556")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
+                   help="auto: console on a terminal, JSON lines otherwise")
+
+
+def _add_algo(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("algorithm (must match the run's)")
+    g.add_argument("--fragments", type=int, help="P: number of fragments (default 24)")
+    g.add_argument("--sync-every", type=int, help="H: steps between merges of a fragment (default 24)")
+    g.add_argument("--tau", type=int, help="tau: rounds in flight per shard (default 2)")
+    g.add_argument("--quorum", type=int, help="K: minimum answers per round (default 1)")
+    g.add_argument("--codec", choices=["fp32", "bf16", "int8", "int4"], help="uplink codec (default int4)")
+    g.add_argument("--no-grace", action="store_true", help="disable the adaptive grace window")
+    g.add_argument("--lockstep", action="store_true", help="synchronous DiLoCo baseline (learners wait every H steps)")
+    g.add_argument("--seed", type=int, help="seed of model init and data (default 0)")
+
+
+def _resolve(args: argparse.Namespace) -> ConfigFile:
+    cfg = load_config(args.config)
+    endpoints = override(cfg.endpoints, run_id=args.run_id, redis_url=args.redis_url,
+                         broker_pub=args.broker_pub, broker_sub=args.broker_sub)
+    run = cfg.run
+    if hasattr(args, "quorum"):
+        algo = override(run.algo, fragments=args.fragments, sync_every_steps=args.sync_every, tau=args.tau,
+                        quorum=args.quorum, uplink_codec=args.codec,
+                        grace_enabled=False if args.no_grace else None,
+                        lockstep=True if args.lockstep else None)
+        run = override(run, algo=algo, task=override(run.task, seed=args.seed))
+    return override(cfg, run=run, endpoints=endpoints)
+
+
+def _algo_given(args: argparse.Namespace) -> bool:
+    return args.config is not None or any(
+        getattr(args, k, None) not in (None, False)
+        for k in ("fragments", "sync_every", "tau", "quorum", "codec", "no_grace", "lockstep", "seed"))
+
+
+def _setup_logging(args: argparse.Namespace) -> None:
+    from common.log import configure_logging
+    fmt = {"auto": None, "json": True, "console": False}[args.log_format]
+    configure_logging(json_output=fmt, level=args.log_level)
+
+
+# ---------------------------------------------------------------------------- daemons
+def cmd_broker(args: argparse.Namespace) -> int:
+    from broker.daemon import BrokerOptions, run_broker
+    from common.lifecycle import install_stop_handlers
+    _setup_logging(args)
+    stop = threading.Event()
+    install_stop_handlers(stop)
+    run_broker(BrokerOptions(xsub_bind=args.xsub, xpub_bind=args.xpub, hwm_messages=args.hwm), stop)
+    return 0
+
+
+def cmd_syncer(args: argparse.Namespace) -> int:
+    from common.control import ConfigMismatch, RunConfigMissing
+    from common.lifecycle import install_stop_handlers
+    from syncer.shard import CheckpointMismatch, Shard
+    import redis
+    cfg = _resolve(args)
+    opts = override(cfg.syncer, shard=args.shard, shards=args.shards, checkpoint_dir=args.checkpoint_dir,
+                    checkpoint_every_merges=args.checkpoint_every, rpc_bind=args.rpc_bind,
+                    advertise_host=args.advertise_host)
+    _setup_logging(args)
+    stop = threading.Event()
+    install_stop_handlers(stop)
+    run = cfg.run if (_algo_given(args) or not args.join) else None
+    try:
+        with Shard(endpoints=cfg.endpoints, options=opts, run=run) as shard:
+            while not stop.is_set():
+                shard.poll_once(20)
+    except (ConfigMismatch, CheckpointMismatch) as e:
+        print(f"ddloco syncer: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    except RunConfigMissing as e:
+        print(f"ddloco syncer: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    except redis.ConnectionError as e:
+        print(f"ddloco syncer: cannot reach Redis at {cfg.endpoints.redis_url}: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    return 0
+
+
+def cmd_learner(args: argparse.Namespace) -> int:
+    from common.control import RunConfigMissing
+    from common.lifecycle import install_stop_handlers
+    from learner.api import train_builtin
+    from learner.core import JoinTimeout, LearnerRefused
+    import redis
+    cfg = _resolve(args)
+    opts = override(cfg.learner, learner_id=args.learner_id, data_shard=args.data_shard, max_steps=args.steps,
+                    slowdown=args.slowdown, step_time_floor_ms=args.step_time_floor_ms, threads=args.threads)
+    _setup_logging(args)
+    stop = threading.Event()
+    install_stop_handlers(stop)
+    run = cfg.run if _algo_given(args) else None
+    try:
+        train_builtin(endpoints=cfg.endpoints, options=opts, run=run, stop=stop)
+    except LearnerRefused as e:
+        print(f"ddloco learner: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    except (JoinTimeout, RunConfigMissing) as e:
+        print(f"ddloco learner: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    except redis.ConnectionError as e:
+        print(f"ddloco learner: cannot reach Redis at {cfg.endpoints.redis_url}: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from ddloco.up import run_up
+    cfg = _resolve(args)
+    up = override(cfg.up, learners=args.learners, syncers=args.syncers, steps=args.steps, minutes=args.minutes,
+                  report_dir=args.report, seed=args.seed)
+    return run_up(override(cfg, up=up), external_redis=args.redis_url is not None,
+                  step_time_floor_ms=args.step_time_floor_ms, slowdowns=args.slowdowns, quiet=args.quiet)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from ddloco.status import run_status
+    cfg = _resolve(args)
+    return run_status(cfg.endpoints, as_json=args.json)
+
+
+def cmd_sim(argv: Sequence[str]) -> int:
+    from sim.cli import main as sim_main
+    return sim_main(list(argv))
+
+
+# ---------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ddloco", description="Decoupled DiLoCo: asynchronous, failure-tolerant "
+                                 "distributed pre-training.")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("up", help="run a whole local cluster and write a report",
+                       description="Start Redis (embedded unless --redis-url), the broker, --syncers shards and "
+                                   "--learners learners as separate processes; show progress; stop everything at "
+                                   "the end or on Ctrl-C; write --report DIR/report.json and plots.")
+    _add_common(p)
+    _add_algo(p)
+    p.add_argument("--learners", type=int, help="M: learner processes (default 4)")
+    p.add_argument("--syncers", type=int, help="S: syncer shards (default 2)")
+    p.add_argument("--steps", type=int, help="inner steps per learner (default 400; 0 = until --minutes)")
+    p.add_argument("--minutes", type=float, help="wall-clock cap (default 4)")
+    p.add_argument("--report", metavar="DIR", help="write DIR/report.json and PNG plots")
+    p.add_argument("--step-time-floor-ms", type=float, default=None,
+                   help="emulated accelerator step time of every learner")
+    p.add_argument("--slowdowns", default=None, help="comma list of per-learner slowdown factors, e.g. 1,1,1.18,1.18")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("status", help="live view of a run from Redis",
+                       description="Members, their steps and last contribution, fragment versions, shards.")
+    _add_common(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("broker", help="run the ZeroMQ forwarder daemon")
+    _add_common(p)
+    p.add_argument("--xsub", default="tcp://0.0.0.0:5555", help="bind endpoint for publishers")
+    p.add_argument("--xpub", default="tcp://0.0.0.0:5556", help="bind endpoint for subscribers")
+    p.add_argument("--hwm", type=int, default=2000, help="high-water mark per direction (messages)")
+    p.set_defaults(func=cmd_broker)
+
+    p = sub.add_parser("syncer", help="run one syncer shard daemon",
+                       description="Owns fragments p with p %% shards == shard. Publishes its run config to Redis "
+                                   "(refused if the run has another one) unless --join takes the run's.")
+    _add_common(p)
+    _add_algo(p)
+    p.add_argument("--shard", type=int, help="k: this shard's index (default 0)")
+    p.add_argument("--shards", type=int, help="S: number of shards (default 1)")
+    p.add_argument("--checkpoint-dir", help="atomic checkpoint directory (default runs/checkpoints)")
+    p.add_argument("--checkpoint-every", type=int, help="checkpoint every N merges (default 20)")
+    p.add_argument("--rpc-bind", help="ROUTER endpoint serving full fragments (default tcp://127.0.0.1:0)")
+    p.add_argument("--advertise-host", help="host learners use to reach --rpc-bind")
+    p.add_argument("--join", action="store_true", help="take the run config from Redis instead of publishing one")
+    p.set_defaults(func=cmd_syncer)
+
+    p = sub.add_parser("learner", help="run one learner daemon on the built-in task",
+                       description="Joins the run named by --run-id through --redis-url and the broker; takes the "
+                                   "run's config from Redis (with --config or algorithm flags it must match).")
+    _add_common(p)
+    _add_algo(p)
+    p.add_argument("--learner-id", help="unique id (default <hostname>-<pid>)")
+    p.add_argument("--data-shard", type=int, help="stream of training batches (default 0)")
+    p.add_argument("--steps", type=int, help="stop after N inner steps (default: run until stopped)")
+    p.add_argument("--slowdown", type=float, help="emulate a slower chip (factor >= 1)")
+    p.add_argument("--step-time-floor-ms", type=float, help="emulated accelerator step time")
+    p.add_argument("--threads", type=int, help="torch threads (default 1)")
+    p.set_defaults(func=cmd_learner)
+
+    sub.add_parser("sim", help="goodput simulator at paper scale (ddloco sim --help)", add_help=False)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "sim":
+        return cmd_sim(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"ddloco {args.command}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""The `up` monitor: progress lines, evaluation of the global model, the run's figures.
+
+The global model is the union of the shards' current fragments, fetched over the request path
+(``common.rpc``) and evaluated on the task's fixed held-out batches.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import redis
+
+from common import control
+from common.config import ConfigFile
+from common.fragments import plan_fragments, scatter, tensor_specs
+from common.keys import Keys
+from common.rpc import fetch_fragments
+
+
+def _f(h: dict[str, str], k: str, default: float = 0.0) -> float:
+    try:
+        return float(h.get(k, default))
+    except (TypeError, ValueError):
+        return default
+
+
+class Monitor:
+    def __init__(self, cfg: ConfigFile, r: redis.Redis, keys: Keys, *, learner_ids: list[str],
+                 say: Callable[[str], None]) -> None:
+        from common.tasks import make_task
+        self.cfg = cfg
+        self.r = r
+        self.keys = keys
+        self.learner_ids = learner_ids
+        self.say = say
+        self.task = make_task(cfg.run.task)
+        self.model = self.task.build_model()
+        self.plan = plan_fragments(tensor_specs(self.model, self.task.embedding_names(self.model)),
+                                   cfg.run.algo.fragments)
+        self.params = dict(self.model.named_parameters())
+        self.t0 = time.time()
+        self.evals: list[dict[str, float]] = []
+        self.samples: dict[str, list[tuple[float, str]]] = {lid: [] for lid in learner_ids}
+        self.learners: dict[str, dict[str, str]] = {}
+        self.last_print = 0.0
+        self.last_eval = time.time()
+
+    def tokens_total(self) -> int:
+        return int(sum(_f(h, "tokens") for h in self.learners.values()))
+
+    def evaluate(self, *, initial: bool = False, final: bool = False) -> float | None:
+        versions: dict[int, int] = {}
+        if not initial:
+            try:
+                frags = fetch_fragments(self.r, self.keys, len(self.plan), timeout_s=15.0)
+            except TimeoutError as e:
+                self.say(f"eval       skipped: {e}")
+                return None
+            for p, (v, values) in frags.items():
+                scatter(self.params, self.plan[p], values)
+                versions[p] = v
+        loss = self.task.eval_loss(self.model)
+        self.evals.append({"t": time.time() - self.t0, "tokens": self.tokens_total(), "loss": loss,
+                           "versions_total": sum(versions.values())})
+        self.last_eval = time.time()
+        tag = "initial" if initial else "final" if final else "eval"
+        self.say(f"{tag:<10} global model eval loss {loss:.4f} at {self.tokens_total():,} tokens")
+        return loss
+
+    def tick(self) -> None:
+        now = time.time()
+        try:
+            self.learners = {lid: h for lid, h in control.all_learners(self.r, self.keys).items()}
+        except redis.RedisError:
+            return
+        live = set()
+        try:
+            live = set(control.live_learners(self.r, self.keys))
+        except redis.RedisError:
+            pass
+        for lid in self.learner_ids:
+            h = self.learners.get(lid)
+            status = "boot" if h is None else h.get("status", "boot")
+            if status in ("training",) and lid not in live:
+                status = "down"
+            if status == "joining":
+                status = "boot"
+            if status == "training":
+                status = "up"
+            self.samples[lid].append((now - self.t0, status))
+        if now - self.last_eval >= self.cfg.up.eval_every_s:
+            self.evaluate()
+        if now - self.last_print >= 5.0:
+            self.last_print = now
+            self.say(self.progress_line())
+
+    def merges(self) -> int:
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            for p in range(len(self.plan)):
+                pipe.hget(self.keys.fragment(p), "version")
+            return sum(int(v or 0) for v in pipe.execute())
+        except redis.RedisError:
+            return -1
+
+    def progress_line(self) -> str:
+        steps = [int(_f(self.learners.get(lid, {}), "steps")) for lid in self.learner_ids]
+        losses = [_f(h, "loss_ema") for h in self.learners.values() if _f(h, "loss_ema") > 0]
+        target = self.cfg.up.steps or 0
+        ev = self.evals[-1] if self.evals else None
+        return (f"[{time.time() - self.t0:6.1f}s] steps {'/'.join(map(str, steps))}"
+                + (f" of {target}" if target else "")
+                + f" | merges {self.merges()} | tokens {self.tokens_total():,}"
+                + (f" | train loss {sum(losses) / len(losses):.3f}" if losses else "")
+                + (f" | eval {ev['loss']:.3f}" if ev else ""))
+
+    # ------------------------------------------------------------------ figures
+    def merge_events(self) -> list[dict[str, Any]]:
+        try:
+            return control.read_events(self.r, self.keys, kind="merge")
+        except redis.RedisError:
+            return []
+
+    def shard_table(self) -> dict[int, dict[str, str]]:
+        try:
+            return control.shard_table(self.r, self.keys)
+        except redis.RedisError:
+            return {}
+
+    def report(self, *, wall_s: float, interrupted: bool, timed_out: bool, failure: str,
+               learner_exit_codes: dict[str, int | None]) -> dict[str, Any]:
+        import json
+        merges = self.merge_events()
+        shards = self.shard_table()
+        contributors: set[str] = set()
+        merge_times: list[float] = []
+        fragments_merged: set[int] = set()
+        for e in merges:
+            contributors.update(json.loads(e.get("contributors", "[]")))
+            merge_times.append(float(e["t"]))
+            fragments_merged.add(int(e["fragment"]))
+        # goodput: useful learner time / provisioned learner time (ALGORITHM §9)
+        provisioned = useful = 0.0
+        for lid in self.learner_ids:
+            h = self.learners.get(lid, {})
+            start = _f(h, "started_at", self.t0)
+            end = _f(h, "stopped_at", 0.0) or _f(h, "updated_at", time.time())
+            provisioned += max(0.0, end - start)
+            useful += _f(h, "train_s")
+        joined = [(_f(h, "started_at") + _f(h, "boot_s")) for h in self.learners.values() if _f(h, "boot_s") > 0]
+        train_start = min(joined) if joined else self.t0
+        train_end = max([_f(h, "stopped_at", 0.0) for h in self.learners.values()] + [train_start])
+        gap_s = self.cfg.syncer.downtime_gap_s
+        points = [train_start] + sorted(t for t in merge_times if train_start <= t <= train_end) + [train_end]
+        downtime = sum(b - a for a, b in zip(points, points[1:]) if b - a > gap_s)
+        span = max(1e-9, train_end - train_start)
+        ev0 = next((e for e in self.evals if e["tokens"] == 0), self.evals[0] if self.evals else None)
+        evf = self.evals[-1] if len(self.evals) > 1 else None
+        return {
+            "run_id": self.keys.run_id,
+            "learners": len(self.learner_ids),
+            "syncers": self.cfg.up.syncers,
+            "wall_s": round(wall_s, 2),
+            "tokens_total": self.tokens_total(),
+            "steps_total": int(sum(_f(h, "steps") for h in self.learners.values())),
+            "eval_loss_initial": ev0["loss"] if ev0 else None,
+            "eval_loss_final": evf["loss"] if evf else None,
+            "eval_curve": self.evals,
+            "merges": len(merges),
+            "goodput": round(useful / provisioned, 4) if provisioned else 0.0,
+            "uptime": round(1.0 - downtime / span, 4),
+            "global_downtime_s": round(downtime, 3),
+            "bytes_up": int(sum(_f(h, "bytes_up") for h in self.learners.values())),
+            "bytes_down": int(sum(_f(h, "bytes_out") for h in shards.values())),
+            "dropped_messages": int(sum(_f(h, "dropped") for h in shards.values())
+                                    + sum(_f(h, "malformed") for h in self.learners.values())),
+            "failures_injected": 0,
+            "contributors": sorted(contributors),
+            "every_learner_contributed": set(self.learner_ids) <= contributors,
+            "fragments_merged": len(fragments_merged),
+            "every_fragment_merged": len(fragments_merged) == len(self.plan),
+            "learner_stats": self.learners,
+            "learner_exit_codes": learner_exit_codes,
+            "shard_stats": {str(k): v for k, v in shards.items()},
+            "interrupted": interrupted,
+            "timed_out": timed_out,
+            "failure": failure,
+            "config": self.cfg.run.to_dict(),
+            "merge_timeline": [(round(float(e["t"]) - self.t0, 3), int(e["fragment"])) for e in merges],
+        }
+
+    def summary_line(self, rep: dict[str, Any]) -> str:
+        ini, fin = rep["eval_loss_initial"], rep["eval_loss_final"]
+        ratio = f" ({fin / ini:.2f}x)" if ini and fin else ""
+        return (f"done       {rep['wall_s']:.0f}s wall, {rep['steps_total']} steps, {rep['merges']} merges, "
+                f"eval loss {ini if ini is None else round(ini, 3)} -> {fin if fin is None else round(fin, 3)}{ratio}, "
+                f"goodput {rep['goodput']:.2f}, uptime {rep['uptime']:.2f}, "
+                f"every learner contributed: {rep['every_learner_contributed']}, "
+                f"every fragment merged: {rep['every_fragment_merged']}, processes left: {len(rep['processes_left'])}")

@@ -1,0 +1,196 @@
+"""`ddloco up`: a whole Decoupled DiLoCo cluster on this machine, as separate OS processes.
+
+Order of events: embedded Redis (unless --redis-url) -> run config in Redis -> broker ->
+S syncer shards -> M learners -> live progress, periodic evaluation of the global model ->
+learners finish (--steps) or time runs out (--minutes) -> final evaluation -> shards stop
+(checkpoint) -> broker -> Redis -> report. Ctrl-C stops everything it started the same way.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from common import control
+from common.config import ConfigFile, dump_toml, override
+from common.keys import Keys
+from common.lifecycle import die_with_parent
+from ddloco.monitor import Monitor
+from ddloco.report import write_report
+
+
+class Child:
+    """A daemon process started by `up`, with its log file."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=die_with_parent)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def terminate(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+    def log_tail(self, n: int = 5) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+def _ddloco(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ddloco", *args]
+
+
+def _stop_all(children: list[Child], timeout_s: float = 15.0) -> None:
+    for c in children:
+        c.terminate()
+    deadline = time.monotonic() + timeout_s
+    for c in children:
+        c.wait(max(0.1, deadline - time.monotonic()))
+    for c in children:
+        c.kill()
+
+
+def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float | None = None,
+           slowdowns: str | None = None, quiet: bool = False) -> int:
+    from common.redis_server import EmbeddedRedis, free_port
+    up = cfg.up
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    workdir = Path("runs") / f"{cfg.endpoints.run_id}-{stamp}"
+    (workdir / "logs").mkdir(parents=True, exist_ok=True)
+    say = (lambda *a: None) if quiet else (lambda msg: print(msg, flush=True))
+    stop = threading.Event()
+    prev_handlers = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    redis_srv = None
+    children: list[Child] = []
+    t_start = time.time()
+    try:
+        if not external_redis:
+            redis_srv = EmbeddedRedis(log_dir=str(workdir / "logs")).start()
+            say(f"redis      embedded at {redis_srv.url} (no persistence)")
+        redis_url = redis_srv.url if redis_srv else cfg.endpoints.redis_url
+        p_pub, p_sub = free_port(), free_port()
+        endpoints = override(cfg.endpoints, redis_url=redis_url, broker_pub=f"tcp://127.0.0.1:{p_pub}",
+                             broker_sub=f"tcp://127.0.0.1:{p_sub}")
+        syncer = override(cfg.syncer, checkpoint_dir=str(workdir / "checkpoints"), shards=up.syncers)
+        cfg = replace(cfg, endpoints=endpoints, syncer=syncer)
+        cfg_path = workdir / "config.toml"
+        cfg_path.write_text(dump_toml(cfg))
+        r = control.connect(redis_url)
+        keys = Keys(endpoints.run_id)
+        try:
+            control.publish_run_config(r, keys, cfg.run)
+        except control.ConfigMismatch as e:
+            print(f"ddloco up: {e}; choose another --run-id", file=sys.stderr)
+            return 3
+        say(f"run        {endpoints.run_id}: {up.learners} learners, {up.syncers} shards, "
+            f"P={cfg.run.algo.fragments} H={cfg.run.algo.sync_every_steps} tau={cfg.run.algo.tau} "
+            f"K={cfg.run.algo.quorum} codec={cfg.run.algo.uplink_codec}; logs in {workdir}/logs")
+
+        log = lambda name: workdir / "logs" / f"{name}.log"  # noqa: E731
+        common_args = ["--config", str(cfg_path), "--log-format", "json"]
+        children.append(Child("broker", _ddloco("broker", "--xsub", f"tcp://127.0.0.1:{p_pub}",
+                                                "--xpub", f"tcp://127.0.0.1:{p_sub}", "--log-format", "json"),
+                              log("broker")))
+        for k in range(up.syncers):
+            children.append(Child(f"syncer-{k}", _ddloco("syncer", *common_args, "--shard", str(k),
+                                                         "--shards", str(up.syncers)), log(f"syncer-{k}")))
+        threads = max(1, (os.cpu_count() or 1) // up.learners)
+        slow = [float(x) for x in slowdowns.split(",")] if slowdowns else []
+        learner_ids = [f"learner-{i}" for i in range(up.learners)]
+        for i, lid in enumerate(learner_ids):
+            argv = _ddloco("learner", *common_args, "--learner-id", lid, "--data-shard", str(i),
+                           "--threads", str(threads), "--steps", str(up.steps))
+            if slow:
+                argv += ["--slowdown", str(slow[i % len(slow)])]
+            if step_time_floor_ms:
+                argv += ["--step-time-floor-ms", str(step_time_floor_ms)]
+            children.append(Child(lid, argv, log(lid)))
+        say(f"started    broker, {up.syncers} syncer(s), {up.learners} learner(s): "
+            + " ".join(f"{c.name}={c.pid}" for c in children))
+
+        monitor = Monitor(cfg, r, keys, learner_ids=learner_ids, say=say)
+        monitor.evaluate(initial=True)
+        learners = [c for c in children if c.name.startswith("learner")]
+        daemons = [c for c in children if not c.name.startswith("learner")]
+        deadline = t_start + up.minutes * 60
+        interrupted = timed_out = False
+        failure = ""
+        while True:
+            if stop.wait(1.0):
+                interrupted = True
+                say("interrupted: stopping everything")
+                break
+            monitor.tick()
+            dead = [c for c in daemons if not c.alive()]
+            if dead:
+                failure = f"{dead[0].name} exited with {dead[0].proc.returncode}:\n{dead[0].log_tail()}"
+                break
+            if all(not c.alive() for c in learners):
+                break
+            if time.time() >= deadline:
+                timed_out = True
+                say(f"time cap of {up.minutes} min reached: stopping learners")
+                break
+        _stop_all(learners)
+        bad = [c for c in learners if c.proc.returncode not in (0, -signal.SIGTERM, 128 + signal.SIGTERM)]
+        for c in bad:
+            say(f"{c.name} exited with {c.proc.returncode}: {c.log_tail(3)}")
+        monitor.tick()
+        if not failure and not interrupted:
+            monitor.evaluate(final=True)
+        _stop_all(daemons)
+        wall_s = time.time() - t_start
+        report = monitor.report(wall_s=wall_s, interrupted=interrupted, timed_out=timed_out, failure=failure,
+                                learner_exit_codes={c.name: c.proc.returncode for c in learners})
+        if redis_srv is not None:
+            redis_srv.stop()
+            redis_srv = None
+        report["processes_left"] = [c.name for c in children if c.alive()]
+        if up.report_dir:
+            write_report(Path(up.report_dir), report, monitor)
+            say(f"report     {Path(up.report_dir) / 'report.json'} (+ eval_loss.png, merges.png, timeline.png)")
+        say(monitor.summary_line(report))
+        if failure:
+            print(f"ddloco up: {failure}", file=sys.stderr)
+            return 1
+        if interrupted:
+            return 130
+        return 0 if not bad else 1
+    finally:
+        _stop_all(children, timeout_s=5.0)
+        if redis_srv is not None:
+            redis_srv.stop()
+        for s, h in prev_handlers.items():
+            signal.signal(s, h)

@@ -1,0 +1,482 @@
+"""The learner: AdamW inner steps that never wait on the network (ALGORITHM §3, §6).
+
+Three threads:
+- the training thread (the caller of ``Learner.run``) runs the inner loop and, at step
+  boundaries only, applies merged fragments and snapshots fragments to answer open rounds;
+- the network thread owns every ZeroMQ socket: it decodes merged fragments, quantizes and
+  publishes answers, asks shards for full fragments (join, version gaps);
+- the control thread batches heartbeat and counters to Redis in one pipeline per interval.
+Hand-over between them is by queues of whole fragments; the training thread never does I/O.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Iterable, Iterator
+
+import numpy as np
+import redis
+import torch
+import zmq
+
+from common import control, wire
+from common.config import Endpoints, LearnerOptions, RunConfig
+from common.fragments import Fragment, gather, plan_digest, plan_fragments, scatter, tensor_specs
+from common.keys import Keys
+from common.lifecycle import process_start_time
+from common.log import get_logger
+from common.rpc import FragmentClient
+
+
+class LearnerRefused(RuntimeError):
+    """The run refused this learner (config or model layout differs); the message says why."""
+
+
+class JoinTimeout(RuntimeError):
+    """The shards did not serve the current fragments in time."""
+
+
+@dataclass(frozen=True)
+class _Frag:
+    """Network -> training: a merged fragment (broadcast or reply to a request)."""
+
+    fragment: int
+    version: int
+    values: torch.Tensor
+    requested: bool
+
+
+@dataclass(frozen=True)
+class _Open:
+    """Network -> training: round ``round`` of ``fragment`` is open at ``version``."""
+
+    fragment: int
+    round: int
+    attempt: int
+    version: int
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """Training -> network: a snapshot to answer a round with (delta computed off-thread)."""
+
+    fragment: int
+    round: int
+    attempt: int
+    base: int
+    base_values: torch.Tensor
+    snapshot: torch.Tensor
+    steps: int
+    tokens: int
+
+
+@dataclass
+class LearnerStats:
+    steps: int = 0
+    tokens: int = 0
+    answers: int = 0
+    merges_applied: int = 0
+    version_gaps: int = 0
+    fetches: int = 0
+    malformed: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    train_s: float = 0.0
+    blocked_s: float = 0.0
+    boot_s: float = 0.0
+    step_ema_s: float = 0.0
+    loss_ema: float = 0.0
+    last_contrib_fragment: int = -1
+    last_contrib_at: float = 0.0
+
+
+@dataclass
+class LearnerSummary:
+    learner_id: str
+    stats: LearnerStats
+    versions: dict[int, int] = field(default_factory=dict)
+
+
+class Learner:
+    """One learner. ``Learner(...).run()`` joins, trains until ``max_steps`` or ``stop``, leaves."""
+
+    def __init__(self, *, endpoints: Endpoints, options: LearnerOptions,
+                 model_factory: Callable[[], torch.nn.Module],
+                 data: Iterable[Any], loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+                 embedding_names: Collection[str] = (), run: RunConfig | None = None,
+                 stop: threading.Event | None = None) -> None:
+        self.endpoints = endpoints
+        self.options = options
+        self.id = options.learner_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.keys = Keys(endpoints.run_id)
+        self._run_arg = run
+        self.model_factory = model_factory
+        self.data = data
+        self.loss_fn = loss_fn
+        self.embedding_names = embedding_names
+        self.stop = stop or threading.Event()
+        self.stats = LearnerStats()
+        self.log = get_logger("learner", learner=self.id, run=endpoints.run_id)
+        self.status = "joining"
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads_stop = threading.Event()
+        self._endpoints_lock = threading.Lock()
+        self._shard_endpoints: tuple[int, dict[int, str]] = (0, {})
+        self._started_at = time.time()
+        self._sub_malformed = 0
+        self._process_started_at = process_start_time() or self._started_at
+
+    # ------------------------------------------------------------------ join
+    def _join_control(self) -> None:
+        self.redis = control.connect(self.endpoints.redis_url)
+        if self._run_arg is not None:
+            try:
+                control.publish_run_config(self.redis, self.keys, self._run_arg)
+            except control.ConfigMismatch as e:
+                control.add_event(self.redis, self.keys, "refuse", learner=self.id, reason=str(e))
+                raise LearnerRefused(str(e)) from None
+            self.run_cfg = self._run_arg
+        else:
+            self.run_cfg = control.fetch_run_config(self.redis, self.keys, wait_s=self.options.join_timeout_s,
+                                                    stop=self.stop)
+        self.algo = self.run_cfg.algo
+        self.model = self.model_factory()
+        self.params = dict(self.model.named_parameters())
+        self.plan: tuple[Fragment, ...] = plan_fragments(tensor_specs(self.model, self.embedding_names),
+                                                         self.algo.fragments)
+        self.plan_digest = plan_digest(self.plan)
+        n = len(self.plan)
+        self.base_version = np.full(n, -1, dtype=np.int64)
+        self.base_values: list[torch.Tensor | None] = [None] * n
+        self.c_steps = np.zeros(n, dtype=np.int64)
+        self.c_tokens = np.zeros(n, dtype=np.int64)
+        self._pending_open: dict[int, _Open] = {}
+        self._answered: set[tuple[int, int, int]] = set()
+        self._fetch_asked: dict[int, int] = {}
+        self._check_shard_plan()
+
+    def _check_shard_plan(self) -> None:
+        for k, h in control.shard_table(self.redis, self.keys).items():
+            if h.get("plan") and h["plan"] != self.plan_digest:
+                msg = (f"refused: model fragment layout {self.plan_digest} differs from shard {k}'s "
+                       f"{h['plan']} (different model or fragment count)")
+                control.add_event(self.redis, self.keys, "refuse", learner=self.id, reason=msg)
+                raise LearnerRefused(msg)
+
+    def _load_current_fragments(self) -> None:
+        """Before training: get the current version of every fragment from the shards."""
+        need = set(range(len(self.plan)))
+        deadline = time.monotonic() + self.options.join_timeout_s
+        last_log = 0.0
+        self._outbox.put(("fetch", tuple(sorted(need))))
+        asked = time.monotonic()
+        while need and not self.stop.is_set():
+            now = time.monotonic()
+            if now > deadline:
+                raise JoinTimeout(f"shards served {len(self.plan) - len(need)}/{len(self.plan)} fragments "
+                                  f"within {self.options.join_timeout_s}s (are the syncers running?)")
+            if now - asked > 2.0:  # lost request or shard not up yet: ask again
+                self._outbox.put(("fetch", tuple(sorted(need))))
+                asked = now
+            if now - last_log > 5.0:
+                self.log.info("learner.join_waiting", have=len(self.plan) - len(need), of=len(self.plan))
+                last_log = now
+            try:
+                item = self._inbox.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if isinstance(item, _Frag):
+                self._apply(item, joining=True)
+                need.discard(item.fragment)
+            elif isinstance(item, _Open):
+                self._pending_open[item.fragment] = item
+
+    # ------------------------------------------------------------------ training thread
+    def run(self) -> LearnerSummary:
+        self._join_control()
+        threads = [threading.Thread(target=self._net_loop, name=f"{self.id}-net", daemon=True),
+                   threading.Thread(target=self._control_loop, name=f"{self.id}-control", daemon=True)]
+        for t in threads:
+            t.start()
+        try:
+            control.add_event(self.redis, self.keys, "join", learner=self.id)
+            self._load_current_fragments()
+            self.stats.boot_s = time.time() - self._process_started_at
+            self.log.info("learner.joined", fragments=len(self.plan), boot_s=round(self.stats.boot_s, 2),
+                          versions_max=int(self.base_version.max()), config=self.run_cfg.to_dict())
+            self._train()
+        finally:
+            self.status = "stopped"
+            self._threads_stop.set()
+            for t in threads:
+                t.join(timeout=5.0)
+            self._leave()
+        return LearnerSummary(self.id, self.stats, {p: int(v) for p, v in enumerate(self.base_version)})
+
+    def _make_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        opt = torch.optim.AdamW(self.model.parameters(), lr=self.algo.inner_lr, betas=(0.9, 0.95),
+                                weight_decay=self.algo.inner_weight_decay)
+        warm = max(1, self.algo.inner_warmup_steps)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+        return opt, sched
+
+    def _train(self) -> None:
+        opt, sched = self._make_optimizer()
+        batches: Iterator[Any] = iter(self.data)
+        H = self.algo.sync_every_steps
+        min_steps = H if self.algo.lockstep else 1
+        self.status = "training"
+        self.model.train()
+        while not self.stop.is_set():
+            if self.options.max_steps and self.stats.steps >= self.options.max_steps:
+                break
+            self._drain_inbox()
+            self._answer_open_rounds(min_steps)
+            if self.algo.lockstep and int(self.c_steps.max()) >= H:
+                self._wait_blocked(min_steps)
+                continue
+            t0 = time.perf_counter()
+            batch = next(batches)
+            loss = self.loss_fn(self.model, batch)          # θ ← AdamW(θ, ∇L(θ; next batch))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            tokens = int(batch.tokens)
+            self.c_steps += 1                                # for every p: c_steps[p] += 1
+            self.c_tokens += tokens                          #              c_tokens[p] += tokens
+            self.stats.steps += 1
+            self.stats.tokens += tokens
+            compute_s = time.perf_counter() - t0
+            target_s = max(compute_s * self.options.slowdown, self.options.step_time_floor_ms / 1000.0)
+            if target_s > compute_s:                         # emulated slower chip / accelerator step time
+                self.stop.wait(target_s - compute_s)
+            step_s = time.perf_counter() - t0
+            self.stats.train_s += step_s
+            ema = self.stats.step_ema_s
+            self.stats.step_ema_s = step_s if ema == 0 else 0.9 * ema + 0.1 * step_s
+            lv = float(loss.detach())
+            self.stats.loss_ema = lv if self.stats.steps == 1 else 0.95 * self.stats.loss_ema + 0.05 * lv
+        self._drain_inbox()
+
+    def _wait_blocked(self, min_steps: int) -> None:
+        """Lock-step baseline only: wait at the barrier until the fragments are merged."""
+        self.status = "blocked"
+        t0 = time.perf_counter()
+        try:
+            item = self._inbox.get(timeout=0.05)
+            self._handle(item)
+        except queue.Empty:
+            pass
+        self._answer_open_rounds(min_steps)
+        self.stats.blocked_s += time.perf_counter() - t0
+        self.status = "training"
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(item)
+
+    def _handle(self, item: Any) -> None:
+        if isinstance(item, _Frag):
+            self._apply(item)
+        elif isinstance(item, _Open):
+            self._pending_open[item.fragment] = item
+            if item.version > self.base_version[item.fragment]:   # missed a broadcast: repair
+                self._request_fetch(item.fragment, item.version)
+
+    def _request_fetch(self, p: int, version: int) -> None:
+        if self._fetch_asked.get(p, -1) >= version:
+            return
+        self._fetch_asked[p] = version
+        self.stats.fetches += 1
+        self._outbox.put(("fetch", (p,)))
+
+    def _apply(self, item: _Frag, *, joining: bool = False) -> None:
+        """Overwrite θ_p with the merged Θ_p (α-mix when configured); reset counters (§6)."""
+        p = item.fragment
+        if item.version <= self.base_version[p]:
+            return
+        if not joining and not item.requested and item.version > self.base_version[p] + 1:
+            self.stats.version_gaps += 1              # a lost broadcast, repaired by this full value
+        frag = self.plan[p]
+        alpha = self.algo.mix_alpha
+        if alpha > 0 and not joining:
+            scatter(self.params, frag, alpha * gather(self.params, frag) + (1 - alpha) * item.values)
+        else:
+            scatter(self.params, frag, item.values)
+        self.base_values[p] = item.values
+        self.base_version[p] = item.version
+        self.c_steps[p] = 0
+        self.c_tokens[p] = 0
+        if not joining:
+            self.stats.merges_applied += 1
+
+    def _answer_open_rounds(self, min_steps: int) -> None:
+        for p, o in list(self._pending_open.items()):
+            if self.c_steps[p] < min_steps or self.base_values[p] is None:
+                continue
+            key = (o.fragment, o.round, o.attempt)
+            del self._pending_open[p]
+            if key in self._answered:
+                continue
+            self._answered.add(key)
+            snapshot = gather(self.params, self.plan[p])  # a copy; delta and quantization off-thread
+            self._outbox.put(("answer", _Answer(fragment=p, round=o.round, attempt=o.attempt,
+                                                base=int(self.base_version[p]), base_values=self.base_values[p],
+                                                snapshot=snapshot, steps=int(self.c_steps[p]),
+                                                tokens=int(self.c_tokens[p]))))
+            self.stats.answers += 1
+            self.stats.last_contrib_fragment = p
+            self.stats.last_contrib_at = time.time()
+        if len(self._answered) > 100_000:
+            self._answered.clear()
+
+    # ------------------------------------------------------------------ network thread
+    def _net_loop(self) -> None:
+        ctx = zmq.Context()
+        run = self.endpoints.run_id
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 10_000)
+        sub.connect(self.endpoints.broker_sub)
+        sub.setsockopt(zmq.SUBSCRIBE, wire.topic_prefix(run, wire.OPEN))
+        sub.setsockopt(zmq.SUBSCRIBE, wire.topic_prefix(run, wire.FRAG))
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.SNDHWM, 1_000)
+        pub.connect(self.endpoints.broker_pub)
+        client = FragmentClient(ctx, run_id=run, sender=self.id)
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        registered: dict[int, zmq.Socket] = {}
+        unsent_fetch: set[int] = set()
+        try:
+            while not self._threads_stop.is_set():
+                with self._endpoints_lock:
+                    shards, eps = self._shard_endpoints
+                if eps != client.endpoints or shards != client.shards:
+                    for s in registered.values():
+                        poller.unregister(s)
+                    client.set_endpoints(shards, eps)
+                    registered = dict(client.sockets)
+                    for s in registered.values():
+                        poller.register(s, zmq.POLLIN)
+                self._net_send(pub, client, unsent_fetch)
+                for sock, _ in poller.poll(5):
+                    if sock is sub:
+                        self._net_receive_sub(sub)
+                    else:
+                        for msg in client.receive(sock):
+                            self._net_frag(msg, requested=True)
+                self.stats.malformed = self._sub_malformed + client.malformed
+        finally:
+            client.close()
+            ctx.destroy(linger=0)
+
+    def _net_send(self, pub: zmq.Socket, client: FragmentClient, unsent_fetch: set[int]) -> None:
+        for p in list(unsent_fetch):
+            if client.request(p):
+                unsent_fetch.discard(p)
+        while True:
+            try:
+                kind, item = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "fetch":
+                for p in item:
+                    if not client.request(p):
+                        unsent_fetch.add(p)
+                continue
+            a: _Answer = item
+            delta = a.snapshot - a.base_values                    # δ_m = θ_{m,p} − Θ_p^{base_m}
+            frames = wire.encode(kind=wire.UPDATE, run=self.endpoints.run_id, sender=self.id, fragment=a.fragment,
+                                 values=delta, codec=self.algo.uplink_codec, round=a.round, attempt=a.attempt,
+                                 base=a.base, steps=a.steps, tokens=a.tokens)
+            try:
+                pub.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                self.stats.bytes_up += wire.message_nbytes(frames)
+            except zmq.Again:
+                pass
+
+    def _net_receive_sub(self, sub: zmq.Socket) -> None:
+        for _ in range(256):
+            try:
+                frames = sub.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg = wire.decode(frames, expect_run=self.endpoints.run_id)
+            except wire.WireError:
+                self._sub_malformed += 1
+                continue
+            if msg.fragment >= len(self.plan):
+                self._sub_malformed += 1
+            elif msg.kind == wire.OPEN:
+                self._inbox.put(_Open(msg.fragment, msg.round, msg.attempt, msg.version))
+            elif msg.kind == wire.FRAG:
+                self._net_frag(msg, requested=False)
+
+    def _net_frag(self, msg: wire.Message, *, requested: bool) -> None:
+        if msg.fragment >= len(self.plan) or msg.numel != self.plan[msg.fragment].numel:
+            self._sub_malformed += 1
+            return
+        try:
+            values = msg.values()
+        except wire.WireError:
+            self._sub_malformed += 1
+            return
+        self.stats.bytes_down += msg.payload_nbytes
+        self._inbox.put(_Frag(msg.fragment, msg.version, values, requested))
+
+    # ------------------------------------------------------------------ control thread
+    def _control_loop(self) -> None:
+        redis_ok = True
+        while not self._threads_stop.is_set():
+            try:
+                shards, eps = control.shard_endpoints(self.redis, self.keys)
+                with self._endpoints_lock:
+                    self._shard_endpoints = (shards, eps)
+                pipe = self.redis.pipeline(transaction=False)
+                control.beat(pipe, self.keys, self.id, self._counters(), self.options.heartbeat_ttl_s)
+                pipe.execute()
+                if not redis_ok:
+                    self.log.info("learner.redis_back")
+                redis_ok = True
+            except redis.RedisError as e:
+                if redis_ok:
+                    self.log.warning("learner.redis_unavailable", error=str(e))
+                redis_ok = False
+            self._threads_stop.wait(self.options.heartbeat_interval_s)
+
+    def _counters(self) -> dict[str, Any]:
+        s = self.stats
+        return {"status": self.status, "steps": s.steps, "tokens": s.tokens, "step_ema_s": round(s.step_ema_s, 6),
+                "loss_ema": round(s.loss_ema, 5), "answers": s.answers, "merges_applied": s.merges_applied,
+                "version_gaps": s.version_gaps, "fetches": s.fetches, "malformed": s.malformed,
+                "bytes_up": s.bytes_up, "bytes_down": s.bytes_down, "train_s": round(s.train_s, 3),
+                "blocked_s": round(s.blocked_s, 3), "boot_s": round(s.boot_s, 3),
+                "started_at": self._process_started_at, "updated_at": time.time(),
+                "last_contrib_fragment": s.last_contrib_fragment, "last_contrib_at": s.last_contrib_at,
+                "data_shard": self.options.data_shard, "pid": os.getpid()}
+
+    def _leave(self) -> None:
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hset(self.keys.learner(self.id), mapping={**self._counters(), "stopped_at": time.time()})
+            control.leave(pipe, self.keys, self.id)
+            control.add_event(pipe, self.keys, "leave", learner=self.id, steps=self.stats.steps)
+            pipe.execute()
+        except (redis.RedisError, AttributeError):
+            pass
+        self.log.info("learner.stopped", steps=self.stats.steps, answers=self.stats.answers,
+                      merges_applied=self.stats.merges_applied, version_gaps=self.stats.version_gaps,
+                      loss_ema=round(self.stats.loss_ema, 4))

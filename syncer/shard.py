@@ -1,0 +1,483 @@
+"""A syncer shard: owns fragments p with p % S == k and runs their rounds (ALGORITHM §4-5).
+
+The daemon is a thin I/O loop; every decision (which fragment to open, whether a round may
+merge, how long the grace window is, the merge itself) is a pure function from
+``common.quorum`` / ``common.merge``::
+
+    with Shard(...) as shard:
+        while not stop.is_set():
+            shard.poll_once(20)
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Collection
+
+import redis
+import torch
+import zmq
+
+from common import control, wire
+from common.config import Endpoints, RunConfig, SyncerOptions
+from common.fragments import Fragment, gather, owned_fragments, plan_digest, plan_fragments, tensor_specs
+from common.keys import Keys
+from common.log import get_logger
+from common.merge import contribution_weights, merge_outer_gradients, outer_nesterov_step
+from common.quorum import Decision, Ema, QuorumPolicy, RoundView, decide_round, due_fragments, grace_window_s
+from common import quant
+
+CONTROL_REFRESH_S = 0.5
+
+
+@dataclass
+class Answer:
+    """One learner's answer to an open round, dequantized."""
+
+    sender: str
+    base: int
+    steps: int
+    tokens: int
+    delta: torch.Tensor
+    received_at: float
+
+
+@dataclass
+class OpenRound:
+    round_id: int
+    opened_at: float
+    attempt: int = 0
+    last_sent_at: float = 0.0
+    answers: dict[str, Answer] = field(default_factory=dict)
+    quorum_at: float | None = None
+
+
+@dataclass
+class FragmentState:
+    """Global value, outer momentum, version and short history of one fragment."""
+
+    spec: Fragment
+    theta: torch.Tensor
+    momentum: torch.Tensor
+    version: int = 0
+    history: dict[int, torch.Tensor] = field(default_factory=dict)
+    round: OpenRound | None = None
+    last_opened_at: float | None = None
+    next_round: int = 0
+
+
+@dataclass
+class ShardStats:
+    merges: int = 0
+    answers: int = 0
+    malformed: int = 0
+    late_answers: int = 0
+    stale_base: int = 0
+    wrong_run: int = 0
+    reopens: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    requests: int = 0
+
+    @property
+    def dropped(self) -> int:
+        return self.malformed + self.late_answers + self.stale_base + self.wrong_run
+
+
+class CheckpointMismatch(RuntimeError):
+    """The checkpoint on disk belongs to another run config or shard layout."""
+
+
+def build_model_fragments(run: RunConfig, model_factory: Callable[[], torch.nn.Module] | None,
+                          embedding_names: Collection[str]) -> tuple[torch.nn.Module, tuple[Fragment, ...]]:
+    """The initial model (built-in task unless a factory is given) and its fragment plan."""
+    if model_factory is None:
+        from common.tasks import make_task
+        task = make_task(run.task)
+        model = task.build_model()
+        embedding_names = task.embedding_names(model)
+    else:
+        model = model_factory()
+    specs = tensor_specs(model, embedding_names)
+    return model, plan_fragments(specs, run.algo.fragments)
+
+
+class Shard:
+    """Syncer shard k of S."""
+
+    def __init__(self, *, endpoints: Endpoints, options: SyncerOptions, run: RunConfig | None = None,
+                 model_factory: Callable[[], torch.nn.Module] | None = None,
+                 embedding_names: Collection[str] = (), clock: Callable[[], float] = time.monotonic) -> None:
+        self.endpoints = endpoints
+        self.options = options
+        self._run_arg = run
+        self._model_factory = model_factory
+        self._embedding_names = embedding_names
+        self.clock = clock
+        self.keys = Keys(endpoints.run_id)
+        self.id = f"shard{options.shard}"
+        self.log = get_logger("syncer", shard=options.shard, run=endpoints.run_id)
+        self.stats = ShardStats()
+        self.frags: dict[int, FragmentState] = {}
+        self.xi_quorum = Ema(alpha=0.2, initial=0.0)
+        self.xi_sync = Ema(alpha=0.2, initial=0.0)
+        self.live: dict[str, dict[str, str]] = {}
+        self._ctx: zmq.Context | None = None
+        self._last_control = -1e9
+        self._redis_ok = True
+        self._merges_since_ckpt = 0
+
+    # ---------------------------------------------------------------- set-up / tear-down
+    def __enter__(self) -> "Shard":
+        self.redis = control.connect(self.endpoints.redis_url)
+        if self._run_arg is not None:
+            control.publish_run_config(self.redis, self.keys, self._run_arg)
+            self.run = self._run_arg
+        else:
+            self.run = control.fetch_run_config(self.redis, self.keys, wait_s=30.0)
+        algo = self.run.algo
+        self.policy = QuorumPolicy(quorum=algo.quorum, tau=algo.tau, grace_gamma=algo.grace_gamma,
+                                   grace_enabled=algo.grace_enabled)
+        model, self.plan = build_model_fragments(self.run, self._model_factory, self._embedding_names)
+        self.plan_digest = plan_digest(self.plan)
+        params = dict(model.named_parameters())
+        owned = owned_fragments(self.options.shard, self.options.shards, algo.fragments)
+        for p in owned:
+            theta = gather(params, self.plan[p])
+            self.frags[p] = FragmentState(spec=self.plan[p], theta=theta, momentum=torch.zeros_like(theta),
+                                          history={0: theta.clone()})
+        self._load_checkpoint()
+        self._open_sockets()
+        self.started_at = self.clock()
+        self._refresh_control(force=True)
+        control.add_event(self.redis, self.keys, "shard_start", shard=self.options.shard,
+                          versions={p: f.version for p, f in self.frags.items()})
+        self.log.info("syncer.started", fragments=owned, rpc=self.rpc_endpoint, config=self.run.to_dict(),
+                      versions={p: f.version for p, f in self.frags.items()})
+        return self
+
+    def _open_sockets(self) -> None:
+        self._ctx = zmq.Context()
+        self.sub = self._ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVHWM, 10_000)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.connect(self.endpoints.broker_sub)
+        for p in self.frags:
+            self.sub.setsockopt(zmq.SUBSCRIBE, wire.topic(self.endpoints.run_id, wire.UPDATE, p))
+        self.pub = self._ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.SNDHWM, 10_000)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.connect(self.endpoints.broker_pub)
+        self.router = self._ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.SNDHWM, 10_000)
+        self.router.bind(self.options.rpc_bind)
+        bound = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        host = self.options.advertise_host
+        self.rpc_endpoint = bound if not host else f"tcp://{host}:{bound.rsplit(':', 1)[1]}"
+        self.poller = zmq.Poller()
+        self.poller.register(self.sub, zmq.POLLIN)
+        self.poller.register(self.router, zmq.POLLIN)
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._ctx is None:
+            return
+        self.checkpoint()
+        try:
+            control.add_event(self.redis, self.keys, "shard_stop", shard=self.options.shard,
+                              versions={p: f.version for p, f in self.frags.items()})
+            self.redis.hset(self.keys.shard(self.options.shard), "status", "stopped")
+        except redis.RedisError:
+            pass
+        self._ctx.destroy(linger=0)
+        self._ctx = None
+        self.log.info("syncer.stopped", merges=self.stats.merges, dropped=self.stats.dropped,
+                      versions={p: f.version for p, f in self.frags.items()})
+
+    # ---------------------------------------------------------------- checkpoints
+    @property
+    def checkpoint_path(self) -> Path | None:
+        if not self.options.checkpoint_dir:
+            return None
+        name = f"{self.endpoints.run_id}-shard{self.options.shard}of{self.options.shards}.pt"
+        return Path(self.options.checkpoint_dir) / name
+
+    def checkpoint(self) -> None:
+        """Atomic: write a temp file, fsync, rename over the old one, fsync the directory."""
+        path = self.checkpoint_path
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {
+            "format": 1, "run_digest": self.run.digest(), "run_config": self.run.to_dict(),
+            "plan_digest": self.plan_digest, "shard": self.options.shard, "shards": self.options.shards,
+            "fragments": {p: {"theta": f.theta, "momentum": f.momentum, "version": f.version,
+                              "history": f.history, "next_round": f.next_round}
+                          for p, f in self.frags.items()},
+            "merges": self.stats.merges, "saved_at": time.time(),
+        }
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        with open(tmp, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        self._merges_since_ckpt = 0
+        self.log.info("syncer.checkpoint", path=str(path), versions={p: f.version for p, f in self.frags.items()})
+
+    def _load_checkpoint(self) -> None:
+        path = self.checkpoint_path
+        if path is None or not path.exists():
+            return
+        state = torch.load(path, weights_only=True)
+        if state.get("run_digest") != self.run.digest() or state.get("plan_digest") != self.plan_digest:
+            raise CheckpointMismatch(f"checkpoint {path} belongs to another run config; move it away or use another --checkpoint-dir")
+        if (state["shard"], state["shards"]) != (self.options.shard, self.options.shards):
+            raise CheckpointMismatch(f"checkpoint {path} is for shard {state['shard']} of {state['shards']}")
+        for p, fs in state["fragments"].items():
+            f = self.frags[int(p)]
+            f.theta, f.momentum, f.version = fs["theta"], fs["momentum"], int(fs["version"])
+            f.history = {int(v): t for v, t in fs["history"].items()}
+            f.next_round = int(fs["next_round"])
+        self.stats.merges = int(state.get("merges", 0))
+        self.log.info("syncer.resumed", path=str(path), versions={p: f.version for p, f in self.frags.items()})
+
+    # ---------------------------------------------------------------- the loop
+    def poll_once(self, timeout_ms: int = 20) -> None:
+        events = dict(self.poller.poll(timeout_ms))
+        if self.sub in events:
+            for _ in range(256):
+                try:
+                    frames = self.sub.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._on_update(frames)
+        if self.router in events:
+            for _ in range(256):
+                try:
+                    frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._on_request(frames)
+        now = self.clock()
+        self._refresh_control(now=now)
+        self._advance_rounds(now)
+
+    def _xi_step(self, *, slowest: bool) -> float:
+        times = [float(h.get("step_ema_s") or 0.0) for h in self.live.values()]
+        times = [t for t in times if t > 0]
+        if not times:
+            return self.options.initial_step_time_s
+        return max(times) if slowest else statistics.median(times)
+
+    def _advance_rounds(self, now: float) -> None:
+        algo = self.run.algo
+        xi_step = self._xi_step(slowest=True)
+        grace = grace_window_s(xi_step_s=xi_step, xi_quorum_s=self.xi_quorum.value or 0.0,
+                               xi_sync_s=self.xi_sync.value or 0.0, tau=algo.tau, gamma=algo.grace_gamma)
+        for p, f in self.frags.items():
+            rnd = f.round
+            if rnd is None:
+                continue
+            view = RoundView(opened_at_s=rnd.opened_at, answers=len(rnd.answers),
+                             quorum_reached_at_s=rnd.quorum_at, live_learners=len(self.live))
+            decision, reason = decide_round(now, view, self.policy, grace_s=grace)
+            if decision is Decision.MERGE:
+                self._merge(f, now, reason, grace)
+            elif decision is Decision.WAIT_QUORUM and now - rnd.last_sent_at >= self.options.reopen_after_steps * xi_step:
+                rnd.attempt += 1
+                self.stats.reopens += 1
+                self._send_open(f, now)
+        in_flight = [p for p, f in self.frags.items() if f.round is not None]
+        if algo.lockstep:
+            period, tau = 0.0, len(self.frags)
+        else:
+            period, tau = algo.sync_every_steps * self._xi_step(slowest=False), algo.tau
+        last = {p: f.last_opened_at for p, f in self.frags.items() if f.last_opened_at is not None}
+        for p in due_fragments(now, owned=list(self.frags), last_opened_s=last, in_flight=in_flight,
+                               period_s=period, tau=tau, started_s=self.started_at, n_fragments=algo.fragments):
+            f = self.frags[p]
+            f.round = OpenRound(round_id=f.next_round, opened_at=now)
+            f.next_round += 1
+            f.last_opened_at = now
+            self._send_open(f, now)
+
+    def _send_open(self, f: FragmentState, now: float) -> None:
+        rnd = f.round
+        frames = wire.encode(kind=wire.OPEN, run=self.endpoints.run_id, sender=self.id, fragment=f.spec.index,
+                             round=rnd.round_id, attempt=rnd.attempt, version=f.version)
+        self._publish(frames)
+        rnd.last_sent_at = now
+
+    def _publish(self, frames: list[Any]) -> None:
+        try:
+            self.pub.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            self.stats.bytes_out += wire.message_nbytes(frames)
+        except zmq.Again:
+            self.log.warning("syncer.publish_dropped")
+
+    # ---------------------------------------------------------------- messages
+    def _on_update(self, frames: list[Any]) -> None:
+        try:
+            msg = wire.decode(frames, expect_run=self.endpoints.run_id)
+        except wire.WrongRunError:
+            self.stats.wrong_run += 1
+            return
+        except wire.WireError as e:
+            self._count_malformed(e)
+            return
+        self.stats.bytes_in += msg.payload_nbytes
+        f = self.frags.get(msg.fragment)
+        if msg.kind != wire.UPDATE or f is None or msg.numel != f.spec.numel or msg.steps < 1:
+            self._count_malformed(ValueError(f"unexpected {msg.kind} for fragment {msg.fragment} "
+                                             f"(numel {msg.numel}, steps {msg.steps})"))
+            return
+        rnd = f.round
+        if rnd is None or msg.round != rnd.round_id:
+            self.stats.late_answers += 1
+            return
+        if msg.base not in f.history:
+            self.stats.stale_base += 1
+            self.log.info("syncer.stale_base", fragment=f.spec.index, learner=msg.sender, base=msg.base,
+                          oldest=min(f.history))
+            return
+        try:
+            delta = msg.values()
+        except wire.WireError as e:
+            self._count_malformed(e)
+            return
+        now = self.clock()
+        rnd.answers[msg.sender] = Answer(sender=msg.sender, base=msg.base, steps=msg.steps, tokens=msg.tokens,
+                                         delta=delta, received_at=now)
+        self.stats.answers += 1
+        if rnd.quorum_at is None and len(rnd.answers) >= self.policy.quorum:
+            rnd.quorum_at = now
+            self.xi_quorum.update(now - rnd.opened_at)
+
+    def _count_malformed(self, err: Exception) -> None:
+        self.stats.malformed += 1
+        if self.stats.malformed <= 10 or self.stats.malformed % 100 == 0:
+            self.log.warning("syncer.malformed_dropped", error=str(err), total=self.stats.malformed)
+
+    def _on_request(self, frames: list[Any]) -> None:
+        ident, rest = frames[0], frames[1:]
+        try:
+            msg = wire.decode(rest, expect_run=self.endpoints.run_id)
+        except wire.WireError as e:
+            self._count_malformed(e)
+            return
+        f = self.frags.get(msg.fragment)
+        if msg.kind != wire.GET or f is None:
+            self._count_malformed(ValueError(f"request {msg.kind} for fragment {msg.fragment} not owned"))
+            return
+        self.stats.requests += 1
+        reply = self._frag_frames(f)
+        try:
+            self.router.send_multipart([ident, *reply], zmq.NOBLOCK, copy=False)
+            self.stats.bytes_out += wire.message_nbytes(reply)
+        except zmq.Again:
+            pass
+
+    def _frag_frames(self, f: FragmentState) -> list[Any]:
+        return wire.encode(kind=wire.FRAG, run=self.endpoints.run_id, sender=self.id, fragment=f.spec.index,
+                           values=f.theta, codec=self.run.algo.downlink_codec, version=f.version)
+
+    # ---------------------------------------------------------------- merge (ALGORITHM §5)
+    def _merge(self, f: FragmentState, now: float, reason: str, grace: float) -> None:
+        t0 = time.perf_counter()
+        algo = self.run.algo
+        rnd = f.round
+        answers = list(rnd.answers.values())
+        # Outer gradient of each contributor against the CURRENT value: Δ_m = Θ_p − (Θ_p^{base_m} + δ_m)
+        outer = torch.stack([f.theta - (f.history[a.base] + a.delta) for a in answers])  # [M, numel]
+        weights = contribution_weights([a.tokens for a in answers], [a.steps for a in answers])  # [M]
+        if float(weights.sum()) <= 0.0:
+            f.round = None
+            return
+        grad = merge_outer_gradients(outer, weights, f.spec.spans)  # [numel]
+        outer_nesterov_step(f.theta, f.momentum, grad, lr=algo.outer_lr, momentum_coef=algo.outer_momentum)
+        if algo.downlink_codec != "fp32":  # adopt what learners will decode: every replica bit-identical
+            f.theta.copy_(quant.decode(quant.encode(f.theta, algo.downlink_codec), algo.downlink_codec, f.theta.numel()))
+        f.version += 1
+        f.history[f.version] = f.theta.clone()
+        for v in sorted(f.history)[:-algo.history_versions]:
+            del f.history[v]
+        f.round = None
+        self._publish(self._frag_frames(f))
+        self.stats.merges += 1
+        self._merges_since_ckpt += 1
+        self.xi_sync.update(time.perf_counter() - t0)
+        contributors = [a.sender for a in answers]
+        waited = 0.0 if rnd.quorum_at is None else now - rnd.quorum_at
+        self.log.info("syncer.merge", fragment=f.spec.index, version=f.version, round=rnd.round_id,
+                      contributors=contributors, reason=reason)
+        self._record_merge(f, rnd, answers, weights, waited, grace, reason)
+        if self._merges_since_ckpt >= self.options.checkpoint_every_merges:
+            self.checkpoint()
+
+    def _record_merge(self, f: FragmentState, rnd: OpenRound, answers: list[Answer], weights: torch.Tensor,
+                      waited: float, grace: float, reason: str) -> None:
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            t = time.time()
+            pipe.hset(self.keys.fragment(f.spec.index), mapping={
+                "version": f.version, "shard": self.options.shard, "merged_at": t,
+                "contributors": ",".join(a.sender for a in answers)})
+            for a in answers:
+                pipe.hincrby(self.keys.learner(a.sender), "merged_contributions", 1)
+                pipe.hset(self.keys.learner(a.sender), "last_merged_at", t)
+            control.add_event(pipe, self.keys, "merge", fragment=f.spec.index, version=f.version,
+                              shard=self.options.shard, round=rnd.round_id,
+                              contributors=[a.sender for a in answers],
+                              weights=[round(float(w), 4) for w in weights],
+                              grace_waited_s=round(waited, 4), grace_s=round(grace, 4), reason=reason,
+                              dropped=self.stats.dropped)
+            pipe.execute()
+            self._redis_ok = True
+        except redis.RedisError as e:
+            self._redis_lost(e)
+
+    # ---------------------------------------------------------------- control plane
+    def _refresh_control(self, now: float | None = None, force: bool = False) -> None:
+        now = self.clock() if now is None else now
+        if not force and now - self._last_control < CONTROL_REFRESH_S:
+            return
+        self._last_control = now
+        try:
+            self.live = control.live_learners(self.redis, self.keys)
+            pipe = self.redis.pipeline(transaction=False)
+            control.register_shard(pipe, self.keys, self.options.shard, {
+                "rpc": self.rpc_endpoint, "shards": self.options.shards, "pid": os.getpid(),
+                "plan": self.plan_digest,
+                "status": "running", "merges": self.stats.merges, "dropped": self.stats.dropped,
+                "malformed": self.stats.malformed, "late_answers": self.stats.late_answers,
+                "stale_base": self.stats.stale_base, "bytes_out": self.stats.bytes_out,
+                "bytes_in": self.stats.bytes_in, "reopens": self.stats.reopens, "heartbeat_at": time.time()})
+            for p, f in self.frags.items():
+                pipe.hset(self.keys.fragment(p), mapping={"version": f.version, "shard": self.options.shard,
+                                                          "round": -1 if f.round is None else f.round.round_id})
+            pipe.hsetnx(self.keys.config, "digest", self.run.digest())
+            pipe.hsetnx(self.keys.config, "json", json.dumps(self.run.to_dict(), sort_keys=True))
+            pipe.execute()
+            if not self._redis_ok:
+                self.log.info("syncer.redis_back")
+            self._redis_ok = True
+        except redis.RedisError as e:
+            self._redis_lost(e)
+
+    def _redis_lost(self, err: Exception) -> None:
+        if self._redis_ok:
+            self.log.warning("syncer.redis_unavailable", error=str(err))
+        self._redis_ok = False

@@ -1,0 +1,149 @@
+"""Merge math: contribution weights, radial-directional averaging, outer Nesterov step."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from common.merge import (
+    contribution_weights,
+    merge_outer_gradients,
+    outer_nesterov_step,
+    radial_directional_average,
+    weighted_average,
+)
+
+
+def test_weights_are_tokens_squared_over_steps_normalised() -> None:
+    w = contribution_weights([100, 200, 300], [10, 20, 10])
+    raw = torch.tensor([100**2 / 10, 200**2 / 20, 300**2 / 10], dtype=torch.float64)
+    assert w.dtype == torch.float32 and w.shape == (3,)
+    assert torch.allclose(w.double(), raw / raw.sum(), rtol=1e-6)
+    assert w.sum().item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_learner_with_zero_steps_gets_zero_weight() -> None:
+    w = contribution_weights([100, 0, 100], [10, 0, 10])
+    assert w.tolist() == pytest.approx([0.5, 0.0, 0.5])
+    w = contribution_weights([100, 50], [10, 0])          # tokens without steps: still 0
+    assert w.tolist() == [1.0, 0.0]
+
+
+def test_all_zero_weights_return_zeros() -> None:
+    w = contribution_weights([0, 0], [0, 0])
+    assert torch.equal(w, torch.zeros(2))
+    assert contribution_weights([], []).shape == (0,)
+
+
+def test_weights_reject_negative_or_mismatched_counts() -> None:
+    with pytest.raises(ValueError, match="c_tokens"):
+        contribution_weights([-1, 5], [1, 1])
+    with pytest.raises(ValueError, match="c_steps"):
+        contribution_weights([1, 5], [1, -1])
+    with pytest.raises(ValueError, match="2 token counts but 3"):
+        contribution_weights([1, 5], [1, 1, 1])
+
+
+def test_rda_of_orthogonal_equal_norm_vectors_keeps_the_norm() -> None:
+    m, n = 4, 16
+    vectors = 3.0 * torch.eye(n)[:m]                      # orthogonal, norm 3
+    weights = torch.full((m,), 1 / m)
+    rda = radial_directional_average(vectors, weights)
+    avg = weighted_average(vectors, weights)
+    assert torch.linalg.vector_norm(rda).item() == pytest.approx(3.0, rel=1e-6)
+    assert torch.linalg.vector_norm(avg).item() == pytest.approx(3.0 / math.sqrt(m), rel=1e-6)
+    # Same direction as the plain average.
+    assert torch.allclose(rda / rda.norm(), avg / avg.norm(), atol=1e-6)
+
+
+def test_rda_of_identical_vectors_is_that_vector() -> None:
+    v = torch.randn(50, generator=torch.Generator().manual_seed(1))
+    vectors = v.expand(3, 50).clone()
+    rda = radial_directional_average(vectors, torch.tensor([0.2, 0.3, 0.5]))
+    assert torch.allclose(rda, v, rtol=1e-5, atol=1e-6)
+
+
+def test_rda_norm_is_the_weighted_mean_norm() -> None:
+    vectors = torch.tensor([[2.0, 0.0], [0.0, 6.0]])
+    rda = radial_directional_average(vectors, torch.tensor([0.75, 0.25]))
+    assert rda.norm().item() == pytest.approx(0.75 * 2 + 0.25 * 6, rel=1e-6)
+    # Direction: 0.75*(1,0) + 0.25*(0,1), normalised.
+    assert torch.allclose(rda / rda.norm(), torch.tensor([0.75, 0.25]) / math.hypot(0.75, 0.25))
+
+
+def test_rda_falls_back_to_the_average_for_opposite_vectors() -> None:
+    v = torch.tensor([1.0, -2.0, 3.0])
+    vectors = torch.stack([v, -2.0 * v])                  # unit directions cancel
+    weights = torch.tensor([0.5, 0.5])
+    rda = radial_directional_average(vectors, weights)
+    assert torch.allclose(rda, -0.5 * v)
+    assert torch.equal(rda, weighted_average(vectors, weights))
+
+
+def test_rda_treats_a_zero_vector_as_having_no_direction() -> None:
+    vectors = torch.tensor([[0.0, 0.0], [4.0, 0.0]])
+    rda = radial_directional_average(vectors, torch.tensor([0.5, 0.5]))
+    assert not bool(torch.isnan(rda).any())
+    assert torch.allclose(rda, torch.tensor([2.0, 0.0]))
+    zeros = radial_directional_average(torch.zeros(2, 3), torch.tensor([0.5, 0.5]))
+    assert torch.equal(zeros, torch.zeros(3))
+
+
+def test_merge_uses_average_for_embeddings_and_rda_elsewhere() -> None:
+    g = torch.Generator().manual_seed(0)
+    grads = torch.randn(3, 30, generator=g)
+    weights = torch.tensor([0.5, 0.3, 0.2])
+    spans = [(0, 10, True), (10, 22, False), (22, 30, False)]
+    merged = merge_outer_gradients(grads, weights, spans)
+    assert merged.dtype == torch.float32 and merged.shape == (30,)
+    assert torch.equal(merged[0:10], weighted_average(grads[:, 0:10], weights))
+    assert torch.equal(merged[10:22], radial_directional_average(grads[:, 10:22], weights))
+    assert torch.equal(merged[22:30], radial_directional_average(grads[:, 22:30], weights))
+    # Per tensor, not over the whole fragment.
+    whole = radial_directional_average(grads[:, 10:30], weights)
+    assert not torch.allclose(merged[10:30], whole)
+
+
+def test_merge_of_a_single_contributor_is_its_outer_gradient() -> None:
+    grad = torch.randn(1, 20, generator=torch.Generator().manual_seed(2))
+    merged = merge_outer_gradients(grad, torch.tensor([1.0]), [(0, 5, True), (5, 20, False)])
+    assert torch.allclose(merged, grad[0], rtol=1e-6, atol=1e-7)
+
+
+def test_merge_rejects_spans_that_do_not_tile_the_fragment() -> None:
+    grads, weights = torch.zeros(2, 10), torch.tensor([0.5, 0.5])
+    with pytest.raises(ValueError, match="cover 8"):
+        merge_outer_gradients(grads, weights, [(0, 8, False)])
+    with pytest.raises(ValueError, match="tile"):
+        merge_outer_gradients(grads, weights, [(0, 4, False), (5, 10, False)])
+    with pytest.raises(ValueError, match=r"\[M\]"):
+        merge_outer_gradients(grads, torch.tensor([1.0]), [(0, 10, False)])
+
+
+@pytest.mark.parametrize("lr,mu", [(0.7, 0.9), (0.1, 0.5), (1.0, 0.0), (0.3, 0.99)])
+def test_outer_step_matches_torch_sgd_nesterov_bit_for_bit(lr: float, mu: float) -> None:
+    g = torch.Generator().manual_seed(42)
+    start = torch.randn(257, generator=g)
+    theta = start.clone()
+    momentum = torch.zeros_like(theta)
+    reference = torch.nn.Parameter(start.clone())
+    sgd = torch.optim.SGD([reference], lr=lr, momentum=mu, nesterov=mu > 0)
+    for step in range(25):
+        grad = torch.randn(257, generator=g) * (0.5 + step)
+        outer_nesterov_step(theta, momentum, grad, lr=lr, momentum_coef=mu)
+        reference.grad = grad.clone()
+        sgd.step()
+        assert torch.equal(theta, reference.detach()), f"diverged at step {step}"
+    if mu > 0:
+        assert torch.equal(momentum, sgd.state[reference]["momentum_buffer"])
+
+
+def test_outer_step_rejects_bad_arguments() -> None:
+    theta, b = torch.zeros(3), torch.zeros(3)
+    with pytest.raises(ValueError, match="shape"):
+        outer_nesterov_step(theta, b, torch.zeros(4), lr=0.7, momentum_coef=0.9)
+    with pytest.raises(ValueError, match="momentum_coef"):
+        outer_nesterov_step(theta, b, torch.zeros(3), lr=0.7, momentum_coef=1.0)
+    with pytest.raises(ValueError, match="lr"):
+        outer_nesterov_step(theta, b, torch.zeros(3), lr=0.0, momentum_coef=0.9)
