@@ -129,6 +129,7 @@ class Learner:
         self._shard_endpoints: tuple[int, dict[int, str]] = (0, {})
         self._started_at = time.time()
         self._sub_malformed = 0
+        self.joined_versions: dict[int, int] = {}
         self._process_started_at = process_start_time() or self._started_at
 
     # ------------------------------------------------------------------ join
@@ -207,6 +208,7 @@ class Learner:
             control.add_event(self.redis, self.keys, "join", learner=self.id)
             self._load_current_fragments()
             self.stats.boot_s = time.time() - self._process_started_at
+            self.joined_versions = {p: int(v) for p, v in enumerate(self.base_version)}
             self.log.info("learner.joined", fragments=len(self.plan), boot_s=round(self.stats.boot_s, 2),
                           versions_max=int(self.base_version.max()), config=self.run_cfg.to_dict())
             self._train()

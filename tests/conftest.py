@@ -1,0 +1,166 @@
+"""Shared fixtures: a real redis-server per test, a broker and shards in threads, wait_until."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+
+from common.config import Endpoints, LearnerOptions, RunConfig, SyncerOptions
+from common.redis_server import EmbeddedRedis, free_port
+from common.tasks import Batch
+
+
+def wait_until(predicate: Callable[[], Any], timeout_s: float = 30.0, interval_s: float = 0.02,
+               what: str = "condition") -> Any:
+    """Poll ``predicate`` until it returns a truthy value; fail loudly with ``what`` on timeout."""
+    deadline = time.monotonic() + timeout_s
+    ev = threading.Event()
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        ev.wait(interval_s)
+
+
+@pytest.fixture
+def redis_server() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis() as srv:
+        yield srv
+
+
+# ----------------------------------------------------------------------------- a tiny model
+class TinyNet(torch.nn.Module):
+    """Deterministic small regression net with 4 parameter tensors."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.fc2 = torch.nn.Linear(16, 4)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def tiny_batches(stream: int, batch_size: int = 16) -> Iterator[Batch]:
+    """Infinite deterministic regression batches; ``stream`` selects an independent sequence."""
+    g = torch.Generator().manual_seed(1000 + stream)
+    w = torch.randn(8, 4, generator=torch.Generator().manual_seed(7))
+    while True:
+        x = torch.randn(batch_size, 8, generator=g)
+        yield Batch(inputs=x, targets=x @ w, tokens=batch_size)
+
+
+def tiny_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(batch.inputs), batch.targets)
+
+
+# ----------------------------------------------------------------------------- in-process cluster
+@dataclass
+class Cluster:
+    """Broker + shards in threads of this process, against a real Redis and real sockets."""
+
+    endpoints: Endpoints
+    run: RunConfig
+    model_factory: Callable[[], torch.nn.Module]
+    checkpoint_dir: str
+    stop: threading.Event = field(default_factory=threading.Event)
+    threads: list[threading.Thread] = field(default_factory=list)
+    shards: dict[int, Any] = field(default_factory=dict)
+    shard_stops: dict[int, threading.Event] = field(default_factory=dict)
+    errors: list[BaseException] = field(default_factory=list)
+
+    def _guard(self, fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as e:  # surfaced by the test through cluster.errors
+                self.errors.append(e)
+        return run
+
+    def start_broker(self) -> None:
+        from broker.daemon import Broker, BrokerOptions
+        opts = BrokerOptions(xsub_bind=self.endpoints.broker_pub, xpub_bind=self.endpoints.broker_sub)
+        ready = threading.Event()
+
+        def loop() -> None:
+            with Broker(opts) as b:
+                self.broker = b
+                ready.set()
+                while not self.stop.is_set():
+                    b.poll_once(20)
+        t = threading.Thread(target=self._guard(loop), daemon=True)
+        t.start()
+        self.threads.append(t)
+        wait_until(ready.is_set, 10, what="broker up")
+
+    def start_shard(self, k: int, shards: int, **opts: Any) -> Any:
+        from syncer.shard import Shard
+        stop = threading.Event()
+        self.shard_stops[k] = stop
+        ready = threading.Event()
+        options = SyncerOptions(shard=k, shards=shards, checkpoint_dir=self.checkpoint_dir,
+                                initial_step_time_s=0.02, **opts)
+
+        def loop() -> None:
+            with Shard(endpoints=self.endpoints, options=options, run=self.run,
+                       model_factory=self.model_factory) as s:
+                self.shards[k] = s
+                ready.set()
+                while not (stop.is_set() or self.stop.is_set()):
+                    s.poll_once(5)
+        t = threading.Thread(target=self._guard(loop), daemon=True)
+        t.start()
+        self.threads.append(t)
+        wait_until(lambda: ready.is_set() or self.errors, 20, what=f"shard {k} up")
+        if self.errors:
+            raise self.errors[0]
+        return self.shards[k]
+
+    def stop_shard(self, k: int) -> None:
+        self.shard_stops[k].set()
+
+    def learner(self, learner_id: str, stream: int, *, max_steps: int = 0, run: RunConfig | None = None,
+                **opts: Any) -> Any:
+        from learner.core import Learner
+        return Learner(endpoints=self.endpoints, options=LearnerOptions(learner_id=learner_id, max_steps=max_steps,
+                                                                       heartbeat_interval_s=0.1, **opts),
+                       model_factory=self.model_factory, data=tiny_batches(stream), loss_fn=tiny_loss,
+                       run=run or self.run, stop=self.stop)
+
+    def start_learner(self, learner: Any) -> threading.Thread:
+        t = threading.Thread(target=self._guard(learner.run), daemon=True)
+        t.start()
+        self.threads.append(t)
+        return t
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=10)
+
+
+@pytest.fixture
+def make_cluster(redis_server: EmbeddedRedis, tmp_path) -> Iterator[Callable[..., Cluster]]:
+    made: list[Cluster] = []
+
+    def make(run: RunConfig, *, run_id: str = "t", model_factory: Callable[[], torch.nn.Module] = TinyNet) -> Cluster:
+        ep = Endpoints(run_id=run_id, redis_url=redis_server.url, broker_pub=f"tcp://127.0.0.1:{free_port()}",
+                       broker_sub=f"tcp://127.0.0.1:{free_port()}")
+        c = Cluster(endpoints=ep, run=run, model_factory=model_factory, checkpoint_dir=str(tmp_path / "ckpt"))
+        c.start_broker()
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
