@@ -1,0 +1,132 @@
+"""Cluster behaviour with a real redis-server and real ZeroMQ sockets."""
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from common import control, wire
+from common.config import AlgoConfig, RunConfig
+from common.keys import Keys
+from learner.core import LearnerRefused
+from tests.conftest import TinyNet, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+ASYNC = RunConfig(algo=AlgoConfig(fragments=4, sync_every_steps=4, quorum=1, inner_warmup_steps=1))
+
+
+def _versions(cluster) -> dict[int, int]:
+    return {p: f.version for s in list(cluster.shards.values()) for p, f in s.frags.items()}
+
+
+def _merge_contributors(cluster) -> set[str]:
+    r = control.connect(cluster.endpoints.redis_url)
+    out: set[str] = set()
+    import json
+    for e in control.read_events(r, Keys(cluster.endpoints.run_id), kind="merge"):
+        out.update(json.loads(e["contributors"]))
+    return out
+
+
+def test_learner_joining_mid_run_loads_current_fragments_and_contributes(make_cluster):
+    cluster = make_cluster(ASYNC)
+    for k in range(2):
+        cluster.start_shard(k, 2)
+    cluster.start_learner(cluster.learner("early", 0, step_time_floor_ms=5))
+    wait_until(lambda: min(_versions(cluster).values()) >= 3, 60, what="every fragment merged 3 times")
+    before = _versions(cluster)
+    late = cluster.learner("late", 1, step_time_floor_ms=5)
+    cluster.start_learner(late)
+    wait_until(lambda: late.joined_versions, 30, what="late learner joined")
+    assert all(late.joined_versions[p] >= before[p] for p in before), (late.joined_versions, before)
+    # what it loaded is the shards' value of that version, not its own initialisation
+    init = dict(TinyNet().named_parameters())
+    assert any(not torch.equal(late.base_values[p], torch.cat([init[t.name].detach().reshape(-1)
+                                                                for t in late.plan[p].tensors]))
+               for p in range(4))
+    wait_until(lambda: "late" in _merge_contributors(cluster), 30, what="a merge including the late learner")
+    assert not cluster.errors, cluster.errors
+
+
+def test_malformed_messages_are_counted_and_dropped_without_harm(make_cluster):
+    cluster = make_cluster(ASYNC)
+    shard = cluster.start_shard(0, 1)
+    cluster.start_learner(cluster.learner("l0", 0, step_time_floor_ms=5))
+    wait_until(lambda: min(_versions(cluster).values()) >= 1, 30, what="first merges")
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.connect(cluster.endpoints.broker_pub)
+    run = cluster.endpoints.run_id
+    good = wire.encode(kind=wire.UPDATE, run=run, sender="evil", fragment=0, values=torch.ones(10), codec="fp32",
+                       round=0, base=0, steps=1, tokens=1)
+    bad_crc = msgpack.unpackb(good[1])
+    bad_crc["crc"] ^= 1
+    garbage = [
+        [wire.topic(run, wire.UPDATE, 0), b"\xc1not msgpack"],                       # undecodable header
+        [wire.topic(run, wire.UPDATE, 0), msgpack.packb({"v": 99})],                  # wrong protocol version
+        [good[0], msgpack.packb(bad_crc), *good[2:]],                                 # checksum mismatch
+        [wire.topic(run, wire.UPDATE, 0)],                                            # too few frames
+        good,                                                                         # wrong size for fragment 0
+    ]
+    sent = 0
+
+    def publish_until_counted() -> bool:
+        nonlocal sent
+        for frames in garbage:  # PUB drops until the subscription has propagated: resend until seen
+            pub.send_multipart(frames)
+        sent += 1
+        return shard.stats.malformed >= len(garbage)
+    wait_until(publish_until_counted, 20, interval_s=0.1, what="malformed messages counted")
+    before = _versions(cluster)[0]
+    wait_until(lambda: _versions(cluster)[0] >= before + 2, 30, what="merges continuing after garbage")
+    r = control.connect(cluster.endpoints.redis_url)
+    wait_until(lambda: int(r.hget(Keys(run).shard(0), "malformed") or 0) >= len(garbage), 10,
+               what="malformed counter in Redis")
+    assert not cluster.errors, cluster.errors
+    pub.close(linger=0)
+
+
+def test_learner_with_different_config_is_refused_with_reason(make_cluster):
+    cluster = make_cluster(ASYNC)
+    cluster.start_shard(0, 1)
+    other = RunConfig(algo=AlgoConfig(fragments=4, sync_every_steps=4, quorum=2, inner_warmup_steps=1))
+    with pytest.raises(LearnerRefused, match=r"algo\.quorum=2 \(run has 1\)"):
+        cluster.learner("odd", 0, run=other).run()
+    r = control.connect(cluster.endpoints.redis_url)
+    refusals = control.read_events(r, Keys(cluster.endpoints.run_id), kind="refuse")
+    assert [e["learner"] for e in refusals] == ["odd"]
+
+
+def test_learner_with_different_model_is_refused(make_cluster):
+    cluster = make_cluster(ASYNC)
+    cluster.start_shard(0, 1)
+
+    class Wider(TinyNet):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc2 = torch.nn.Linear(16, 5)
+    learner = cluster.learner("wide", 0)
+    learner.model_factory = Wider
+    with pytest.raises(LearnerRefused, match="fragment layout"):
+        learner.run()
+
+
+def test_shard_restarted_from_checkpoint_resumes_at_same_versions(make_cluster):
+    cluster = make_cluster(ASYNC)
+    shard = cluster.start_shard(0, 1, checkpoint_every_merges=1000)
+    learner = cluster.learner("l0", 0, step_time_floor_ms=5)
+    cluster.start_learner(learner)
+    wait_until(lambda: min(_versions(cluster).values()) >= 2, 30, what="merges before restart")
+    cluster.stop_shard(0)
+    wait_until(lambda: shard._ctx is None, 10, what="shard closed (checkpoint on stop)")
+    saved = {p: (f.version, f.theta.clone(), f.momentum.clone()) for p, f in shard.frags.items()}
+    restarted = cluster.start_shard(0, 1)
+    assert {p: f.version for p, f in restarted.frags.items()} == {p: v for p, (v, _, _) in saved.items()}
+    for p, (_, theta, momentum) in saved.items():
+        assert torch.equal(restarted.frags[p].theta, theta)
+        assert torch.equal(restarted.frags[p].momentum, momentum)
+    wait_until(lambda: min(f.version for f in restarted.frags.values()) > max(v for v, _, _ in saved.values()),
+               30, what="merges after restart")
+    assert not cluster.errors, cluster.errors
