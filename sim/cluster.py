@@ -1,0 +1,392 @@
+"""Goodput of a cluster under chip failures (ALGORITHM.md §9): data-parallel, elastic
+data-parallel and Decoupled DiLoCo, simulated exactly from sampled failure times.
+
+Failure model (every number is a field of ``FailureModel``):
+
+- Chips fail as independent Poisson processes, one interruption per ``chip_mtbi_years`` per chip.
+- A failed chip takes its *slice* (``slice_chips`` chips, the unit that is swapped) out for
+  ``repair_s``; chips of a slice under repair do not fail again, so each slice is an alternating
+  renewal process (up ~ Exp(chips·λ), down = repair_s). Slices start in the stationary state.
+- Chips under repair stay provisioned: their time is never useful.
+
+The three ways of training on ``chips`` chips:
+
+- **Non-elastic data-parallel** (``mode="dp"``): a failure of a chip in the job stops it; the
+  restart takes ``restart_s``; failures during a restart are absorbed by it. The restarted job
+  runs on every slice healthy at that moment; a slice repaired while the job runs stays idle
+  until the next restart (a fixed-size job cannot grow).
+- **Elastic data-parallel** (``mode="elastic"``): a failure pauses the job ``downscale_s``, after
+  which it runs on the healthy slices; a repaired slice pauses it ``upscale_s`` to rejoin. A
+  reconfiguration applies every membership change that arrives while it is in progress (events
+  during a pause are absorbed, they do not extend it).
+- **Decoupled DiLoCo** (``mode="diloco"``): M learners of N/M chips; each learner is an elastic
+  unit as above, with its own slices, and never waits for the others. The global model advances
+  while at least K learners step. With K > 1, compute done while fewer than K learners step
+  counts as blocked (the learners wait at the barrier). M = 1, K = 1 is elastic data-parallel.
+
+Every failure also throws away the partial step in flight (``step_s``; steps run back to back
+from the last (re)start).
+
+Definitions (ALGORITHM.md §9): goodput = useful chip-seconds / (chips · wall time); uptime =
+fraction of wall time during which the global model advances. The simulation is vectorised
+with numpy (failure sampling, repair-interval arithmetic); the only Python loop is the O(events)
+scan that decides which events start a pause, a few thousand per run.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+SECONDS_PER_YEAR = 365.25 * 86400.0
+MODES = ("dp", "elastic", "diloco")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureModel:
+    """Failure, repair and reconfiguration times. The defaults are the one calibration used for
+    every cell of the paper's Table 1 (docs/sim.md)."""
+
+    chip_mtbi_years: float = 1.0
+    """Mean time between interruptions of one chip [paper: 1 year]."""
+    slice_chips: int = 1024
+    """Chips taken out together by one chip failure (the swappable unit)."""
+    repair_s: float = 900.0
+    """Time until a failed slice is healthy again."""
+    downscale_s: float = 15.0
+    """Elastic pause after a failure (re-mesh on the healthy slices)."""
+    upscale_s: float = 5.0
+    """Elastic pause when a repaired slice rejoins."""
+    restart_s: float = 72.0
+    """Non-elastic data-parallel: time from a failure until the job trains again."""
+    step_s: float = 1.0
+    """Training step time; a failure throws away the partial step in flight."""
+
+    def __post_init__(self) -> None:
+        for name in ("chip_mtbi_years", "repair_s", "step_s"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)}")
+        for name in ("downscale_s", "upscale_s", "restart_s"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
+        if self.slice_chips < 1:
+            raise ValueError(f"slice_chips must be >= 1, got {self.slice_chips}")
+
+    @property
+    def chip_rate_per_s(self) -> float:
+        """λ: failures per chip-second."""
+        return 1.0 / (self.chip_mtbi_years * SECONDS_PER_YEAR)
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    """What is simulated: how many chips, trained how."""
+
+    chips: int
+    """N: provisioned chips."""
+    mode: str = "diloco"
+    """"dp" (non-elastic data-parallel), "elastic" (elastic data-parallel) or "diloco"."""
+    learners: int = 1
+    """M: Decoupled DiLoCo learners of N/M chips each (1 for the data-parallel modes)."""
+    quorum: int = 1
+    """K: the global model advances while at least K learners step."""
+
+    def __post_init__(self) -> None:
+        if self.chips < 1:
+            raise ValueError(f"chips must be >= 1, got {self.chips}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.learners < 1:
+            raise ValueError(f"learners must be >= 1, got {self.learners}")
+        if not 1 <= self.quorum <= self.learners:
+            raise ValueError(f"quorum must be in [1, learners={self.learners}], got {self.quorum}")
+        if self.mode != "diloco" and (self.learners, self.quorum) != (1, 1):
+            raise ValueError(f"mode {self.mode!r} has one job: learners and quorum must be 1")
+        if self.learners > self.chips:
+            raise ValueError(f"learners ({self.learners}) cannot exceed chips ({self.chips})")
+
+    @property
+    def label(self) -> str:
+        if self.mode == "dp":
+            return "DP"
+        if self.mode == "elastic":
+            return "elastic DP"
+        return f"M={self.learners} K={self.quorum}"
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One seed of one scenario."""
+
+    goodput: float
+    uptime: float
+    failures: int
+    """Chip failures (slice outages) sampled over the horizon."""
+    horizon_s: float
+
+
+@dataclass(frozen=True)
+class _Slices:
+    """Sampled outages of one unit's slices, all arrays sorted by time."""
+
+    chips_per_slice: float
+    fail_t: np.ndarray      # [F] failure times
+    fail_s: np.ndarray      # [F] slice of each failure
+    ret_t: np.ndarray       # [F'] repair-complete times (F' = F + slices down at t = 0), < horizon
+    ret_s: np.ndarray       # [F']
+    repair_lo: np.ndarray   # [R] repair intervals [lo, hi), clipped to the horizon
+    repair_hi: np.ndarray
+
+
+def horizon_for(chips: int, model: FailureModel, failures: int) -> float:
+    """Wall time over which ``chips`` chips see about ``failures`` failures."""
+    return failures / (chips * model.chip_rate_per_s)
+
+
+def _sample_slices(rng: np.random.Generator, n_slices: int, chips_per_slice: float,
+                   model: FailureModel, horizon_s: float) -> _Slices:
+    """Alternating renewal per slice (up ~ Exp, down = repair_s), stationary at t = 0."""
+    rate = chips_per_slice * model.chip_rate_per_s
+    mean_up = 1.0 / rate
+    p_down = model.repair_s / (model.repair_s + mean_up)
+    down0 = rng.random(n_slices) < p_down
+    # A slice down at t = 0 has a residual repair time uniform in [0, repair_s).
+    first_up = np.where(down0, rng.random(n_slices) * model.repair_s, 0.0)
+    expected = horizon_s / (mean_up + model.repair_s)
+    width = int(expected + 8.0 * math.sqrt(expected) + 8)
+    while True:
+        ups = rng.exponential(mean_up, size=(n_slices, width))
+        # failure k of a slice = first_up + sum_{j<=k} up_j + k * repair_s
+        fails = first_up[:, None] + np.cumsum(ups, axis=1) + model.repair_s * np.arange(width)
+        if (fails[:, -1] >= horizon_s).all():
+            break
+        width *= 2
+    keep = fails < horizon_s
+    slice_idx = np.broadcast_to(np.arange(n_slices)[:, None], fails.shape)
+    f_t, f_s = fails[keep], slice_idx[keep]
+    order = np.argsort(f_t, kind="stable")
+    f_t, f_s = f_t[order], f_s[order]
+    r0_s = np.flatnonzero(down0)
+    r0_t = first_up[down0]
+    r_t = np.concatenate([r0_t, f_t + model.repair_s])
+    r_s = np.concatenate([r0_s, f_s])
+    lo = np.concatenate([np.zeros(len(r0_t)), f_t])
+    hi = np.minimum(r_t, horizon_s)
+    inside = r_t < horizon_s
+    order = np.argsort(r_t[inside], kind="stable")
+    return _Slices(chips_per_slice, f_t, f_s, r_t[inside][order], r_s[inside][order], lo, hi)
+
+
+def _measure(lo: np.ndarray, hi: np.ndarray, run_lo: np.ndarray, run_hi: np.ndarray) -> np.ndarray:
+    """|[lo_i, hi_i) ∩ run| for each i, where run = ⋃ [run_lo_j, run_hi_j) (sorted, disjoint)."""
+    if len(run_lo) == 0:
+        return np.zeros(len(lo))
+    # C(t) = run time in [0, t], piecewise linear through the interval ends.
+    bp = np.empty(2 * len(run_lo))
+    bp[0::2], bp[1::2] = run_lo, run_hi
+    cum = np.empty_like(bp)
+    lengths = run_hi - run_lo
+    cum[1::2] = np.cumsum(lengths)
+    cum[0::2] = cum[1::2] - lengths
+    return np.interp(hi, bp, cum) - np.interp(lo, bp, cum)
+
+
+def _healthy_chips(sl: _Slices, n_slices: int, t: np.ndarray) -> np.ndarray:
+    """Chips of the unit's healthy slices just before each time in ``t`` (sorted or not)."""
+    # Slices down just before t: repair intervals with lo < t <= hi.
+    lo = np.sort(sl.repair_lo)
+    hi = np.sort(sl.repair_hi)
+    down = np.searchsorted(lo, t, side="left") - np.searchsorted(hi, t, side="left")
+    return (n_slices - down) * sl.chips_per_slice
+
+
+def _elastic_unit(sl: _Slices, n_slices: int, model: FailureModel,
+                  horizon_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Running intervals of one elastic unit and its failures that threw away a partial step.
+
+    Returns (run_lo, run_hi, loss_t, loss_chip_s): sorted disjoint running intervals, and for each
+    failure that hit the unit while it ran, its time and the chip-seconds thrown away.
+    """
+    ev_t = np.concatenate([sl.fail_t, sl.ret_t])
+    ev_d = np.concatenate([np.full(len(sl.fail_t), model.downscale_s),
+                           np.full(len(sl.ret_t), model.upscale_s)])
+    ev_fail = np.concatenate([np.ones(len(sl.fail_t), bool), np.zeros(len(sl.ret_t), bool)])
+    order = np.argsort(ev_t, kind="stable")
+    ev_t, ev_d, ev_fail = ev_t[order], ev_d[order], ev_fail[order]
+    # The only sequential part: an event starts a pause iff the unit is running at that time.
+    starts: list[int] = []
+    end = -math.inf
+    for i, (t, d) in enumerate(zip(ev_t.tolist(), ev_d.tolist())):
+        if t >= end:
+            starts.append(i)
+            end = t + d
+    idx = np.asarray(starts, dtype=np.int64)
+    p_lo = ev_t[idx]
+    p_hi = np.minimum(p_lo + ev_d[idx], horizon_s)
+    run_lo = np.concatenate([[0.0], p_hi])
+    run_hi = np.concatenate([p_lo, [horizon_s]])
+    ok = run_hi > run_lo
+    # A failure that starts a pause interrupted a run: the partial step since the run began
+    # (steps are back to back from the run start) is thrown away on every healthy chip.
+    hit = ev_fail[idx]
+    t_hit = p_lo[hit]
+    began = run_lo[:-1][hit]
+    partial = np.mod(t_hit - began, model.step_s)
+    loss = partial * _healthy_chips(sl, n_slices, t_hit)
+    return run_lo[ok], run_hi[ok], t_hit, loss
+
+
+def _nonelastic_unit(sl: _Slices, n_slices: int, model: FailureModel,
+                     horizon_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Running intervals of a non-elastic job and the chips it ran on in each.
+
+    Returns (run_lo, run_hi, useful_chip_s) per running interval, the thrown-away partial step
+    already subtracted.
+    """
+    n_fail = len(sl.fail_t)
+    ev_t = np.concatenate([sl.fail_t, sl.ret_t])
+    ev_s = np.concatenate([sl.fail_s, sl.ret_s])
+    ev_fail = np.concatenate([np.ones(n_fail, bool), np.zeros(len(sl.ret_t), bool)])
+    order = np.argsort(ev_t, kind="stable")
+    # A slice is in the job iff it was healthy when the job last (re)started, i.e. its last
+    # repair completed no later than that start (a slice down at t = 0 returns later, so it is
+    # not in the job until the next restart).
+    last_return = [-math.inf] * n_slices
+    runs: list[tuple[float, float]] = []
+    running, run_start, restart_end = True, 0.0, 0.0
+    for t, s, fail in zip(ev_t[order].tolist(), ev_s[order].tolist(), ev_fail[order].tolist()):
+        if not running and t >= restart_end:
+            running, run_start = True, restart_end
+        if not fail:
+            last_return[s] = t
+            continue
+        if running and last_return[s] <= run_start:
+            runs.append((run_start, t))
+            running, restart_end = False, t + model.restart_s
+    if running:
+        runs.append((run_start, horizon_s))
+    elif restart_end < horizon_s:
+        runs.append((restart_end, horizon_s))
+    arr = np.asarray(runs, dtype=np.float64).reshape(-1, 2)
+    run_lo, run_hi = arr[:, 0], arr[:, 1]
+    chips = _healthy_chips(sl, n_slices, np.nextafter(run_lo, np.inf))
+    # Each interval but a last one reaching the horizon ended with a failure: partial step lost.
+    ended = run_hi < horizon_s
+    lost = np.where(ended, np.mod(run_hi - run_lo, model.step_s), 0.0)
+    return run_lo, run_hi, (run_hi - run_lo - lost) * chips
+
+
+def _level_set(los: list[np.ndarray], his: list[np.ndarray],
+               k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where at least ``k`` of the interval sets overlap (each set sorted and disjoint)."""
+    t = np.concatenate(los + his)
+    d = np.concatenate([np.ones(sum(len(x) for x in los), np.int64),
+                        -np.ones(sum(len(x) for x in his), np.int64)])
+    order = np.lexsort((d, t))              # at equal times, ends (-1) before starts (+1)
+    t, level = t[order], np.cumsum(d[order])
+    above = level >= k
+    before = np.concatenate([[False], above[:-1]])
+    lo, hi = t[above & ~before], t[~above & before]
+    ok = hi > lo
+    return lo[ok], hi[ok]
+
+
+def _unit_layout(chips: float, model: FailureModel) -> tuple[int, float]:
+    """Slices of a unit of ``chips`` chips and the chips of each (equal split)."""
+    n_slices = max(1, math.ceil(chips / model.slice_chips - 1e-9))
+    return n_slices, chips / n_slices
+
+
+def simulate(scenario: Scenario, model: FailureModel = FailureModel(), *, seed: int = 0,
+             failures: int = 4000) -> RunResult:
+    """One seed: sample about ``failures`` chip failures and measure goodput and uptime.
+
+    The random stream depends on (seed, chips, learners) only, so the data-parallel modes and
+    M = 1 see identical failures.
+    """
+    if failures < 1:
+        raise ValueError(f"failures must be >= 1, got {failures}")
+    n, m, k = scenario.chips, scenario.learners, scenario.quorum
+    horizon = horizon_for(n, model, failures)
+    rng = np.random.default_rng([seed, n, m])
+    n_slices, cps = _unit_layout(n / m, model)
+    units = [_sample_slices(rng, n_slices, cps, model, horizon) for _ in range(m)]
+    n_failures = sum(len(u.fail_t) for u in units)
+
+    if scenario.mode == "dp":
+        run_lo, run_hi, useful = _nonelastic_unit(units[0], n_slices, model, horizon)
+        return RunResult(float(useful.sum() / (n * horizon)),
+                         float((run_hi - run_lo).sum() / horizon), n_failures, horizon)
+
+    runs = [_elastic_unit(u, n_slices, model, horizon) for u in units]
+    adv_lo, adv_hi = _level_set([r[0] for r in runs], [r[1] for r in runs], k)
+    useful = 0.0
+    for sl, (run_lo, run_hi, loss_t, loss) in zip(units, runs):
+        if k > 1:
+            # Only compute done while the global model advances counts; the rest is blocked.
+            run_lo, run_hi = _level_set([run_lo, adv_lo], [run_hi, adv_hi], 2)
+            inside = _measure(loss_t - 1e-9, loss_t, adv_lo, adv_hi) > 0
+            loss = loss[inside]
+        useful += (n / m) * float((run_hi - run_lo).sum())
+        useful -= cps * float(_measure(sl.repair_lo, sl.repair_hi, run_lo, run_hi).sum())
+        useful -= float(loss.sum())
+    return RunResult(useful / (n * horizon), float((adv_hi - adv_lo).sum() / horizon),
+                     n_failures, horizon)
+
+
+# t_{0.975, df} for two-sided 95 % confidence intervals (df = seeds - 1).
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+         9: 2.262, 10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def t_quantile_975(df: int) -> float:
+    """Student-t 97.5 % quantile (table, conservative between entries; 1.96 beyond 30)."""
+    if df < 1:
+        return math.nan
+    if df > 30:
+        return 1.96
+    return _T975[min(d for d in _T975 if d >= df)]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Mean over seeds and the half-width of its 95 % confidence interval."""
+
+    mean: float
+    ci95: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Estimate":
+        a = np.asarray(values, dtype=np.float64)
+        if len(a) < 2:
+            return cls(float(a.mean()), math.nan)
+        return cls(float(a.mean()), float(t_quantile_975(len(a) - 1) * a.std(ddof=1) / math.sqrt(len(a))))
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A scenario over several seeds."""
+
+    scenario: Scenario
+    goodput: Estimate
+    uptime: Estimate
+    seeds: int
+    failures_min: int
+    """Fewest failures sampled in one seed."""
+    failures_total: int
+
+
+def simulate_seeds(scenario: Scenario, model: FailureModel = FailureModel(), *, seeds: int = 5,
+                   failures: int = 4000, first_seed: int = 0) -> Summary:
+    """``simulate`` over seeds first_seed .. first_seed + seeds - 1."""
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
+    runs = [simulate(scenario, model, seed=s, failures=failures)
+            for s in range(first_seed, first_seed + seeds)]
+    return Summary(scenario, Estimate.of([r.goodput for r in runs]),
+                   Estimate.of([r.uptime for r in runs]), seeds,
+                   min(r.failures for r in runs), sum(r.failures for r in runs))

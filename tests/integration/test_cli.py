@@ -1,0 +1,109 @@
+"""The `ddloco` commands as a user runs them: real processes, real Redis, real sockets."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.redis_server import free_port
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.timeout(240)
+
+TINY = """
+[task]
+n_layer = 1
+n_embd = 16
+n_head = 2
+seq_len = 16
+batch_size = 4
+eval_batches = 2
+corpus_max_bytes = 300000
+[algo]
+fragments = 4
+sync_every_steps = 4
+inner_warmup_steps = 2
+"""
+
+
+def ddloco(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddloco", *args], capture_output=True, text=True, **kw)
+
+
+@pytest.mark.parametrize("command", ["up", "status", "broker", "syncer", "learner", "sim"])
+def test_every_command_has_help(command):
+    res = ddloco(command, "--help", timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "usage:" in res.stdout
+
+
+def test_bad_config_value_exits_2_with_reason(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("[algo]\nquorum = 0\n")
+    res = ddloco("up", "--config", str(cfg), timeout=60)
+    assert res.returncode == 2
+    assert "algo.quorum must be >= 1" in res.stderr
+
+
+def test_up_runs_a_cluster_writes_report_and_leaves_no_process(tmp_path):
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY)
+    report = tmp_path / "report"
+    res = ddloco("up", "--config", str(cfg), "--learners", "2", "--syncers", "2", "--steps", "40",
+                 "--step-time-floor-ms", "25", "--minutes", "3", "--report", str(report), "--run-id", "e2e", cwd=tmp_path, timeout=200)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rep = json.loads((report / "report.json").read_text())
+    for field in ("run_id", "learners", "syncers", "wall_s", "tokens_total", "eval_loss_initial", "eval_loss_final",
+                  "merges", "goodput", "uptime", "global_downtime_s", "bytes_up", "bytes_down",
+                  "dropped_messages", "failures_injected"):
+        assert field in rep, field
+    assert rep["learners"] == 2 and rep["syncers"] == 2
+    assert rep["steps_total"] == 80 and rep["tokens_total"] == 80 * 4 * 16
+    assert rep["every_learner_contributed"] and rep["every_fragment_merged"], rep["contributors"]
+    assert rep["eval_loss_final"] < rep["eval_loss_initial"]
+    assert rep["processes_left"] == []
+    for png in ("eval_loss.png", "merges.png", "timeline.png"):
+        assert (report / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pids = [int(h["pid"]) for h in rep["learner_stats"].values()] + [int(h["pid"]) for h in rep["shard_stats"].values()]
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()]
+
+
+def test_daemons_by_hand_status_and_refused_learner(tmp_path, redis_server):
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY)
+    pub, sub = free_port(), free_port()
+    net = ["--redis-url", redis_server.url, "--broker-pub", f"tcp://127.0.0.1:{pub}",
+           "--broker-sub", f"tcp://127.0.0.1:{sub}", "--run-id", "byhand", "--log-format", "json"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "broker", "--xsub", f"tcp://127.0.0.1:{pub}",
+                               "--xpub", f"tcp://127.0.0.1:{sub}"], env=env, stderr=subprocess.DEVNULL),
+             subprocess.Popen([sys.executable, "-m", "syncer", "--config", str(cfg), *net,
+                               "--checkpoint-dir", str(tmp_path / "ck")], env=env, stderr=subprocess.DEVNULL)]
+    try:
+        # a learner needs only the broker, Redis and the run id: the config comes from Redis
+        learner = subprocess.Popen([sys.executable, "-m", "learner", *net, "--learner-id", "hand-1", "--steps", "30"],
+                                   env=env, stderr=subprocess.PIPE, text=True)
+        procs.append(learner)
+        _, err = learner.communicate(timeout=120)
+        assert learner.returncode == 0, err[-2000:]
+        res = ddloco("status", "--json", *net[:-2], timeout=60)
+        assert res.returncode == 0, res.stderr
+        st = json.loads(res.stdout)
+        assert st["learners"]["hand-1"]["steps"] == 30
+        assert st["learners"]["hand-1"]["merged_contributions"] >= 1
+        assert sum(f["version"] for f in st["fragments"].values()) >= 1
+        res = ddloco("learner", *net, "--config", str(cfg), "--quorum", "2", "--steps", "5", timeout=120)
+        assert res.returncode == 3
+        assert "refused" in res.stderr and "algo.quorum=2 (run has 1)" in res.stderr
+        procs[1].terminate()  # graceful: checkpoint on SIGTERM
+        assert procs[1].wait(timeout=30) == 0
+        assert (tmp_path / "ck" / "byhand-shard0of1.pt").exists()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

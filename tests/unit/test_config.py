@@ -1,0 +1,59 @@
+"""Config dataclasses: TOML loading, validation, overrides, digest."""
+from __future__ import annotations
+
+import pytest
+
+from common.config import (AlgoConfig, ConfigError, RunConfig, TaskConfig, dump_toml, load_config, override,
+                           run_config_from_dict)
+
+
+def test_defaults_are_the_papers():
+    a = AlgoConfig()
+    assert (a.fragments, a.sync_every_steps, a.tau, a.quorum, a.uplink_codec) == (24, 24, 2, 1, "int4")
+    assert (a.outer_lr, a.outer_momentum, a.grace_gamma) == (0.7, 0.9, 0.8)
+
+
+def test_toml_sections_load_and_round_trip(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('[algo]\nquorum = 3\nuplink_codec = "int8"\n[task]\nn_layer = 2\n[up]\nlearners = 6\n')
+    cfg = load_config(p)
+    assert (cfg.run.algo.quorum, cfg.run.algo.uplink_codec, cfg.run.task.n_layer, cfg.up.learners) == (3, "int8", 2, 6)
+    q = tmp_path / "d.toml"
+    q.write_text(dump_toml(cfg))
+    assert load_config(q) == cfg
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[algo]\nquorom = 2\n", "unknown key(s) in [algo]: quorom"),
+    ("[algoo]\n", "unknown section(s)"),
+    ("[algo]\nquorum = 0\n", "algo.quorum must be >= 1"),
+    ("[algo]\nuplink_codec = \"int2\"\n", "algo.uplink_codec"),
+    ("[algo\n", "not valid TOML"),
+])
+def test_bad_config_files_give_clear_errors(tmp_path, text, needle):
+    p = tmp_path / "bad.toml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=None) as e:
+        load_config(p)
+    assert needle in str(e.value)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_override_keeps_none_and_validates():
+    a = AlgoConfig()
+    assert override(a, quorum=None) is a
+    assert override(a, quorum=4).quorum == 4
+    with pytest.raises(ConfigError):
+        override(a, tau=0)
+
+
+def test_digest_changes_with_any_run_field_and_dict_round_trips():
+    base = RunConfig()
+    assert base.digest() == RunConfig().digest()
+    assert base.digest() != RunConfig(algo=AlgoConfig(quorum=2)).digest()
+    assert base.digest() != RunConfig(task=TaskConfig(seed=1)).digest()
+    assert run_config_from_dict(base.to_dict()) == base
