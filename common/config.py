@@ -163,8 +163,8 @@ class LearnerOptions:
 
     learner_id: str = ""
     """Unique id; empty means <hostname>-<pid>."""
-    data_shard: int = 0
-    """Which stream of training batches this learner reads."""
+    data_shard: int = -1
+    """Which stream of training batches this learner reads (-1: derived from the learner id)."""
     max_steps: int = 0
     """Stop after this many inner steps (0 = run until stopped)."""
     slowdown: float = 1.0
@@ -185,6 +185,7 @@ class LearnerOptions:
         _check(self.step_time_floor_ms >= 0.0, "learner.step_time_floor_ms must be >= 0")
         _check(self.threads >= 1, "learner.threads must be >= 1")
         _check(self.max_steps >= 0, "learner.max_steps must be >= 0")
+        _check(self.data_shard >= -1, "learner.data_shard must be >= 0 (or -1: derived from the id)")
         _check(self.heartbeat_ttl_s > self.heartbeat_interval_s > 0,
                "learner.heartbeat_ttl_s must exceed learner.heartbeat_interval_s > 0")
 

@@ -11,6 +11,7 @@ architecture as the run's shards (the fragment layout is checked; a mismatch is 
 from __future__ import annotations
 
 import threading
+import zlib
 from typing import Any, Callable, Collection, Iterable
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from common import control
 from common.config import Endpoints, LearnerOptions, RunConfig
 from common.keys import Keys
-from learner.core import Learner, LearnerSummary
+from learner.core import Learner, LearnerSummary, resolve_learner_id
 
 
 def train(*, model_factory: Callable[[], torch.nn.Module], data: Iterable[Any],
@@ -41,6 +42,9 @@ def train_builtin(*, endpoints: Endpoints, options: LearnerOptions = LearnerOpti
         r.close()
     task = make_task(run.task)
     model = task.build_model()
-    data = task.train_batches(stream=options.data_shard, seed=run.task.seed)
+    stream = options.data_shard
+    if stream < 0:  # scaled replicas (compose --scale) get distinct streams from their unique ids
+        stream = zlib.crc32(resolve_learner_id(options).encode()) % (2**31 - 1)
+    data = task.train_batches(stream=stream, seed=run.task.seed)
     return train(model_factory=lambda: model, data=data, loss_fn=task.loss, endpoints=endpoints, options=options,
                  run=run, embedding_names=task.embedding_names(model), stop=stop)

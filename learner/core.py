@@ -101,6 +101,11 @@ class LearnerSummary:
     versions: dict[int, int] = field(default_factory=dict)
 
 
+def resolve_learner_id(options: LearnerOptions) -> str:
+    """The learner's id: as configured, else <hostname>-<pid>."""
+    return options.learner_id or f"{socket.gethostname()}-{os.getpid()}"
+
+
 class Learner:
     """One learner. ``Learner(...).run()`` joins, trains until ``max_steps`` or ``stop``, leaves."""
 
@@ -111,7 +116,7 @@ class Learner:
                  stop: threading.Event | None = None) -> None:
         self.endpoints = endpoints
         self.options = options
-        self.id = options.learner_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.id = resolve_learner_id(options)
         self.keys = Keys(endpoints.run_id)
         self._run_arg = run
         self.model_factory = model_factory
