@@ -130,3 +130,52 @@ def test_shard_restarted_from_checkpoint_resumes_at_same_versions(make_cluster):
     wait_until(lambda: min(f.version for f in restarted.frags.values()) > max(v for v, _, _ in saved.values()),
                30, what="merges after restart")
     assert not cluster.errors, cluster.errors
+
+
+def test_learner_that_misses_broadcasts_detects_the_gap_and_fetches_full_fragments(make_cluster):
+    from learner.core import Learner
+
+    class LossyLearner(Learner):
+        """Fault injection on a real learner: its network thread loses the first broadcasts."""
+        lost = 0
+
+        def _net_frag(self, msg, *, requested):
+            if not requested and self.lost < 12:
+                self.lost += 1
+                return
+            super()._net_frag(msg, requested=requested)
+
+    cluster = make_cluster(ASYNC)
+    cluster.start_shard(0, 1)
+    cluster.start_learner(cluster.learner("steady", 0, step_time_floor_ms=5))
+    base = cluster.learner("lossy", 1, step_time_floor_ms=5)
+    lossy = LossyLearner(endpoints=base.endpoints, options=base.options, model_factory=base.model_factory,
+                         data=base.data, loss_fn=base.loss_fn, run=base._run_arg, stop=base.stop)
+    cluster.start_learner(lossy)
+    wait_until(lambda: lossy.lost >= 12, 30, what="broadcasts lost")
+    wait_until(lambda: lossy.stats.fetches >= 1, 30, what="the lossy learner to request full fragments")
+    # repaired: it catches up with the shard's versions and keeps contributing
+    shard = cluster.shards[0]
+    wait_until(lambda: all(int(lossy.base_version[p]) >= f.version - 1 for p, f in shard.frags.items()), 30,
+               what="lossy learner back at the current versions")
+    wait_until(lambda: "lossy" in _merge_contributors(cluster), 30, what="lossy learner contributing")
+    assert not cluster.errors, cluster.errors
+
+
+def test_redis_restarting_empty_is_rebuilt_without_losing_progress(make_cluster, redis_server):
+    cluster = make_cluster(ASYNC)
+    shard = cluster.start_shard(0, 1)
+    learner = cluster.learner("l0", 0, step_time_floor_ms=5)
+    cluster.start_learner(learner)
+    wait_until(lambda: min(_versions(cluster).values()) >= 2, 30, what="merges before the Redis restart")
+    before = _versions(cluster)
+    redis_server.restart_empty()
+    r = control.connect(redis_server.url)
+    keys = Keys(cluster.endpoints.run_id)
+    wait_until(lambda: r.hget(keys.config, "digest") == ASYNC.digest(), 20, what="run config rebuilt by the shard")
+    wait_until(lambda: "l0" in control.live_learners(r, keys), 20, what="learner membership rebuilt")
+    wait_until(lambda: control.shard_endpoints(r, keys)[0] == 1, 20, what="shard endpoint rebuilt")
+    assert all(shard.frags[p].version >= v for p, v in before.items())  # no progress lost
+    wait_until(lambda: min(_versions(cluster).values()) >= max(before.values()) + 2, 30, what="merges after restart")
+    wait_until(lambda: int(r.hget(keys.fragment(0), "version") or 0) >= before[0], 20, what="fragment versions rebuilt")
+    assert not cluster.errors, cluster.errors
