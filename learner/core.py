@@ -164,6 +164,7 @@ class Learner:
         self._pending_open: dict[int, _Open] = {}
         self._answered: set[tuple[int, int, int]] = set()
         self._fetch_asked: dict[int, int] = {}
+        self._rollback: dict[int, int] = {}
         self._check_shard_plan()
 
     def _check_shard_plan(self) -> None:
@@ -297,11 +298,15 @@ class Learner:
             self._apply(item)
         elif isinstance(item, _Open):
             self._pending_open[item.fragment] = item
-            if item.version > self.base_version[item.fragment]:   # missed a broadcast: repair
-                self._request_fetch(item.fragment, item.version)
+            p = item.fragment
+            if item.version > self.base_version[p]:   # missed a broadcast: repair
+                self._request_fetch(p, item.version)
+            elif item.version < self.base_version[p]:  # the shard restarted from an older checkpoint
+                self._rollback[p] = item.version       # adopt its state: ours cannot be merged there
+                self._request_fetch(p, item.version, force=True)
 
-    def _request_fetch(self, p: int, version: int) -> None:
-        if self._fetch_asked.get(p, -1) >= version:
+    def _request_fetch(self, p: int, version: int, *, force: bool = False) -> None:
+        if not force and self._fetch_asked.get(p, -1) >= version:
             return
         self._fetch_asked[p] = version
         self.stats.fetches += 1
@@ -310,8 +315,10 @@ class Learner:
     def _apply(self, item: _Frag, *, joining: bool = False) -> None:
         """Overwrite θ_p with the merged Θ_p (α-mix when configured); reset counters (§6)."""
         p = item.fragment
-        if item.version <= self.base_version[p]:
+        rollback = item.requested and self._rollback.get(p) == item.version
+        if item.version <= self.base_version[p] and not rollback:
             return
+        self._rollback.pop(p, None)
         if not joining and not item.requested and item.version > self.base_version[p] + 1:
             self.stats.version_gaps += 1              # a lost broadcast, repaired by this full value
         frag = self.plan[p]

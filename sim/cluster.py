@@ -58,6 +58,9 @@ class FailureModel:
     """Elastic pause after a failure (re-mesh on the healthy slices)."""
     upscale_s: float = 5.0
     """Elastic pause when a repaired slice rejoins."""
+    rejoin_wait_s: float = 120.0
+    """Elastic: a repaired slice rejoins at the next pause, or after waiting at most this long
+    (then with its own upscale pause); 0 = rejoin at once."""
     restart_s: float = 72.0
     """Non-elastic data-parallel: time from a failure until the job trains again."""
     step_s: float = 1.0
@@ -67,7 +70,7 @@ class FailureModel:
         for name in ("chip_mtbi_years", "repair_s", "step_s"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)}")
-        for name in ("downscale_s", "upscale_s", "restart_s"):
+        for name in ("downscale_s", "upscale_s", "rejoin_wait_s", "restart_s"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
         if self.slice_chips < 1:
@@ -131,15 +134,22 @@ class RunResult:
 
 @dataclass(frozen=True)
 class _Slices:
-    """Sampled outages of one unit's slices, all arrays sorted by time."""
+    """Sampled outages of one unit's slices, arrays sorted by time."""
 
     chips_per_slice: float
-    fail_t: np.ndarray      # [F] failure times
+    fail_t: np.ndarray      # [F] failure times (each takes its slice out)
     fail_s: np.ndarray      # [F] slice of each failure
-    ret_t: np.ndarray       # [F'] repair-complete times (F' = F + slices down at t = 0), < horizon
-    ret_s: np.ndarray       # [F']
-    repair_lo: np.ndarray   # [R] repair intervals [lo, hi), clipped to the horizon
-    repair_hi: np.ndarray
+    ret_t: np.ndarray       # [R] repair-complete times before the horizon
+    ret_s: np.ndarray       # [R] slice of each
+    ret_lo: np.ndarray      # [R] when that outage began (0 for slices down at t = 0)
+    open_lo: np.ndarray     # outages still open at the horizon: when they began
+
+    @property
+    def down_lo(self) -> np.ndarray:
+        return np.concatenate([self.ret_lo, self.open_lo])
+
+    def down_hi(self, horizon_s: float) -> np.ndarray:
+        return np.concatenate([self.ret_t, np.full(len(self.open_lo), horizon_s)])
 
 
 def horizon_for(chips: int, model: FailureModel, failures: int) -> float:
@@ -150,8 +160,7 @@ def horizon_for(chips: int, model: FailureModel, failures: int) -> float:
 def _sample_slices(rng: np.random.Generator, n_slices: int, chips_per_slice: float,
                    model: FailureModel, horizon_s: float) -> _Slices:
     """Alternating renewal per slice (up ~ Exp, down = repair_s), stationary at t = 0."""
-    rate = chips_per_slice * model.chip_rate_per_s
-    mean_up = 1.0 / rate
+    mean_up = 1.0 / (chips_per_slice * model.chip_rate_per_s)
     p_down = model.repair_s / (model.repair_s + mean_up)
     down0 = rng.random(n_slices) < p_down
     # A slice down at t = 0 has a residual repair time uniform in [0, repair_s).
@@ -166,19 +175,17 @@ def _sample_slices(rng: np.random.Generator, n_slices: int, chips_per_slice: flo
             break
         width *= 2
     keep = fails < horizon_s
-    slice_idx = np.broadcast_to(np.arange(n_slices)[:, None], fails.shape)
-    f_t, f_s = fails[keep], slice_idx[keep]
+    f_t = fails[keep]
+    f_s = np.broadcast_to(np.arange(n_slices)[:, None], fails.shape)[keep]
     order = np.argsort(f_t, kind="stable")
     f_t, f_s = f_t[order], f_s[order]
-    r0_s = np.flatnonzero(down0)
-    r0_t = first_up[down0]
-    r_t = np.concatenate([r0_t, f_t + model.repair_s])
-    r_s = np.concatenate([r0_s, f_s])
-    lo = np.concatenate([np.zeros(len(r0_t)), f_t])
-    hi = np.minimum(r_t, horizon_s)
-    inside = r_t < horizon_s
-    order = np.argsort(r_t[inside], kind="stable")
-    return _Slices(chips_per_slice, f_t, f_s, r_t[inside][order], r_s[inside][order], lo, hi)
+    lo = np.concatenate([np.zeros(int(down0.sum())), f_t])
+    ret = np.concatenate([first_up[down0], f_t + model.repair_s])
+    slc = np.concatenate([np.flatnonzero(down0), f_s])
+    done = ret < horizon_s
+    order = np.argsort(ret[done], kind="stable")
+    return _Slices(chips_per_slice, f_t, f_s, ret[done][order], slc[done][order],
+                   lo[done][order], lo[~done])
 
 
 def _measure(lo: np.ndarray, hi: np.ndarray, run_lo: np.ndarray, run_hi: np.ndarray) -> np.ndarray:
@@ -195,49 +202,71 @@ def _measure(lo: np.ndarray, hi: np.ndarray, run_lo: np.ndarray, run_hi: np.ndar
     return np.interp(hi, bp, cum) - np.interp(lo, bp, cum)
 
 
-def _healthy_chips(sl: _Slices, n_slices: int, t: np.ndarray) -> np.ndarray:
-    """Chips of the unit's healthy slices just before each time in ``t`` (sorted or not)."""
-    # Slices down just before t: repair intervals with lo < t <= hi.
-    lo = np.sort(sl.repair_lo)
-    hi = np.sort(sl.repair_hi)
-    down = np.searchsorted(lo, t, side="left") - np.searchsorted(hi, t, side="left")
-    return (n_slices - down) * sl.chips_per_slice
+def _covering(lo: np.ndarray, hi: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """How many intervals [lo_i, hi_i) contain the instant just before each time in ``t``."""
+    return (np.searchsorted(np.sort(lo), t, side="left")
+            - np.searchsorted(np.sort(hi), t, side="left"))
 
 
-def _elastic_unit(sl: _Slices, n_slices: int, model: FailureModel,
-                  horizon_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Running intervals of one elastic unit and its failures that threw away a partial step.
+def _elastic_unit(sl: _Slices, n_slices: int, model: FailureModel, horizon_s: float
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Running intervals of one elastic unit.
 
-    Returns (run_lo, run_hi, loss_t, loss_chip_s): sorted disjoint running intervals, and for each
-    failure that hit the unit while it ran, its time and the chip-seconds thrown away.
+    A failure while running starts a ``downscale_s`` pause. A slice repaired while the unit runs
+    waits to rejoin at the next pause, or at most ``rejoin_wait_s``, after which it starts an
+    ``upscale_s`` pause itself. Every event during a pause is handled by that pause.
+
+    Returns (run_lo, run_hi, loss_t, loss_chip_s, out_lo, out_hi): sorted disjoint running
+    intervals; for each failure that interrupted a run, its time and the chip-seconds of the
+    partial step thrown away; and per slice outage the interval [failure, rejoin) during which
+    its chips are out of the unit.
     """
+    n_fail, n_ret = len(sl.fail_t), len(sl.ret_t)
     ev_t = np.concatenate([sl.fail_t, sl.ret_t])
-    ev_d = np.concatenate([np.full(len(sl.fail_t), model.downscale_s),
-                           np.full(len(sl.ret_t), model.upscale_s)])
-    ev_fail = np.concatenate([np.ones(len(sl.fail_t), bool), np.zeros(len(sl.ret_t), bool)])
+    ev_fail = np.concatenate([np.ones(n_fail, bool), np.zeros(n_ret, bool)])
     order = np.argsort(ev_t, kind="stable")
-    ev_t, ev_d, ev_fail = ev_t[order], ev_d[order], ev_fail[order]
-    # The only sequential part: an event starts a pause iff the unit is running at that time.
-    starts: list[int] = []
-    end = -math.inf
-    for i, (t, d) in enumerate(zip(ev_t.tolist(), ev_d.tolist())):
-        if t >= end:
-            starts.append(i)
-            end = t + d
-    idx = np.asarray(starts, dtype=np.int64)
-    p_lo = ev_t[idx]
-    p_hi = np.minimum(p_lo + ev_d[idx], horizon_s)
-    run_lo = np.concatenate([[0.0], p_hi])
-    run_hi = np.concatenate([p_lo, [horizon_s]])
+    down_s, up_s, wait_s = model.downscale_s, model.upscale_s, model.rejoin_wait_s
+    # The only sequential part: which events start a pause (O(events), a few thousand).
+    p_lo: list[float] = []
+    p_fail: list[bool] = []
+    end, pending = -math.inf, math.inf
+    for t, fail in zip(ev_t[order].tolist(), ev_fail[order].tolist()):
+        if pending <= t:                        # a repaired slice waited long enough: upscale
+            p_lo.append(pending)
+            p_fail.append(False)
+            end, pending = pending + up_s, math.inf
+        if t < end:
+            continue                            # handled by the pause in progress
+        if fail:
+            p_lo.append(t)
+            p_fail.append(True)
+            end, pending = t + down_s, math.inf
+        elif pending == math.inf:
+            pending = t + wait_s
+    if pending < horizon_s:
+        p_lo.append(pending)
+        p_fail.append(False)
+    lo = np.asarray(p_lo, dtype=np.float64)
+    hit = np.asarray(p_fail, dtype=bool)
+    hi = np.minimum(lo + np.where(hit, down_s, up_s), horizon_s)
+    run_lo = np.concatenate([[0.0], hi])
+    run_hi = np.concatenate([lo, [horizon_s]])
     ok = run_hi > run_lo
+    # When does each repaired slice rejoin? At once if a pause is in progress, else at the start
+    # of the next pause (its own upscale at the latest).
+    i = np.searchsorted(lo, sl.ret_t, side="right") - 1
+    in_pause = (i >= 0) & (sl.ret_t < hi[np.maximum(i, 0)] if len(lo) else False)
+    nxt = np.append(lo, horizon_s)[np.minimum(i + 1, len(lo))]
+    join = np.where(in_pause, sl.ret_t, nxt)
+    out_lo = np.concatenate([sl.ret_lo, sl.open_lo])
+    out_hi = np.concatenate([join, np.full(len(sl.open_lo), horizon_s)])
     # A failure that starts a pause interrupted a run: the partial step since the run began
-    # (steps are back to back from the run start) is thrown away on every healthy chip.
-    hit = ev_fail[idx]
-    t_hit = p_lo[hit]
+    # (steps are back to back from the run start) is thrown away on every chip in the unit.
+    t_hit = lo[hit]
     began = run_lo[:-1][hit]
-    partial = np.mod(t_hit - began, model.step_s)
-    loss = partial * _healthy_chips(sl, n_slices, t_hit)
-    return run_lo[ok], run_hi[ok], t_hit, loss
+    active = n_slices - _covering(out_lo, out_hi, t_hit)
+    loss = np.mod(t_hit - began, model.step_s) * active * sl.chips_per_slice
+    return run_lo[ok], run_hi[ok], t_hit, loss, out_lo, out_hi
 
 
 def _nonelastic_unit(sl: _Slices, n_slices: int, model: FailureModel,
@@ -247,10 +276,9 @@ def _nonelastic_unit(sl: _Slices, n_slices: int, model: FailureModel,
     Returns (run_lo, run_hi, useful_chip_s) per running interval, the thrown-away partial step
     already subtracted.
     """
-    n_fail = len(sl.fail_t)
     ev_t = np.concatenate([sl.fail_t, sl.ret_t])
     ev_s = np.concatenate([sl.fail_s, sl.ret_s])
-    ev_fail = np.concatenate([np.ones(n_fail, bool), np.zeros(len(sl.ret_t), bool)])
+    ev_fail = np.concatenate([np.ones(len(sl.fail_t), bool), np.zeros(len(sl.ret_t), bool)])
     order = np.argsort(ev_t, kind="stable")
     # A slice is in the job iff it was healthy when the job last (re)started, i.e. its last
     # repair completed no later than that start (a slice down at t = 0 returns later, so it is
@@ -273,7 +301,8 @@ def _nonelastic_unit(sl: _Slices, n_slices: int, model: FailureModel,
         runs.append((restart_end, horizon_s))
     arr = np.asarray(runs, dtype=np.float64).reshape(-1, 2)
     run_lo, run_hi = arr[:, 0], arr[:, 1]
-    chips = _healthy_chips(sl, n_slices, np.nextafter(run_lo, np.inf))
+    chips = (n_slices - _covering(sl.down_lo, sl.down_hi(horizon_s), np.nextafter(run_lo, np.inf))
+             ) * sl.chips_per_slice
     # Each interval but a last one reaching the horizon ended with a failure: partial step lost.
     ended = run_hi < horizon_s
     lost = np.where(ended, np.mod(run_hi - run_lo, model.step_s), 0.0)
@@ -325,14 +354,13 @@ def simulate(scenario: Scenario, model: FailureModel = FailureModel(), *, seed: 
     runs = [_elastic_unit(u, n_slices, model, horizon) for u in units]
     adv_lo, adv_hi = _level_set([r[0] for r in runs], [r[1] for r in runs], k)
     useful = 0.0
-    for sl, (run_lo, run_hi, loss_t, loss) in zip(units, runs):
+    for run_lo, run_hi, loss_t, loss, out_lo, out_hi in runs:
         if k > 1:
             # Only compute done while the global model advances counts; the rest is blocked.
             run_lo, run_hi = _level_set([run_lo, adv_lo], [run_hi, adv_hi], 2)
-            inside = _measure(loss_t - 1e-9, loss_t, adv_lo, adv_hi) > 0
-            loss = loss[inside]
+            loss = loss[_covering(adv_lo, adv_hi, loss_t) > 0]
         useful += (n / m) * float((run_hi - run_lo).sum())
-        useful -= cps * float(_measure(sl.repair_lo, sl.repair_hi, run_lo, run_hi).sum())
+        useful -= cps * float(_measure(out_lo, out_hi, run_lo, run_hi).sum())
         useful -= float(loss.sum())
     return RunResult(useful / (n * horizon), float((adv_hi - adv_lo).sum() / horizon),
                      n_failures, horizon)

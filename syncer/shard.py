@@ -296,7 +296,7 @@ class Shard:
             decision, reason = decide_round(now, view, self.policy, grace_s=grace)
             if decision is Decision.MERGE:
                 self._merge(f, now, reason, grace)
-            elif decision is Decision.WAIT_QUORUM and now - rnd.last_sent_at >= self.options.reopen_after_steps * xi_step:
+            elif decision is Decision.WAIT_QUORUM and now - rnd.last_sent_at >= self._reopen_after_s(rnd, xi_step):
                 rnd.attempt += 1
                 self.stats.reopens += 1
                 self._send_open(f, now)
@@ -313,6 +313,11 @@ class Shard:
             f.next_round += 1
             f.last_opened_at = now
             self._send_open(f, now)
+
+    def _reopen_after_s(self, rnd: OpenRound, xi_step: float) -> float:
+        """Re-send an unanswered open (it may have been lost) with exponential backoff, so a
+        round that simply waits for slow learners does not make fast ones re-answer often."""
+        return self.options.reopen_after_steps * xi_step * (2 ** min(rnd.attempt, 6))
 
     def _send_open(self, f: FragmentState, now: float) -> None:
         rnd = f.round

@@ -179,3 +179,30 @@ def test_redis_restarting_empty_is_rebuilt_without_losing_progress(make_cluster,
     wait_until(lambda: min(_versions(cluster).values()) >= max(before.values()) + 2, 30, what="merges after restart")
     wait_until(lambda: int(r.hget(keys.fragment(0), "version") or 0) >= before[0], 20, what="fragment versions rebuilt")
     assert not cluster.errors, cluster.errors
+
+
+def test_shard_crash_resumes_from_older_checkpoint_and_learners_follow_it(make_cluster):
+    cluster = make_cluster(ASYNC)
+    shard = cluster.start_shard(0, 1, checkpoint_every_merges=5)
+    learner = cluster.learner("l0", 0, step_time_floor_ms=5)
+    cluster.start_learner(learner)
+    shard.checkpoint_calls = 0
+    real_checkpoint = shard.checkpoint
+
+    def counted_checkpoint() -> None:
+        shard.checkpoint_calls += 1
+        real_checkpoint()
+    shard.checkpoint = counted_checkpoint
+    wait_until(lambda: shard.checkpoint_calls >= 2 and shard._merges_since_ckpt >= 2, 30,
+               what="checkpoints, then merges after the last one")
+    shard.checkpoint = lambda: None            # crash: no checkpoint on the way down
+    cluster.stop_shard(0)
+    wait_until(lambda: shard._ctx is None, 10, what="shard gone")
+    crashed_at = {p: f.version for p, f in shard.frags.items()}
+    restarted = cluster.start_shard(0, 1)
+    resumed = {p: f.version for p, f in restarted.frags.items()}
+    assert all(resumed[p] <= crashed_at[p] for p in resumed) and resumed != crashed_at, (resumed, crashed_at)
+    # the learner adopts the shard's (older) state and merges go on past the crash point
+    wait_until(lambda: all(f.version > crashed_at[p] + 1 for p, f in restarted.frags.items()), 60,
+               what="every fragment merged past the crash point")
+    assert not cluster.errors, cluster.errors
