@@ -11,14 +11,16 @@ Failure model (every number is a field of ``FailureModel``):
 
 The three ways of training on ``chips`` chips:
 
-- **Non-elastic data-parallel** (``mode="dp"``): a failure of a chip in the job stops it; the
-  restart takes ``restart_s``; failures during a restart are absorbed by it. The restarted job
-  runs on every slice healthy at that moment; a slice repaired while the job runs stays idle
-  until the next restart (a fixed-size job cannot grow).
+- **Non-elastic data-parallel** (``mode="dp"``): a fixed-size job on ``1 − dp_spare_fraction``
+  of the slices; the others are hot spares (provisioned, never training). A failure of one of
+  the job's chips stops it; after ``restart_s`` it runs again on healthy slices (spares replace
+  the failed ones; it waits for repairs only if too few are healthy). Failures during a restart
+  are absorbed by it; failures of spares do not stop the job.
 - **Elastic data-parallel** (``mode="elastic"``): a failure pauses the job ``downscale_s``, after
-  which it runs on the healthy slices; a repaired slice pauses it ``upscale_s`` to rejoin. A
-  reconfiguration applies every membership change that arrives while it is in progress (events
-  during a pause are absorbed, they do not extend it).
+  which it runs on the healthy slices. A repaired slice rejoins at the next pause, or once it
+  has waited ``rejoin_wait_s``, with an ``upscale_s`` pause of its own (re-admissions are
+  batched with downscales when failures are frequent). A pause handles every membership change
+  that arrives while it is in progress (such events do not extend it).
 - **Decoupled DiLoCo** (``mode="diloco"``): M learners of N/M chips; each learner is an elastic
   unit as above, with its own slices, and never waits for the others. The global model advances
   while at least K learners step. With K > 1, compute done while fewer than K learners step
@@ -30,7 +32,7 @@ from the last (re)start).
 Definitions (ALGORITHM.md §9): goodput = useful chip-seconds / (chips · wall time); uptime =
 fraction of wall time during which the global model advances. The simulation is vectorised
 with numpy (failure sampling, repair-interval arithmetic); the only Python loop is the O(events)
-scan that decides which events start a pause, a few thousand per run.
+scan that decides which events start a pause (O(failures) per run).
 """
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ import numpy as np
 
 SECONDS_PER_YEAR = 365.25 * 86400.0
 MODES = ("dp", "elastic", "diloco")
+DEFAULT_FAILURES = 40_000
+"""Chip failures sampled per seed and scenario by default (a 95 % CI of ~0.1-0.3 points)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,17 +56,21 @@ class FailureModel:
     """Mean time between interruptions of one chip [paper: 1 year]."""
     slice_chips: int = 1024
     """Chips taken out together by one chip failure (the swappable unit)."""
-    repair_s: float = 900.0
+    repair_s: float = 600.0
     """Time until a failed slice is healthy again."""
-    downscale_s: float = 15.0
+    downscale_s: float = 19.0
     """Elastic pause after a failure (re-mesh on the healthy slices)."""
-    upscale_s: float = 5.0
+    upscale_s: float = 10.0
     """Elastic pause when a repaired slice rejoins."""
     rejoin_wait_s: float = 120.0
     """Elastic: a repaired slice rejoins at the next pause, or after waiting at most this long
     (then with its own upscale pause); 0 = rejoin at once."""
-    restart_s: float = 72.0
+    restart_s: float = 69.0
     """Non-elastic data-parallel: time from a failure until the job trains again."""
+    dp_spare_fraction: float = 0.105
+    """Non-elastic data-parallel: fraction of the slices kept as hot spares. The job has a
+    fixed size and restarts on spares instead of waiting for repairs; spares are provisioned
+    compute that does not train (0 = no spares: a restart waits for the repair)."""
     step_s: float = 1.0
     """Training step time; a failure throws away the partial step in flight."""
 
@@ -73,6 +81,8 @@ class FailureModel:
         for name in ("downscale_s", "upscale_s", "rejoin_wait_s", "restart_s"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.dp_spare_fraction < 1.0:
+            raise ValueError(f"dp_spare_fraction must be in [0, 1), got {self.dp_spare_fraction}")
         if self.slice_chips < 1:
             raise ValueError(f"slice_chips must be >= 1, got {self.slice_chips}")
 
@@ -138,19 +148,9 @@ class _Slices:
 
     chips_per_slice: float
     fail_t: np.ndarray      # [F] failure times (each takes its slice out)
-    fail_s: np.ndarray      # [F] slice of each failure
     ret_t: np.ndarray       # [R] repair-complete times before the horizon
-    ret_s: np.ndarray       # [R] slice of each
     ret_lo: np.ndarray      # [R] when that outage began (0 for slices down at t = 0)
     open_lo: np.ndarray     # outages still open at the horizon: when they began
-
-    @property
-    def down_lo(self) -> np.ndarray:
-        return np.concatenate([self.ret_lo, self.open_lo])
-
-    def down_hi(self, horizon_s: float) -> np.ndarray:
-        return np.concatenate([self.ret_t, np.full(len(self.open_lo), horizon_s)])
-
 
 def horizon_for(chips: int, model: FailureModel, failures: int) -> float:
     """Wall time over which ``chips`` chips see about ``failures`` failures."""
@@ -174,18 +174,12 @@ def _sample_slices(rng: np.random.Generator, n_slices: int, chips_per_slice: flo
         if (fails[:, -1] >= horizon_s).all():
             break
         width *= 2
-    keep = fails < horizon_s
-    f_t = fails[keep]
-    f_s = np.broadcast_to(np.arange(n_slices)[:, None], fails.shape)[keep]
-    order = np.argsort(f_t, kind="stable")
-    f_t, f_s = f_t[order], f_s[order]
+    f_t = np.sort(fails[fails < horizon_s])
     lo = np.concatenate([np.zeros(int(down0.sum())), f_t])
     ret = np.concatenate([first_up[down0], f_t + model.repair_s])
-    slc = np.concatenate([np.flatnonzero(down0), f_s])
     done = ret < horizon_s
     order = np.argsort(ret[done], kind="stable")
-    return _Slices(chips_per_slice, f_t, f_s, ret[done][order], slc[done][order],
-                   lo[done][order], lo[~done])
+    return _Slices(chips_per_slice, f_t, ret[done][order], lo[done][order], lo[~done])
 
 
 def _measure(lo: np.ndarray, hi: np.ndarray, run_lo: np.ndarray, run_hi: np.ndarray) -> np.ndarray:
@@ -226,7 +220,7 @@ def _elastic_unit(sl: _Slices, n_slices: int, model: FailureModel, horizon_s: fl
     ev_fail = np.concatenate([np.ones(n_fail, bool), np.zeros(n_ret, bool)])
     order = np.argsort(ev_t, kind="stable")
     down_s, up_s, wait_s = model.downscale_s, model.upscale_s, model.rejoin_wait_s
-    # The only sequential part: which events start a pause (O(events), a few thousand).
+    # The only sequential part: which events start a pause (O(events)).
     p_lo: list[float] = []
     p_fail: list[bool] = []
     end, pending = -math.inf, math.inf
@@ -269,44 +263,56 @@ def _elastic_unit(sl: _Slices, n_slices: int, model: FailureModel, horizon_s: fl
     return run_lo[ok], run_hi[ok], t_hit, loss, out_lo, out_hi
 
 
-def _nonelastic_unit(sl: _Slices, n_slices: int, model: FailureModel,
-                     horizon_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Running intervals of a non-elastic job and the chips it ran on in each.
+def dp_job_slices(n_slices: int, model: FailureModel) -> int:
+    """Slices of the fixed-size non-elastic job; the rest are hot spares."""
+    return max(1, round(n_slices * (1.0 - model.dp_spare_fraction)))
 
-    Returns (run_lo, run_hi, useful_chip_s) per running interval, the thrown-away partial step
-    already subtracted.
+
+def _nonelastic_unit(sl: _Slices, n_slices: int, model: FailureModel, horizon_s: float,
+                     pick: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Running intervals of a fixed-size job of J slices with the other slices as hot spares.
+
+    A failure of one of the job's slices stops it; after ``restart_s`` it runs again on any J
+    healthy slices (waiting for repairs if fewer are healthy). Healthy slices are exchangeable
+    (same failure rate, memoryless), so the slice that fails is one of the job's with
+    probability J / healthy: ``pick`` holds one uniform draw per failure for that choice.
+
+    Returns (run_lo, run_hi, useful_chip_s) per running interval, the partial step in flight at
+    each interrupting failure subtracted.
     """
+    job = dp_job_slices(n_slices, model)
     ev_t = np.concatenate([sl.fail_t, sl.ret_t])
-    ev_s = np.concatenate([sl.fail_s, sl.ret_s])
     ev_fail = np.concatenate([np.ones(len(sl.fail_t), bool), np.zeros(len(sl.ret_t), bool)])
+    ev_u = np.concatenate([pick, np.zeros(len(sl.ret_t))])
     order = np.argsort(ev_t, kind="stable")
-    # A slice is in the job iff it was healthy when the job last (re)started, i.e. its last
-    # repair completed no later than that start (a slice down at t = 0 returns later, so it is
-    # not in the job until the next restart).
-    last_return = [-math.inf] * n_slices
+    healthy = n_slices - int(np.sum(sl.ret_lo == 0.0)) - int(np.sum(sl.open_lo == 0.0))
     runs: list[tuple[float, float]] = []
-    running, run_start, restart_end = True, 0.0, 0.0
-    for t, s, fail in zip(ev_t[order].tolist(), ev_s[order].tolist(), ev_fail[order].tolist()):
-        if not running and t >= restart_end:
-            running, run_start = True, restart_end
-        if not fail:
-            last_return[s] = t
-            continue
-        if running and last_return[s] <= run_start:
-            runs.append((run_start, t))
-            running, restart_end = False, t + model.restart_s
+    running, waiting = healthy >= job, healthy < job
+    run_start, restart_end = 0.0, 0.0
+    for t, fail, u in zip(ev_t[order].tolist(), ev_fail[order].tolist(), ev_u[order].tolist()):
+        if not running and not waiting and t >= restart_end:      # restart done
+            if healthy >= job:
+                running, run_start = True, restart_end
+            else:
+                waiting = True
+        if fail:
+            if running and u * healthy < job:                     # it hit the job
+                runs.append((run_start, t))
+                running, restart_end = False, t + model.restart_s
+            healthy -= 1
+        else:
+            healthy += 1
+            if waiting and healthy >= job:
+                waiting, running, run_start = False, True, t
     if running:
         runs.append((run_start, horizon_s))
-    elif restart_end < horizon_s:
+    elif not waiting and restart_end < horizon_s and healthy >= job:
         runs.append((restart_end, horizon_s))
     arr = np.asarray(runs, dtype=np.float64).reshape(-1, 2)
     run_lo, run_hi = arr[:, 0], arr[:, 1]
-    chips = (n_slices - _covering(sl.down_lo, sl.down_hi(horizon_s), np.nextafter(run_lo, np.inf))
-             ) * sl.chips_per_slice
-    # Each interval but a last one reaching the horizon ended with a failure: partial step lost.
     ended = run_hi < horizon_s
     lost = np.where(ended, np.mod(run_hi - run_lo, model.step_s), 0.0)
-    return run_lo, run_hi, (run_hi - run_lo - lost) * chips
+    return run_lo, run_hi, (run_hi - run_lo - lost) * job * sl.chips_per_slice
 
 
 def _level_set(los: list[np.ndarray], his: list[np.ndarray],
@@ -331,23 +337,30 @@ def _unit_layout(chips: float, model: FailureModel) -> tuple[int, float]:
 
 
 def simulate(scenario: Scenario, model: FailureModel = FailureModel(), *, seed: int = 0,
-             failures: int = 4000) -> RunResult:
-    """One seed: sample about ``failures`` chip failures and measure goodput and uptime.
+             failures: int = DEFAULT_FAILURES, horizon_s: float | None = None) -> RunResult:
+    """One seed: sample about ``failures`` chip failures (or simulate ``horizon_s`` seconds when
+    given) and measure goodput and uptime.
 
     The random stream depends on (seed, chips, learners) only, so the data-parallel modes and
     M = 1 see identical failures.
     """
-    if failures < 1:
-        raise ValueError(f"failures must be >= 1, got {failures}")
+    if horizon_s is None:
+        if failures < 1:
+            raise ValueError(f"failures must be >= 1, got {failures}")
+        horizon = horizon_for(scenario.chips, model, failures)
+    elif math.isfinite(horizon_s) and horizon_s > 0:
+        horizon = float(horizon_s)
+    else:
+        raise ValueError(f"horizon_s must be finite and > 0, got {horizon_s}")
     n, m, k = scenario.chips, scenario.learners, scenario.quorum
-    horizon = horizon_for(n, model, failures)
     rng = np.random.default_rng([seed, n, m])
     n_slices, cps = _unit_layout(n / m, model)
     units = [_sample_slices(rng, n_slices, cps, model, horizon) for _ in range(m)]
     n_failures = sum(len(u.fail_t) for u in units)
 
     if scenario.mode == "dp":
-        run_lo, run_hi, useful = _nonelastic_unit(units[0], n_slices, model, horizon)
+        pick = rng.random(len(units[0].fail_t))
+        run_lo, run_hi, useful = _nonelastic_unit(units[0], n_slices, model, horizon, pick)
         return RunResult(float(useful.sum() / (n * horizon)),
                          float((run_hi - run_lo).sum() / horizon), n_failures, horizon)
 
@@ -409,7 +422,7 @@ class Summary:
 
 
 def simulate_seeds(scenario: Scenario, model: FailureModel = FailureModel(), *, seeds: int = 5,
-                   failures: int = 4000, first_seed: int = 0) -> Summary:
+                   failures: int = DEFAULT_FAILURES, first_seed: int = 0) -> Summary:
     """``simulate`` over seeds first_seed .. first_seed + seeds - 1."""
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from sim.cluster import FailureModel, Scenario, Summary, simulate_seeds
+from sim.cluster import DEFAULT_FAILURES, FailureModel, Scenario, Summary, simulate_seeds
 
 CHIPS: tuple[int, ...] = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)
 """Table 1's columns."""
@@ -71,7 +71,7 @@ class Cell:
 
 
 def build_table(model: FailureModel = FailureModel(), *, seeds: int = 5,
-                failures: int = 10_000) -> list[Cell]:
+                failures: int = DEFAULT_FAILURES) -> list[Cell]:
     """Every cell of Table 1, row-major, with the same parameter set."""
     return [Cell(row, chips, simulate_seeds(scenario_for(row, chips), model, seeds=seeds,
                                             failures=failures), PAPER_GOODPUT_PCT[row][j])
@@ -107,7 +107,7 @@ def plot_table(cells: list[Cell], path: str | os.PathLike[str]) -> None:
     from common.plot import Series, line_chart
 
     xs = list(CHIPS)
-    ours = [Series(f"{row} ours", xs, [c.ours_pct for c in cells if c.row == row], "line+points")
+    ours = [Series(f"{row} ours", xs, [c.ours_pct for c in cells if c.row == row], "line")
             for row in ROWS]
     paper = [Series(f"{row} paper", xs, list(PAPER_GOODPUT_PCT[row]), "points") for row in ROWS]
     line_chart(path, ours + paper, title="Goodput vs chips: ours (lines) and the paper (dots)",

@@ -186,16 +186,18 @@ def test_shard_crash_resumes_from_older_checkpoint_and_learners_follow_it(make_c
     shard = cluster.start_shard(0, 1, checkpoint_every_merges=5)
     learner = cluster.learner("l0", 0, step_time_floor_ms=5)
     cluster.start_learner(learner)
-    shard.checkpoint_calls = 0
+    calls = [0]
     real_checkpoint = shard.checkpoint
 
-    def counted_checkpoint() -> None:
-        shard.checkpoint_calls += 1
-        real_checkpoint()
-    shard.checkpoint = counted_checkpoint
-    wait_until(lambda: shard.checkpoint_calls >= 2 and shard._merges_since_ckpt >= 2, 30,
-               what="checkpoints, then merges after the last one")
-    shard.checkpoint = lambda: None            # crash: no checkpoint on the way down
+    def two_checkpoints_then_none() -> None:  # decided on the shard's own thread: no race
+        if calls[0] < 2:
+            real_checkpoint()
+            calls[0] += 1
+    shard.checkpoint = two_checkpoints_then_none
+
+    def crash_after_unsaved_merges() -> bool:
+        return calls[0] >= 2 and shard._merges_since_ckpt >= 2
+    wait_until(crash_after_unsaved_merges, 30, what="checkpoints, then merges after the last one")
     cluster.stop_shard(0)
     wait_until(lambda: shard._ctx is None, 10, what="shard gone")
     crashed_at = {p: f.version for p, f in shard.frags.items()}
