@@ -234,7 +234,7 @@ class UpOptions:
     """Wall-clock cap of the run."""
     report_dir: str = ""
     """Write report.json and plots here (empty: no report)."""
-    eval_every_s: float = 20.0
+    eval_every_s: float = 8.0
     """Evaluate the global model this often during the run."""
     seed: int = 0
     """Seed of the run (model init, data split, learner streams)."""

@@ -134,8 +134,14 @@ def due_fragments(
     tau: int,
     started_s: float,
     n_fragments: int,
+    min_spacing_s: float = 0.0,
+    last_open_any_s: float | None = None,
 ) -> list[int]:
     """Owned fragments to open now, most overdue first (ties: lowest index).
+
+    With ``min_spacing_s > 0`` at most one fragment opens per call and none before
+    ``last_open_any_s + min_spacing_s``: a shard then opens its fragments round-robin, evenly
+    spaced over the period, so late rounds do not bunch up into bursts that stay bunched.
 
     A fragment never opened is due at ``started_s + period_s * p / n_fragments`` (staggered so
     that about one fragment in the whole model is in motion per ``period_s / n_fragments``);
@@ -150,6 +156,10 @@ def due_fragments(
     capacity = tau - len(in_flight)
     if capacity <= 0:
         return []
+    if min_spacing_s > 0:
+        if last_open_any_s is not None and now_s < last_open_any_s + min_spacing_s:
+            return []
+        capacity = 1
     due: list[tuple[float, int]] = []
     for p in owned:
         if p in in_flight:

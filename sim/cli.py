@@ -39,6 +39,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+MAX_FAILURES = 5_000_000
+
+
+def _failures(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_FAILURES:
+        raise argparse.ArgumentTypeError(f"at most {MAX_FAILURES:,} failures per seed, got {text}")
+    return value
+
+
 def _float(text: str) -> float:
     try:
         value = float(text)
@@ -73,8 +83,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 def _add_seed_flags(p: argparse.ArgumentParser, *, failures: int) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--seeds", type=_positive_int, default=5, help="seeds to average (default 5)")
-    g.add_argument("--failures", type=_positive_int, default=failures,
-                   help=f"chip failures sampled per seed and cell (default {failures})")
+    g.add_argument("--failures", type=_failures, default=failures,
+                   help=f"chip failures sampled per seed and cell (default {failures}, "
+                   f"at most {MAX_FAILURES:,})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -247,7 +258,7 @@ def cmd_bandwidth(args: argparse.Namespace) -> int:
     print(f"WAN bandwidth to keep >= {cfg.utilisation:.0%} compute utilisation, "
           f"{cfg.params:.3g} parameters, {cfg.step_s:g} s steps")
     print()
-    print("| method | codec | Gbit/s | paper Gbit/s |")
+    print("| method | codec | Gbit/s | paper Gbit/s (its model size) |")
     print("|---|---|---|---|")
     names = {"dp": "data-parallel", "diloco": "Decoupled DiLoCo"}
     for r in rows:

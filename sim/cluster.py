@@ -43,6 +43,8 @@ import numpy as np
 
 SECONDS_PER_YEAR = 365.25 * 86400.0
 MODES = ("dp", "elastic", "diloco")
+MAX_SAMPLES = 50_000_000
+"""Cap on sampled up-times per unit (memory: 8 bytes each)."""
 DEFAULT_FAILURES = 40_000
 """Chip failures sampled per seed and scenario by default (a 95 % CI of ~0.1-0.3 points)."""
 
@@ -167,6 +169,9 @@ def _sample_slices(rng: np.random.Generator, n_slices: int, chips_per_slice: flo
     first_up = np.where(down0, rng.random(n_slices) * model.repair_s, 0.0)
     expected = horizon_s / (mean_up + model.repair_s)
     width = int(expected + 8.0 * math.sqrt(expected) + 8)
+    if n_slices * width > MAX_SAMPLES:
+        raise ValueError(f"{n_slices:,} slices x {width:,} failures each is too large to sample; "
+                         "use fewer chips, bigger slices or fewer failures")
     while True:
         ups = rng.exponential(mean_up, size=(n_slices, width))
         # failure k of a slice = first_up + sum_{j<=k} up_j + k * repair_s

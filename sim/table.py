@@ -1,6 +1,7 @@
 """The paper's Table 1 (goodput vs chips and learners) reproduced with ``sim.cluster``."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -110,6 +111,8 @@ def plot_table(cells: list[Cell], path: str | os.PathLike[str]) -> None:
     ours = [Series(f"{row} ours", xs, [c.ours_pct for c in cells if c.row == row], "line")
             for row in ROWS]
     paper = [Series(f"{row} paper", xs, list(PAPER_GOODPUT_PCT[row]), "points") for row in ROWS]
-    line_chart(path, ours + paper, title="Goodput vs chips: ours (lines) and the paper (dots)",
+    # An unlabelled, invisible series widens the x range so the end points are not clipped.
+    margin = Series("", [CHIPS[0] / 1.25, CHIPS[-1] * 1.25], [math.nan, math.nan], "points")
+    line_chart(path, ours + paper + [margin], title="Goodput vs chips: ours (lines) and the paper (dots)",
                xlabel="chips (log scale)", ylabel="goodput %", logx=True, size=(900, 600),
                ylim=(0.0, 100.0))

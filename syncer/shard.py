@@ -306,8 +306,10 @@ class Shard:
         else:
             period, tau = algo.sync_every_steps * self._xi_step(slowest=False), algo.tau
         last = {p: f.last_opened_at for p, f in self.frags.items() if f.last_opened_at is not None}
+        spacing = period / len(self.frags)
         for p in due_fragments(now, owned=list(self.frags), last_opened_s=last, in_flight=in_flight,
-                               period_s=period, tau=tau, started_s=self.started_at, n_fragments=algo.fragments):
+                               period_s=period, tau=tau, started_s=self.started_at, n_fragments=algo.fragments,
+                               min_spacing_s=spacing, last_open_any_s=max(last.values(), default=None)):
             f = self.frags[p]
             f.round = OpenRound(round_id=f.next_round, opened_at=now)
             f.next_round += 1

@@ -175,3 +175,14 @@ def test_ema_rejects_bad_alpha_and_non_finite_observations() -> None:
         Ema(alpha=0.0)
     with pytest.raises(ValueError, match="finite"):
         Ema().update(float("nan"))
+
+
+def test_due_fragments_with_spacing_open_one_at_a_time_evenly() -> None:
+    owned = [0, 2, 4, 6]
+    last = {0: 0.0, 2: 0.0, 4: 0.0, 6: 0.0}  # bunched: all opened at t=0
+    kw = dict(owned=owned, last_opened_s=last, in_flight=(), period_s=8.0, tau=4, started_s=0.0,
+              n_fragments=8, min_spacing_s=2.0)
+    assert due_fragments(8.0, last_open_any_s=0.0, **kw) == [0]          # all due, only one opens
+    assert due_fragments(9.0, last_open_any_s=8.0, **kw) == []           # too soon after the last open
+    assert due_fragments(10.0, last_open_any_s=8.0, **{**kw, "last_opened_s": {**last, 0: 8.0}}) == [2]
+    assert due_fragments(8.0, last_open_any_s=None, **{**kw, "min_spacing_s": 0.0}) == [0, 2, 4, 6]
