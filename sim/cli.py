@@ -94,7 +94,7 @@ def _model(args: argparse.Namespace) -> FailureModel:
 
 
 def _est(e: Estimate) -> dict[str, float | None]:
-    return {"mean": e.mean, "ci95": None if math.isnan(e.ci95) else e.ci95}
+    return {"mean": e.mean, "ci95": e.ci95}
 
 
 def _summary_dict(s: Summary) -> dict[str, Any]:
@@ -103,8 +103,19 @@ def _summary_dict(s: Summary) -> dict[str, Any]:
             "failures_min_per_seed": s.failures_min, "failures_total": s.failures_total}
 
 
+def _finite(obj: Any) -> Any:
+    """NaN/inf (e.g. a CI from one seed) become null: the output stays strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def _print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, sort_keys=False))
+    print(json.dumps(_finite(obj), indent=2, allow_nan=False))
 
 
 def _pm(e: Estimate, scale: float = 100.0) -> str:
@@ -218,8 +229,10 @@ def cmd_hetero(args: argparse.Namespace) -> int:
           "| round open->merge (steps) |")
     print("|---|---|---|---|---|")
     for r in rows:
-        def pct(d: dict[str, float | None]) -> str:
-            ci = "" if d["ci95"] is None else f" ±{100 * d['ci95']:.1f}"
+        def pct(d: dict[str, float]) -> str:
+            if not math.isfinite(d["mean"]):
+                return "n/a"
+            ci = f" ±{100 * d['ci95']:.1f}" if math.isfinite(d["ci95"]) else ""
             return f"{100 * d['mean']:.1f}{ci}"
         lat = r["merge_latency_steps"]
         print(f"| {r['policy']} | {pct(r['goodput'])} | {pct(r['included'])} | "

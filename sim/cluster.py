@@ -390,12 +390,13 @@ _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 
 
 
 def t_quantile_975(df: int) -> float:
-    """Student-t 97.5 % quantile (table, conservative between entries; 1.96 beyond 30)."""
+    """Student-t 97.5 % quantile (table; between entries the next smaller df's, which is
+    conservative; the normal 1.96 beyond 30)."""
     if df < 1:
         return math.nan
     if df > 30:
         return 1.96
-    return _T975[min(d for d in _T975 if d >= df)]
+    return _T975[max(d for d in _T975 if d <= df)]
 
 
 @dataclass(frozen=True)

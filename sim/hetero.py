@@ -172,11 +172,15 @@ def _lockstep(rng: np.random.Generator, cfg: HeteroConfig) -> HeteroResult:
                         latency / cfg.rounds / cfg.step_s, cfg.rounds)
 
 
-def _decoupled(rng: np.random.Generator, cfg: HeteroConfig, quorum: int, grace: bool) -> HeteroResult:
+class _OutOfSteps(Exception):
+    """The pre-drawn step times ended before the last round: draw more."""
+
+
+def _decoupled(rng: np.random.Generator, cfg: HeteroConfig, quorum: int, grace: bool,
+               n_steps: int) -> HeteroResult:
     m = cfg.learners
     policy = QuorumPolicy(quorum=quorum, tau=cfg.tau, grace_gamma=cfg.grace_gamma,
                           grace_enabled=grace)
-    n_steps = int(cfg.rounds * cfg.steps_per_round * (1 + max(cfg.slowdown, 0)) * 1.3) + 64
     durations = _step_times(rng, cfg, n_steps)
     bounds = np.cumsum(durations, axis=1)                     # [M, n_steps] step boundaries
     # Per-learner EMA of its step time, as the learner reports it after each step.
@@ -189,19 +193,20 @@ def _decoupled(rng: np.random.Generator, cfg: HeteroConfig, quorum: int, grace: 
     opened: list[float] = []
     merged: list[float] = []
     included, included_slow, latency = 0.0, 0.0, 0.0
-    now = 0.0
+    known_at = 0.0
     for r in range(cfg.rounds):
-        # What the syncer knows at ``now``: each learner's last reported step-time EMA.
-        last = np.array([np.searchsorted(bounds[i], now, side="right") - 1 for i in range(m)])
+        # What the syncer knows when it schedules: each learner's last reported step-time EMA.
+        last = np.array([np.searchsorted(bounds[i], known_at, side="right") - 1
+                         for i in range(m)])
         xi = np.where(last >= 0, ema[np.arange(m), np.maximum(last, 0)], cfg.step_s)
         spacing = period_s(sync_every_steps=cfg.sync_every_steps,
                            xi_step_s=float(xi.mean())) / cfg.fragments
-        opens = now if r == 0 else opened[-1] + spacing
+        opens = 0.0 if r == 0 else opened[-1] + spacing
         if r >= cfg.tau:                                      # at most τ rounds in flight
             opens = max(opens, merged[r - cfg.tau])
         idx = np.array([np.searchsorted(bounds[i], opens, side="right") for i in range(m)])
         if (idx >= n_steps).any():
-            raise RuntimeError("step budget exhausted; raise the step allowance")
+            raise _OutOfSteps
         answers_by_learner = bounds[np.arange(m), idx]
         order = np.argsort(answers_by_learner, kind="stable")
         answers = answers_by_learner[order]
@@ -219,7 +224,7 @@ def _decoupled(rng: np.random.Generator, cfg: HeteroConfig, quorum: int, grace: 
         latency += merged_s - opens
         opened.append(opens)
         merged.append(merged_s + cfg.sync_s)
-        now = opens
+        known_at = opens
     n = cfg.rounds
     # Decoupled learners never wait (ALGORITHM.md §1): every second of their time is compute.
     return HeteroResult(1.0, included / n, included_slow / n if slow.any() else math.nan,
@@ -232,7 +237,12 @@ def simulate_hetero(cfg: HeteroConfig, policy: Policy, *, seed: int = 0) -> Hete
         raise ValueError(f"quorum {policy.quorum} exceeds learners {cfg.learners}")
     if policy.lockstep and policy.quorum != cfg.learners:
         raise ValueError("lock-step needs K = M (every learner waits for every answer)")
-    rng = np.random.default_rng([seed, cfg.learners])
     if policy.lockstep:
-        return _lockstep(rng, cfg)
-    return _decoupled(rng, cfg, policy.quorum, policy.grace)
+        return _lockstep(np.random.default_rng([seed, cfg.learners]), cfg)
+    n_steps = int(cfg.rounds * cfg.steps_per_round * (1 + max(cfg.slowdown, 0)) * 1.3) + 64
+    while True:     # rounds throttled by τ take longer than planned: redraw with more steps
+        try:
+            return _decoupled(np.random.default_rng([seed, cfg.learners]), cfg, policy.quorum,
+                              policy.grace, n_steps)
+        except _OutOfSteps:
+            n_steps *= 2

@@ -83,14 +83,19 @@ def _chips_label(chips: int) -> str:
     return f"{chips / 1e6:g}M" if chips >= 1_000_000 else f"{chips // 1000}k"
 
 
+def _ci(ci95: float) -> str:
+    return f" ±{100 * ci95:.1f}" if math.isfinite(ci95) else ""
+
+
 def format_table(cells: list[Cell]) -> str:
-    """Markdown table: ours ± CI (paper, diff) per cell, and the uptime row by row."""
+    """Markdown tables: goodput as "ours ±CI (paper, diff)" per cell ("!" marks a cell off by
+    more than the tolerance), then uptime."""
     header = "| goodput % ours ±95% CI (paper, diff) | " + " | ".join(
         _chips_label(c) for c in CHIPS) + " |"
     lines = [header, "|---" * (len(CHIPS) + 1) + "|"]
     for row in ROWS:
         row_cells = [c for c in cells if c.row == row]
-        parts = [f"{c.ours_pct:.1f} ±{100 * c.ours.goodput.ci95:.1f} "
+        parts = [f"{c.ours_pct:.1f}{_ci(c.ours.goodput.ci95)} "
                  f"({c.paper_pct:.0f}, {c.diff_points:+.1f}){'' if c.within_tolerance else ' !'}"
                  for c in row_cells]
         lines.append(f"| {row} | " + " | ".join(parts) + " |")

@@ -94,3 +94,13 @@ def test_python_dash_m_sim_runs() -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "Decoupled DiLoCo" in proc.stdout and "assumptions" in proc.stdout
+
+
+def test_json_stays_strict_when_a_figure_is_undefined(capsys) -> None:
+    """No slow learners and one seed: undefined means and CIs are null, not NaN."""
+    assert main(["hetero", "--json", "--slow-fraction", "0", "--seeds", "1",
+                 "--rounds", "50"]) == 0
+    text = capsys.readouterr().out
+    assert "NaN" not in text
+    out = json.loads(text)
+    assert out["policies"][0]["included_slow"] == {"mean": None, "ci95": None}
