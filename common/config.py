@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -153,8 +154,8 @@ class Endpoints:
     """Broker XPUB endpoint: subscribers connect here."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.run_id) and ":" not in self.run_id and "{" not in self.run_id,
-               "endpoints.run_id must be non-empty without ':' or '{'")
+        _check(bool(re.fullmatch(r"[A-Za-z0-9._-]{1,64}", self.run_id)),
+               f"endpoints.run_id must be 1-64 characters of A-Z a-z 0-9 . _ -, got {self.run_id!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,7 +257,10 @@ def from_mapping(cls: type[T], data: Mapping[str, Any] | None, *, section: str) 
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown key(s) in [{section}]: {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    return cls(**data)
+    try:
+        return cls(**data)
+    except TypeError as e:  # a value of the wrong type reached a range check
+        raise ConfigError(f"[{section}]: a value has the wrong type ({e})") from None
 
 
 def override(obj: T, **changes: Any) -> T:

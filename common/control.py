@@ -47,21 +47,28 @@ def describe_difference(ours: RunConfig, theirs: RunConfig) -> str:
     return ", ".join(diffs) or "no field differs (digest mismatch)"
 
 
-def publish_run_config(r: redis.Redis, keys: Keys, cfg: RunConfig) -> None:
-    """Record the run config once; raise ConfigMismatch if the run already has another one."""
-    digest = cfg.digest()
-    created = r.hsetnx(keys.config, "digest", digest)
-    if created:
-        r.hset(keys.config, mapping={"json": json.dumps(cfg.to_dict(), sort_keys=True),
-                                     "created_at": time.time()})
+def _config_blob(cfg: RunConfig) -> str:
+    return json.dumps({"digest": cfg.digest(), "config": cfg.to_dict(), "created_at": time.time()}, sort_keys=True)
+
+
+def publish_run_config(r: Any, keys: Keys, cfg: RunConfig) -> None:
+    """Record the run config once (one atomic HSETNX); raise ConfigMismatch if the run already
+    has another one. Also usable on a pipeline to re-publish after Redis restarted empty."""
+    created = r.hsetnx(keys.config, "blob", _config_blob(cfg))
+    if created or not isinstance(created, (int, bool)):  # pipeline: checked on the next call
         return
-    theirs_digest = r.hget(keys.config, "digest")
-    if theirs_digest == digest:
-        if not r.hexists(keys.config, "json"):  # lost between HSETNX and HSET: repair
-            r.hset(keys.config, "json", json.dumps(cfg.to_dict(), sort_keys=True))
-        return
-    theirs = fetch_run_config(r, keys, wait_s=2.0)
-    raise ConfigMismatch(f"refused: config of run {keys.run_id!r} differs: {describe_difference(cfg, theirs)}")
+    theirs = fetch_run_config(r, keys)
+    if theirs.digest() != cfg.digest():
+        raise ConfigMismatch(f"refused: config of run {keys.run_id!r} differs: {describe_difference(cfg, theirs)}")
+
+
+def claim_shard_count(r: redis.Redis, keys: Keys, shards: int) -> None:
+    """The number of shards is fixed for a run (ownership is p % S): refuse another S."""
+    r.hsetnx(keys.config, "shards", shards)
+    theirs = int(r.hget(keys.config, "shards") or shards)
+    if theirs != shards:
+        raise ConfigMismatch(f"refused: run {keys.run_id!r} has {theirs} shards, this shard was started with "
+                             f"--shards {shards}")
 
 
 def fetch_run_config(r: redis.Redis, keys: Keys, *, wait_s: float = 0.0,
@@ -69,13 +76,13 @@ def fetch_run_config(r: redis.Redis, keys: Keys, *, wait_s: float = 0.0,
     """Read the run config; wait up to ``wait_s`` for it to appear."""
     deadline = time.monotonic() + wait_s
     while True:
-        blob = r.hget(keys.config, "json")
+        blob = r.hget(keys.config, "blob")
         if blob:
-            return run_config_from_dict(json.loads(blob))
+            return run_config_from_dict(json.loads(blob)["config"])
         if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
             raise RunConfigMissing(
-                f"run {keys.run_id!r} has no config in Redis; start it with `ddloco up` or pass --config "
-                f"to a syncer (check --run-id and --redis-url)")
+                f"run {keys.run_id!r} has no config in Redis; start it with `ddloco up` or a syncer "
+                f"(check --run-id and --redis-url)")
         (stop.wait(0.2) if stop is not None else time.sleep(0.2))
 
 

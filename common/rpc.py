@@ -31,6 +31,9 @@ class FragmentClient:
     def set_endpoints(self, shards: int, endpoints: dict[int, str]) -> None:
         """(Re)connect to the shards' advertised endpoints; a moved shard gets a new socket."""
         self.shards = shards
+        for k in [k for k in self.endpoints if k not in endpoints]:  # shard gone: forget it
+            self.sockets.pop(k).close(linger=0)
+            del self.endpoints[k]
         for k, ep in endpoints.items():
             if self.endpoints.get(k) == ep:
                 continue

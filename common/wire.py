@@ -15,6 +15,7 @@ subclass, which daemons count and drop.
 """
 from __future__ import annotations
 
+import math
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ FRAG = "frag"    # syncer -> learners: full merged fragment (broadcast, or reply
 GET = "get"      # learner/monitor -> syncer (request path): send me fragment p
 KINDS = (OPEN, UPDATE, FRAG, GET)
 
-_HEADER_KEYS = ("v", "run", "from", "kind", "frag", "round", "attempt", "ver", "base",
+_HEADER_KEYS = ("v", "run", "from", "kind", "frag", "epoch", "round", "attempt", "ver", "base",
                 "steps", "tokens", "codec", "numel", "sizes", "crc", "t")
 
 
@@ -69,6 +70,7 @@ class Message:
     run: str
     sender: str
     fragment: int
+    epoch: int = 0
     round: int = -1
     attempt: int = 0
     version: int = -1
@@ -110,9 +112,14 @@ def _crc(frames: Sequence[Any]) -> int:
 
 
 def encode(*, kind: str, run: str, sender: str, fragment: int, values: torch.Tensor | None = None,
-           codec: str = "fp32", round: int = -1, attempt: int = 0, version: int = -1,
+           codec: str = "fp32", epoch: int = 0, round: int = -1, attempt: int = 0, version: int = -1,
            base: int = -1, steps: int = 0, tokens: int = 0) -> list[Any]:
-    """Build the frames of one message; ``values`` (flat fp32) is quantized with ``codec``."""
+    """Build the frames of one message; ``values`` (flat fp32) is quantized with ``codec``.
+
+    ``epoch`` identifies one life of the shard that owns the fragment (a new random value at
+    every shard start): versions are only comparable within an epoch, so a shard restarted from
+    an older checkpoint can never be confused with the one before it.
+    """
     if kind not in KINDS:
         raise ValueError(f"unknown message kind {kind!r}")
     payload: list[Any] = []
@@ -125,7 +132,7 @@ def encode(*, kind: str, run: str, sender: str, fragment: int, values: torch.Ten
     sizes = [len(memoryview(f)) for f in payload]
     header = {
         "v": PROTOCOL_VERSION, "run": run, "from": sender, "kind": kind, "frag": int(fragment),
-        "round": int(round), "attempt": int(attempt), "ver": int(version), "base": int(base),
+        "epoch": int(epoch), "round": int(round), "attempt": int(attempt), "ver": int(version), "base": int(base),
         "steps": int(steps), "tokens": int(tokens), "codec": codec, "numel": numel,
         "sizes": sizes, "crc": _crc(payload), "t": time.time(),
     }
@@ -154,9 +161,11 @@ def decode(frames: Sequence[Any], *, expect_run: str | None = None) -> Message:
     missing = [k for k in _HEADER_KEYS if k not in header]
     if missing:
         raise HeaderError(f"header lacks {', '.join(missing)}")
-    ints = ("frag", "round", "attempt", "ver", "base", "steps", "tokens", "numel", "crc")
+    ints = ("frag", "epoch", "round", "attempt", "ver", "base", "steps", "tokens", "numel", "crc")
     if not all(type(header[k]) is int for k in ints):
         raise HeaderError("integer header field has another type")
+    if type(header["t"]) not in (int, float) or not math.isfinite(header["t"]):
+        raise HeaderError("send time is not a finite number")
     if not all(isinstance(header[k], str) for k in ("run", "from", "kind", "codec")):
         raise HeaderError("string header field has another type")
     kind = header["kind"]
@@ -172,7 +181,7 @@ def decode(frames: Sequence[Any], *, expect_run: str | None = None) -> Message:
     sizes = header["sizes"]
     if not isinstance(sizes, list) or len(sizes) != len(payload):
         raise PayloadError(f"header announces {len(sizes) if isinstance(sizes, list) else '?'} payload frames, got {len(payload)}")
-    if [len(memoryview(p)) for p in payload] != sizes:
+    if not all(type(n) is int for n in sizes) or [len(memoryview(p)) for p in payload] != sizes:
         raise PayloadError("payload frame sizes differ from header")
     if payload:
         if header["codec"] not in quant.CODECS:
@@ -182,7 +191,7 @@ def decode(frames: Sequence[Any], *, expect_run: str | None = None) -> Message:
     if _crc(payload) != header["crc"]:
         raise PayloadError("payload checksum mismatch")
     return Message(kind=kind, run=header["run"], sender=header["from"], fragment=header["frag"],
-                   round=header["round"], attempt=header["attempt"], version=header["ver"],
+                   epoch=header["epoch"], round=header["round"], attempt=header["attempt"], version=header["ver"],
                    base=header["base"], steps=header["steps"], tokens=header["tokens"],
                    codec=header["codec"], numel=header["numel"], sent_at=float(header["t"]),
                    payload=payload)

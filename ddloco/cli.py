@@ -107,8 +107,8 @@ def cmd_syncer(args: argparse.Namespace) -> int:
     except RunConfigMissing as e:
         print(f"ddloco syncer: {e}", file=sys.stderr)
         return EXIT_FAILURE
-    except redis.ConnectionError as e:
-        print(f"ddloco syncer: cannot reach Redis at {cfg.endpoints.redis_url}: {e}", file=sys.stderr)
+    except redis.RedisError as e:
+        print(f"ddloco syncer: Redis at {cfg.endpoints.redis_url} failed: {e}", file=sys.stderr)
         return EXIT_FAILURE
     return 0
 
@@ -134,8 +134,8 @@ def cmd_learner(args: argparse.Namespace) -> int:
     except (JoinTimeout, RunConfigMissing) as e:
         print(f"ddloco learner: {e}", file=sys.stderr)
         return EXIT_FAILURE
-    except redis.ConnectionError as e:
-        print(f"ddloco learner: cannot reach Redis at {cfg.endpoints.redis_url}: {e}", file=sys.stderr)
+    except redis.RedisError as e:
+        print(f"ddloco learner: Redis at {cfg.endpoints.redis_url} failed: {e}", file=sys.stderr)
         return EXIT_FAILURE
     return 0
 
@@ -145,6 +145,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     cfg = _resolve(args)
     up = override(cfg.up, learners=args.learners, syncers=args.syncers, steps=args.steps, minutes=args.minutes,
                   report_dir=args.report, seed=args.seed)
+    if cfg.run.algo.lockstep and args.quorum is None:  # the synchronous baseline waits for every learner
+        cfg = override(cfg, run=override(cfg.run, algo=override(cfg.run.algo, quorum=up.learners)))
+    if args.slowdowns:
+        try:
+            slow = [float(x) for x in args.slowdowns.split(",")]
+        except ValueError:
+            raise ConfigError(f"--slowdowns must be a comma list of numbers >= 1, got {args.slowdowns!r}") from None
+        if any(x < 1 for x in slow):
+            raise ConfigError("--slowdowns factors must be >= 1")
     return run_up(override(cfg, up=up), external_redis=args.redis_url is not None,
                   step_time_floor_ms=args.step_time_floor_ms, slowdowns=args.slowdowns, quiet=args.quiet)
 

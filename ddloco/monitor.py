@@ -53,7 +53,7 @@ class Monitor:
         if not initial:
             try:
                 frags = fetch_fragments(self.r, self.keys, len(self.plan), timeout_s=15.0)
-            except TimeoutError as e:
+            except (TimeoutError, redis.RedisError) as e:
                 self.say(f"eval       skipped: {e}")
                 return None
             for p, (v, values) in frags.items():
@@ -166,7 +166,7 @@ class Monitor:
             "eval_loss_initial": ev0["loss"] if ev0 else None,
             "eval_loss_final": evf["loss"] if evf else None,
             "eval_curve": self.evals,
-            "merges": len(merges),
+            "merges": max(len(merges), int(sum(_f(h, "merges") for h in shards.values()))),
             "goodput": round(useful / provisioned, 4) if provisioned else 0.0,
             "uptime": round(1.0 - downtime / span, 4),
             "global_downtime_s": round(downtime, 3),

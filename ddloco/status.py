@@ -44,8 +44,8 @@ def run_status(endpoints: Endpoints, *, as_json: bool) -> int:
     keys = Keys(endpoints.run_id)
     try:
         st = collect_status(r, keys)
-    except redis.ConnectionError as e:
-        print(f"ddloco status: cannot reach Redis at {endpoints.redis_url}: {e}", file=sys.stderr)
+    except redis.RedisError as e:
+        print(f"ddloco status: Redis at {endpoints.redis_url} failed: {e}", file=sys.stderr)
         return 1
     except control.RunConfigMissing as e:
         print(f"ddloco status: {e}", file=sys.stderr)

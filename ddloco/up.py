@@ -34,8 +34,10 @@ class Child:
         self.log_path = log_path
         self._log = open(log_path, "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        # own session: Ctrl-C reaches `up` only, which then stops each child once (SIGTERM);
+        # the parent-death signal still stops children if `up` itself is killed
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     preexec_fn=die_with_parent)
+                                     preexec_fn=die_with_parent, start_new_session=True)
 
     @property
     def pid(self) -> int:
@@ -109,6 +111,10 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         cfg_path.write_text(dump_toml(cfg))
         r = control.connect(redis_url)
         keys = Keys(endpoints.run_id)
+        if external_redis and r.exists(keys.config):
+            print(f"ddloco up: run {endpoints.run_id!r} already exists in {redis_url}; choose another --run-id",
+                  file=sys.stderr)
+            return 3
         try:
             control.publish_run_config(r, keys, cfg.run)
         except control.ConfigMismatch as e:

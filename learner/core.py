@@ -32,6 +32,9 @@ from common.log import get_logger
 from common.rpc import FragmentClient
 
 
+FETCH_RETRY_S = 1.0
+
+
 class LearnerRefused(RuntimeError):
     """The run refused this learner (config or model layout differs); the message says why."""
 
@@ -45,6 +48,7 @@ class _Frag:
     """Network -> training: a merged fragment (broadcast or reply to a request)."""
 
     fragment: int
+    epoch: int
     version: int
     values: torch.Tensor
     requested: bool
@@ -55,6 +59,7 @@ class _Open:
     """Network -> training: round ``round`` of ``fragment`` is open at ``version``."""
 
     fragment: int
+    epoch: int
     round: int
     attempt: int
     version: int
@@ -65,6 +70,7 @@ class _Answer:
     """Training -> network: a snapshot to answer a round with (delta computed off-thread)."""
 
     fragment: int
+    epoch: int
     round: int
     attempt: int
     base: int
@@ -81,6 +87,7 @@ class LearnerStats:
     answers: int = 0
     merges_applied: int = 0
     version_gaps: int = 0
+    nonfinite_answers: int = 0
     fetches: int = 0
     malformed: int = 0
     bytes_up: int = 0
@@ -135,6 +142,7 @@ class Learner:
         self._started_at = time.time()
         self._sub_malformed = 0
         self.joined_versions: dict[int, int] = {}
+        self._fatal: BaseException | None = None
         self._process_started_at = process_start_time() or self._started_at
 
     # ------------------------------------------------------------------ join
@@ -158,13 +166,13 @@ class Learner:
         self.plan_digest = plan_digest(self.plan)
         n = len(self.plan)
         self.base_version = np.full(n, -1, dtype=np.int64)
+        self.base_epoch = np.full(n, -1, dtype=np.int64)    # life of the owning shard the base came from
         self.base_values: list[torch.Tensor | None] = [None] * n
         self.c_steps = np.zeros(n, dtype=np.int64)
         self.c_tokens = np.zeros(n, dtype=np.int64)
         self._pending_open: dict[int, _Open] = {}
-        self._answered: set[tuple[int, int, int]] = set()
-        self._fetch_asked: dict[int, int] = {}
-        self._rollback: dict[int, int] = {}
+        self._answered: set[tuple[int, int, int, int]] = set()
+        self._fetch_asked: dict[int, tuple[int, int, float]] = {}
         self._check_shard_plan()
 
     def _check_shard_plan(self) -> None:
@@ -243,13 +251,19 @@ class Learner:
         while not self.stop.is_set():
             if self.options.max_steps and self.stats.steps >= self.options.max_steps:
                 break
+            if self._fatal is not None:
+                raise RuntimeError(f"learner helper thread failed: {self._fatal!r}") from self._fatal
             self._drain_inbox()
             self._answer_open_rounds(min_steps)
             if self.algo.lockstep and int(self.c_steps.max()) >= H:
                 self._wait_blocked(min_steps)
                 continue
             t0 = time.perf_counter()
-            batch = next(batches)
+            try:
+                batch = next(batches)
+            except StopIteration:
+                self.log.info("learner.data_exhausted", steps=self.stats.steps)
+                break
             loss = self.loss_fn(self.model, batch)          # θ ← AdamW(θ, ∇L(θ; next batch))
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -299,27 +313,32 @@ class Learner:
         elif isinstance(item, _Open):
             self._pending_open[item.fragment] = item
             p = item.fragment
-            if item.version > self.base_version[p]:   # missed a broadcast: repair
-                self._request_fetch(p, item.version)
-            elif item.version < self.base_version[p]:  # the shard restarted from an older checkpoint
-                self._rollback[p] = item.version       # adopt its state: ours cannot be merged there
-                self._request_fetch(p, item.version, force=True)
+            if item.epoch != self.base_epoch[p]:       # the shard restarted (maybe from an older
+                self._request_fetch(p, item.epoch, item.version)  # checkpoint): adopt its state
+            elif item.version > self.base_version[p]:  # missed a broadcast: repair
+                self._request_fetch(p, item.epoch, item.version)
 
-    def _request_fetch(self, p: int, version: int, *, force: bool = False) -> None:
-        if not force and self._fetch_asked.get(p, -1) >= version:
+    def _request_fetch(self, p: int, epoch: int, version: int) -> None:
+        """Ask the owning shard for fragment p; repeated only after FETCH_RETRY_S (lost request,
+        shard moved to another endpoint)."""
+        now = time.monotonic()
+        asked = self._fetch_asked.get(p)
+        if asked is not None and asked[0] == epoch and asked[1] >= version and now - asked[2] < FETCH_RETRY_S:
             return
-        self._fetch_asked[p] = version
+        self._fetch_asked[p] = (epoch, version, now)
         self.stats.fetches += 1
         self._outbox.put(("fetch", (p,)))
 
     def _apply(self, item: _Frag, *, joining: bool = False) -> None:
-        """Overwrite θ_p with the merged Θ_p (α-mix when configured); reset counters (§6)."""
+        """Overwrite θ_p with the merged Θ_p (α-mix when configured); reset counters (§6).
+
+        Versions order values within one epoch (one life of the owning shard); a value from
+        another epoch is the shard's state after a restart and is always adopted."""
         p = item.fragment
-        rollback = item.requested and self._rollback.get(p) == item.version
-        if item.version <= self.base_version[p] and not rollback:
+        same_epoch = item.epoch == self.base_epoch[p]
+        if same_epoch and item.version <= self.base_version[p]:
             return
-        self._rollback.pop(p, None)
-        if not joining and not item.requested and item.version > self.base_version[p] + 1:
+        if same_epoch and not joining and not item.requested and item.version > self.base_version[p] + 1:
             self.stats.version_gaps += 1              # a lost broadcast, repaired by this full value
         frag = self.plan[p]
         alpha = self.algo.mix_alpha
@@ -329,6 +348,7 @@ class Learner:
             scatter(self.params, frag, item.values)
         self.base_values[p] = item.values
         self.base_version[p] = item.version
+        self.base_epoch[p] = item.epoch
         self.c_steps[p] = 0
         self.c_tokens[p] = 0
         if not joining:
@@ -336,15 +356,15 @@ class Learner:
 
     def _answer_open_rounds(self, min_steps: int) -> None:
         for p, o in list(self._pending_open.items()):
-            if self.c_steps[p] < min_steps or self.base_values[p] is None:
+            if self.c_steps[p] < min_steps or self.base_values[p] is None or o.epoch != self.base_epoch[p]:
                 continue
-            key = (o.fragment, o.round, o.attempt)
+            key = (o.epoch, o.fragment, o.round, o.attempt)
             del self._pending_open[p]
             if key in self._answered:
                 continue
             self._answered.add(key)
             snapshot = gather(self.params, self.plan[p])  # a copy; delta and quantization off-thread
-            self._outbox.put(("answer", _Answer(fragment=p, round=o.round, attempt=o.attempt,
+            self._outbox.put(("answer", _Answer(fragment=p, epoch=o.epoch, round=o.round, attempt=o.attempt,
                                                 base=int(self.base_version[p]), base_values=self.base_values[p],
                                                 snapshot=snapshot, steps=int(self.c_steps[p]),
                                                 tokens=int(self.c_tokens[p]))))
@@ -356,6 +376,18 @@ class Learner:
 
     # ------------------------------------------------------------------ network thread
     def _net_loop(self) -> None:
+        self._guarded(self._net_loop_body, "net")
+
+    def _guarded(self, body: Callable[[], None], name: str) -> None:
+        """A helper thread that dies must not leave a zombie learner (live in Redis, never
+        syncing): record the error; the training thread raises it at its next step."""
+        try:
+            body()
+        except Exception as e:
+            self.log.error("learner.thread_failed", thread=name, error=repr(e))
+            self._fatal = e
+
+    def _net_loop_body(self) -> None:
         ctx = zmq.Context()
         run = self.endpoints.run_id
         sub = ctx.socket(zmq.SUB)
@@ -412,8 +444,12 @@ class Learner:
                 continue
             a: _Answer = item
             delta = a.snapshot - a.base_values                    # δ_m = θ_{m,p} − Θ_p^{base_m}
+            if not bool(torch.isfinite(delta).all()):
+                self.stats.nonfinite_answers += 1                  # diverged: never send NaN/inf
+                continue
             frames = wire.encode(kind=wire.UPDATE, run=self.endpoints.run_id, sender=self.id, fragment=a.fragment,
-                                 values=delta, codec=self.algo.uplink_codec, round=a.round, attempt=a.attempt,
+                                 values=delta, codec=self.algo.uplink_codec, epoch=a.epoch, round=a.round,
+                                 attempt=a.attempt,
                                  base=a.base, steps=a.steps, tokens=a.tokens)
             try:
                 pub.send_multipart(frames, zmq.NOBLOCK, copy=False)
@@ -435,7 +471,7 @@ class Learner:
             if msg.fragment >= len(self.plan):
                 self._sub_malformed += 1
             elif msg.kind == wire.OPEN:
-                self._inbox.put(_Open(msg.fragment, msg.round, msg.attempt, msg.version))
+                self._inbox.put(_Open(msg.fragment, msg.epoch, msg.round, msg.attempt, msg.version))
             elif msg.kind == wire.FRAG:
                 self._net_frag(msg, requested=False)
 
@@ -449,10 +485,13 @@ class Learner:
             self._sub_malformed += 1
             return
         self.stats.bytes_down += msg.payload_nbytes
-        self._inbox.put(_Frag(msg.fragment, msg.version, values, requested))
+        self._inbox.put(_Frag(msg.fragment, msg.epoch, msg.version, values, requested))
 
     # ------------------------------------------------------------------ control thread
     def _control_loop(self) -> None:
+        self._guarded(self._control_loop_body, "control")
+
+    def _control_loop_body(self) -> None:
         redis_ok = True
         while not self._threads_stop.is_set():
             try:

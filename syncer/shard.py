@@ -11,7 +11,9 @@ merge, how long the grace window is, the merge itself) is a pure function from
 from __future__ import annotations
 
 import json
+import math
 import os
+import secrets
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -79,13 +81,15 @@ class ShardStats:
     stale_base: int = 0
     wrong_run: int = 0
     reopens: int = 0
+    nonfinite_rounds: int = 0
+    checkpoint_errors: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
     requests: int = 0
 
     @property
     def dropped(self) -> int:
-        return self.malformed + self.late_answers + self.stale_base + self.wrong_run
+        return self.malformed + self.late_answers + self.stale_base + self.wrong_run + self.nonfinite_rounds
 
 
 class CheckpointMismatch(RuntimeError):
@@ -139,6 +143,7 @@ class Shard:
             self.run = self._run_arg
         else:
             self.run = control.fetch_run_config(self.redis, self.keys, wait_s=30.0)
+        control.claim_shard_count(self.redis, self.keys, self.options.shards)
         algo = self.run.algo
         self.policy = QuorumPolicy(quorum=algo.quorum, tau=algo.tau, grace_gamma=algo.grace_gamma,
                                    grace_enabled=algo.grace_enabled)
@@ -147,10 +152,11 @@ class Shard:
         params = dict(model.named_parameters())
         owned = owned_fragments(self.options.shard, self.options.shards, algo.fragments)
         for p in owned:
-            theta = gather(params, self.plan[p])
+            theta = self._as_broadcast(gather(params, self.plan[p]))
             self.frags[p] = FragmentState(spec=self.plan[p], theta=theta, momentum=torch.zeros_like(theta),
                                           history={0: theta.clone()})
         self._load_checkpoint()
+        self.epoch = secrets.randbits(31)  # this life of the shard: versions compare only within it
         self._open_sockets()
         self.started_at = self.clock()
         self._refresh_control(force=True)
@@ -189,17 +195,26 @@ class Shard:
     def close(self) -> None:
         if self._ctx is None:
             return
-        self.checkpoint()
         try:
+            self.checkpoint()
             control.add_event(self.redis, self.keys, "shard_stop", shard=self.options.shard,
                               versions={p: f.version for p, f in self.frags.items()})
             self.redis.hset(self.keys.shard(self.options.shard), "status", "stopped")
         except redis.RedisError:
             pass
-        self._ctx.destroy(linger=0)
-        self._ctx = None
+        finally:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
         self.log.info("syncer.stopped", merges=self.stats.merges, dropped=self.stats.dropped,
                       versions={p: f.version for p, f in self.frags.items()})
+
+    def _as_broadcast(self, theta: torch.Tensor) -> torch.Tensor:
+        """The value learners decode from a broadcast; the shard adopts it so every replica is
+        bit-identical (identity for fp32 downlink)."""
+        codec = self.run.algo.downlink_codec
+        if codec == "fp32":
+            return theta
+        return quant.decode(quant.encode(theta, codec), codec, theta.numel())
 
     # ---------------------------------------------------------------- checkpoints
     @property
@@ -224,16 +239,22 @@ class Shard:
             "merges": self.stats.merges, "saved_at": time.time(),
         }
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        with open(tmp, "wb") as fh:
-            torch.save(state, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        dfd = os.open(path.parent, os.O_RDONLY)
         try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+            with open(tmp, "wb") as fh:
+                torch.save(state, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+            dfd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as e:  # disk full, directory gone: keep merging, the old checkpoint stays intact
+            self.stats.checkpoint_errors += 1
+            self.log.error("syncer.checkpoint_failed", path=str(path), error=str(e))
+            tmp.unlink(missing_ok=True)
+            return
         self._merges_since_ckpt = 0
         self.log.info("syncer.checkpoint", path=str(path), versions={p: f.version for p, f in self.frags.items()})
 
@@ -276,8 +297,14 @@ class Shard:
         self._advance_rounds(now)
 
     def _xi_step(self, *, slowest: bool) -> float:
-        times = [float(h.get("step_ema_s") or 0.0) for h in self.live.values()]
-        times = [t for t in times if t > 0]
+        times = []
+        for h in self.live.values():
+            try:
+                t = float(h.get("step_ema_s") or 0.0)
+            except (TypeError, ValueError):
+                continue
+            if math.isfinite(t) and 0 < t < 3600:
+                times.append(t)
         if not times:
             return self.options.initial_step_time_s
         return max(times) if slowest else statistics.median(times)
@@ -319,12 +346,12 @@ class Shard:
     def _reopen_after_s(self, rnd: OpenRound, xi_step: float) -> float:
         """Re-send an unanswered open (it may have been lost) with exponential backoff, so a
         round that simply waits for slow learners does not make fast ones re-answer often."""
-        return self.options.reopen_after_steps * xi_step * (2 ** min(rnd.attempt, 6))
+        return self.options.reopen_after_steps * xi_step * (2 ** min(rnd.attempt, 3))
 
     def _send_open(self, f: FragmentState, now: float) -> None:
         rnd = f.round
         frames = wire.encode(kind=wire.OPEN, run=self.endpoints.run_id, sender=self.id, fragment=f.spec.index,
-                             round=rnd.round_id, attempt=rnd.attempt, version=f.version)
+                             epoch=self.epoch, round=rnd.round_id, attempt=rnd.attempt, version=f.version)
         self._publish(frames)
         rnd.last_sent_at = now
 
@@ -355,10 +382,10 @@ class Shard:
         if rnd is None or msg.round != rnd.round_id:
             self.stats.late_answers += 1
             return
-        if msg.base not in f.history:
+        if msg.epoch != self.epoch or msg.base not in f.history:
             self.stats.stale_base += 1
             self.log.info("syncer.stale_base", fragment=f.spec.index, learner=msg.sender, base=msg.base,
-                          oldest=min(f.history))
+                          oldest=min(f.history), epoch=msg.epoch, our_epoch=self.epoch)
             return
         try:
             delta = msg.values()
@@ -399,7 +426,7 @@ class Shard:
 
     def _frag_frames(self, f: FragmentState) -> list[Any]:
         return wire.encode(kind=wire.FRAG, run=self.endpoints.run_id, sender=self.id, fragment=f.spec.index,
-                           values=f.theta, codec=self.run.algo.downlink_codec, version=f.version)
+                           epoch=self.epoch, values=f.theta, codec=self.run.algo.downlink_codec, version=f.version)
 
     # ---------------------------------------------------------------- merge (ALGORITHM §5)
     def _merge(self, f: FragmentState, now: float, reason: str, grace: float) -> None:
@@ -414,9 +441,15 @@ class Shard:
             f.round = None
             return
         grad = merge_outer_gradients(outer, weights, f.spec.spans)  # [numel]
-        outer_nesterov_step(f.theta, f.momentum, grad, lr=algo.outer_lr, momentum_coef=algo.outer_momentum)
-        if algo.downlink_codec != "fp32":  # adopt what learners will decode: every replica bit-identical
-            f.theta.copy_(quant.decode(quant.encode(f.theta, algo.downlink_codec), algo.downlink_codec, f.theta.numel()))
+        theta, momentum = f.theta.clone(), f.momentum.clone()
+        outer_nesterov_step(theta, momentum, grad, lr=algo.outer_lr, momentum_coef=algo.outer_momentum)
+        if not bool(torch.isfinite(theta).all()):  # a diverged learner must not poison Θ
+            self.stats.nonfinite_rounds += 1
+            self.log.warning("syncer.nonfinite_merge_dropped", fragment=f.spec.index, round=rnd.round_id,
+                             contributors=[a.sender for a in answers])
+            f.round = None
+            return
+        f.theta, f.momentum = self._as_broadcast(theta), momentum
         f.version += 1
         f.history[f.version] = f.theta.clone()
         for v in sorted(f.history)[:-algo.history_versions]:
@@ -475,8 +508,8 @@ class Shard:
             for p, f in self.frags.items():
                 pipe.hset(self.keys.fragment(p), mapping={"version": f.version, "shard": self.options.shard,
                                                           "round": -1 if f.round is None else f.round.round_id})
-            pipe.hsetnx(self.keys.config, "digest", self.run.digest())
-            pipe.hsetnx(self.keys.config, "json", json.dumps(self.run.to_dict(), sort_keys=True))
+            control.publish_run_config(pipe, self.keys, self.run)  # rebuilds it after an empty restart
+            pipe.hsetnx(self.keys.config, "shards", self.options.shards)
             pipe.execute()
             if not self._redis_ok:
                 self.log.info("syncer.redis_back")

@@ -172,7 +172,8 @@ def test_redis_restarting_empty_is_rebuilt_without_losing_progress(make_cluster,
     redis_server.restart_empty()
     r = control.connect(redis_server.url)
     keys = Keys(cluster.endpoints.run_id)
-    wait_until(lambda: r.hget(keys.config, "digest") == ASYNC.digest(), 20, what="run config rebuilt by the shard")
+    wait_until(lambda: r.hget(keys.config, "blob") and control.fetch_run_config(r, keys).digest() == ASYNC.digest(),
+               20, what="run config rebuilt by the shard")
     wait_until(lambda: "l0" in control.live_learners(r, keys), 20, what="learner membership rebuilt")
     wait_until(lambda: control.shard_endpoints(r, keys)[0] == 1, 20, what="shard endpoint rebuilt")
     assert all(shard.frags[p].version >= v for p, v in before.items())  # no progress lost

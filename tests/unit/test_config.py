@@ -29,6 +29,8 @@ def test_toml_sections_load_and_round_trip(tmp_path):
     ("[algo]\nquorum = 0\n", "algo.quorum must be >= 1"),
     ("[algo]\nuplink_codec = \"int2\"\n", "algo.uplink_codec"),
     ("[algo\n", "not valid TOML"),
+    ("[algo]\nquorum = \"two\"\n", "[algo]: a value has the wrong type"),
+    ("[endpoints]\nrun_id = \"a|b\"\n", "endpoints.run_id must be"),
 ])
 def test_bad_config_files_give_clear_errors(tmp_path, text, needle):
     p = tmp_path / "bad.toml"

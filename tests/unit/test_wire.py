@@ -61,6 +61,11 @@ def _with_header(frames, **changes):
     (lambda f: _with_header(f, numel=131), wire.PayloadError),
     (lambda f: _with_header(f, codec="int3"), wire.PayloadError),
     (lambda f: _with_header(f, run="other"), wire.WrongRunError),
+    (lambda f: _with_header(f, t="x"), wire.HeaderError),
+    (lambda f: _with_header(f, t=None), wire.HeaderError),
+    (lambda f: _with_header(f, t=float("nan")), wire.HeaderError),
+    (lambda f: _with_header(f, sizes=["1"]), wire.PayloadError),
+    (lambda f: _with_header(f, epoch=1.5), wire.HeaderError),
 ])
 def test_malformed_messages_raise_typed_errors(mutate, error):
     frames = [bytes(memoryview(x)) for x in _upd()]
