@@ -107,3 +107,33 @@ def test_daemons_by_hand_status_and_refused_learner(tmp_path, redis_server):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_ctrl_c_stops_every_process_and_still_writes_the_report(tmp_path):
+    import signal
+    import threading
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY)
+    report = tmp_path / "report"
+    proc = subprocess.Popen([sys.executable, "-m", "ddloco", "up", "--config", str(cfg), "--learners", "2",
+                             "--syncers", "1", "--steps", "0", "--minutes", "5", "--step-time-floor-ms", "20",
+                             "--report", str(report), "--run-id", "ctrlc"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        wait_until(lambda: any("merges" in ln and "| merges 0 |" not in ln for ln in lines), 120,
+                   what="progress showing merges")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=10)
+    rep = json.loads((report / "report.json").read_text())
+    assert rep["interrupted"] is True and rep["processes_left"] == []
+    pids = [int(h["pid"]) for h in rep["learner_stats"].values()] + [int(h["pid"]) for h in rep["shard_stats"].values()]
+    assert len(pids) == 3 and not [p for p in pids if Path(f"/proc/{p}").exists()]
+    # learners stopped gracefully (deregistered) on the single SIGTERM from `up`
+    assert {h["status"] for h in rep["learner_stats"].values()} == {"left"}

@@ -209,3 +209,14 @@ def test_shard_crash_resumes_from_older_checkpoint_and_learners_follow_it(make_c
     wait_until(lambda: all(f.version > crashed_at[p] + 1 for p, f in restarted.frags.items()), 60,
                what="every fragment merged past the crash point")
     assert not cluster.errors, cluster.errors
+
+
+def test_shard_started_with_another_shard_count_is_refused(make_cluster):
+    from syncer.shard import Shard
+    from common.config import SyncerOptions
+    cluster = make_cluster(ASYNC)
+    cluster.start_shard(0, 2)
+    with pytest.raises(control.ConfigMismatch, match="has 2 shards, this shard was started with --shards 3"):
+        with Shard(endpoints=cluster.endpoints, options=SyncerOptions(shard=1, shards=3, checkpoint_dir=""),
+                   run=ASYNC, model_factory=TinyNet):
+            pass
