@@ -1,0 +1,121 @@
+"""Chaos: real daemon processes, real signals. Survivors never wait for a failed learner."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from common import control
+from common.keys import Keys
+from common.redis_server import free_port
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.timeout(240)
+
+TINY = """
+[task]
+n_layer = 1
+n_embd = 16
+n_head = 2
+seq_len = 16
+batch_size = 4
+eval_batches = 2
+corpus_max_bytes = 300000
+[algo]
+fragments = 4
+sync_every_steps = 4
+inner_warmup_steps = 2
+[learner]
+heartbeat_interval_s = 0.2
+heartbeat_ttl_s = 1.0
+step_time_floor_ms = 20.0
+"""
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0]
+
+
+class Daemons:
+    def __init__(self, tmp_path, redis_url: str) -> None:
+        self.cfg = tmp_path / "tiny.toml"
+        self.cfg.write_text(TINY)
+        pub, sub = free_port(), free_port()
+        self.xsub, self.xpub = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{sub}"
+        self.net = ["--redis-url", redis_url, "--broker-pub", self.xsub, "--broker-sub", self.xpub,
+                    "--run-id", "chaos", "--log-format", "json"]
+        self.tmp = tmp_path
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *argv: str) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "ab")
+        p = subprocess.Popen([sys.executable, "-m", "ddloco", *argv], stdout=log, stderr=subprocess.STDOUT,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.procs[name] = p
+        return p
+
+    def learner(self, name: str) -> subprocess.Popen:
+        return self.start(name, "learner", *self.net, "--config", str(self.cfg), "--learner-id", name)
+
+    def stop_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def test_stopped_and_killed_learners_never_stall_the_others(tmp_path, redis_server):
+    d = Daemons(tmp_path, redis_server.url)
+    r = control.connect(redis_server.url)
+    keys = Keys("chaos")
+
+    def merges() -> int:
+        return int(r.hget(keys.shard(0), "merges") or 0)
+
+    def contributions(lid: str) -> int:
+        return int(r.hget(keys.learner(lid), "merged_contributions") or 0)
+    try:
+        d.start("broker", "broker", "--xsub", d.xsub, "--xpub", d.xpub)
+        d.start("syncer", "syncer", *d.net, "--config", str(d.cfg), "--checkpoint-dir", str(tmp_path / "ck"))
+        for name in ("a", "b", "c"):
+            d.learner(name)
+        wait_until(lambda: all(contributions(n) >= 2 for n in "abc"), 120, interval_s=0.1,
+                   what="all three learners contributing")
+
+        # SIGSTOP: a frozen learner (still holding sockets) must not slow the others' merges
+        a = d.procs["a"]
+        os.kill(a.pid, signal.SIGSTOP)
+        wait_until(lambda: _state(a.pid) == "T", 10, what="learner a stopped")
+        m0, b0, c0 = merges(), contributions("b"), contributions("c")
+        wait_until(lambda: merges() >= m0 + 12 and contributions("b") > b0 and contributions("c") > c0, 60,
+                   interval_s=0.1, what="merges with b and c while a is frozen")
+        assert _state(a.pid) == "T", "learner a must still be frozen while the others merge"
+        a0 = contributions("a")
+        os.kill(a.pid, signal.SIGCONT)
+        wait_until(lambda: contributions("a") > a0, 60, interval_s=0.1, what="a contributing again after SIGCONT")
+
+        # SIGKILL: the others go on; a restarted learner with the same id rejoins and contributes
+        b = d.procs["b"]
+        os.kill(b.pid, signal.SIGKILL)
+        b.wait(timeout=10)
+        m1 = merges()
+        wait_until(lambda: merges() >= m1 + 12, 60, interval_s=0.1, what="merges after b was killed")
+        restarted_at = time.time()
+        d.learner("b")
+        wait_until(lambda: float(r.hget(keys.learner("b"), "last_merged_at") or 0) > restarted_at, 120,
+                   interval_s=0.1, what="restarted b contributing")
+        assert all(d.procs[n].poll() is None for n in ("broker", "syncer", "a", "c")), "a daemon died"
+    finally:
+        d.stop_all()
+    assert d.procs["syncer"].returncode == 0
