@@ -10,6 +10,7 @@ COPY syncer syncer
 COPY broker broker
 COPY ddloco ddloco
 COPY sim sim
+COPY bench bench
 RUN pip install --no-cache-dir .
 ENV PYTHONUNBUFFERED=1
 ENTRYPOINT ["ddloco"]

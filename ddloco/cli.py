@@ -6,6 +6,7 @@
     ddloco syncer   one syncer shard daemon
     ddloco learner  one learner daemon (built-in task)
     ddloco sim      goodput simulator at paper scale
+    ddloco bench    micro benchmarks of the hot paths
 
 Exit codes: 0 success, 1 runtime failure, 2 bad usage or config, 3 refused by the run.
 """
@@ -164,6 +165,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     return run_status(cfg.endpoints, as_json=args.json)
 
 
+def cmd_bench(argv: Sequence[str]) -> int:
+    from bench.micro import main as bench_main
+    return bench_main(list(argv))
+
+
 def cmd_sim(argv: Sequence[str]) -> int:
     from sim.cli import main as sim_main
     return sim_main(list(argv))
@@ -233,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_learner)
 
     sub.add_parser("sim", help="goodput simulator at paper scale (ddloco sim --help)", add_help=False)
+    sub.add_parser("bench", help="micro benchmarks: codec, wire, merge (ddloco bench --help)", add_help=False)
     return ap
 
 
@@ -240,6 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "sim":
         return cmd_sim(argv[1:])
+    if argv and argv[0] == "bench":
+        return cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

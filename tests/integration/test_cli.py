@@ -34,7 +34,7 @@ def ddloco(*args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ddloco", *args], capture_output=True, text=True, **kw)
 
 
-@pytest.mark.parametrize("command", ["up", "status", "broker", "syncer", "learner", "sim"])
+@pytest.mark.parametrize("command", ["up", "status", "broker", "syncer", "learner", "sim", "bench"])
 def test_every_command_has_help(command):
     res = ddloco(command, "--help", timeout=60)
     assert res.returncode == 0, res.stderr
@@ -137,3 +137,12 @@ def test_ctrl_c_stops_every_process_and_still_writes_the_report(tmp_path):
     assert len(pids) == 3 and not [p for p in pids if Path(f"/proc/{p}").exists()]
     # learners stopped gracefully (deregistered) on the single SIGTERM from `up`
     assert {h["status"] for h in rep["learner_stats"].values()} == {"left"}
+
+
+def test_bench_reports_every_codec_with_exact_sizes():
+    res = ddloco("bench", "codec", "--numel", "4096", "--repeats", "2", "--json", timeout=120)
+    assert res.returncode == 0, res.stderr
+    rows = {r["codec"]: r for r in json.loads(res.stdout)["results"]["codec"]}
+    assert set(rows) == {"fp32", "bf16", "int8", "int4"}
+    assert rows["int4"]["bytes"] == 4096 // 2 + 2 * (4096 // 64)
+    assert rows["fp32"]["max_abs_error"] == 0.0
