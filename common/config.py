@@ -174,6 +174,8 @@ class LearnerOptions:
     """Emulated accelerator step time: a step never takes less than this."""
     threads: int = 1
     """torch intra-op threads (share the cores between co-located learners)."""
+    device: str = "auto"
+    """Where the inner steps run: "auto" (cuda when available, else cpu), "cpu", "cuda", "cuda:1"..."""
     heartbeat_interval_s: float = 0.5
     """How often the learner refreshes its heartbeat and counters in Redis."""
     heartbeat_ttl_s: float = 3.0
@@ -185,6 +187,8 @@ class LearnerOptions:
         _check(self.slowdown >= 1.0, "learner.slowdown must be >= 1")
         _check(self.step_time_floor_ms >= 0.0, "learner.step_time_floor_ms must be >= 0")
         _check(self.threads >= 1, "learner.threads must be >= 1")
+        _check(bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device)),
+               f"learner.device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         _check(self.max_steps >= 0, "learner.max_steps must be >= 0")
         _check(self.data_shard >= -1, "learner.data_shard must be >= 0 (or -1: derived from the id)")
         _check(self.heartbeat_ttl_s > self.heartbeat_interval_s > 0,

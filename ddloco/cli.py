@@ -122,7 +122,8 @@ def cmd_learner(args: argparse.Namespace) -> int:
     import redis
     cfg = _resolve(args)
     opts = override(cfg.learner, learner_id=args.learner_id, data_shard=args.data_shard, max_steps=args.steps,
-                    slowdown=args.slowdown, step_time_floor_ms=args.step_time_floor_ms, threads=args.threads)
+                    slowdown=args.slowdown, step_time_floor_ms=args.step_time_floor_ms, threads=args.threads,
+                    device=args.device)
     _setup_logging(args)
     stop = threading.Event()
     install_stop_handlers(stop)
@@ -155,6 +156,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise ConfigError(f"--slowdowns must be a comma list of numbers >= 1, got {args.slowdowns!r}") from None
         if any(x < 1 for x in slow):
             raise ConfigError("--slowdowns factors must be >= 1")
+    cfg = override(cfg, learner=override(cfg.learner, device=args.device))
     return run_up(override(cfg, up=up), external_redis=args.redis_url is not None,
                   step_time_floor_ms=args.step_time_floor_ms, slowdowns=args.slowdowns, quiet=args.quiet)
 
@@ -196,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="emulated accelerator step time of every learner")
     p.add_argument("--slowdowns", default=None, help="comma list of per-learner slowdown factors, e.g. 1,1,1.18,1.18")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--device", default=None, help="learners' device: auto (default), cpu, cuda, cuda:N")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("status", help="live view of a run from Redis",
@@ -236,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slowdown", type=float, help="emulate a slower chip (factor >= 1)")
     p.add_argument("--step-time-floor-ms", type=float, help="emulated accelerator step time")
     p.add_argument("--threads", type=int, help="torch threads (default 1)")
+    p.add_argument("--device", help="auto (cuda if available), cpu, cuda, cuda:N (default auto)")
     p.set_defaults(func=cmd_learner)
 
     sub.add_parser("sim", help="goodput simulator at paper scale (ddloco sim --help)", add_help=False)

@@ -10,6 +10,7 @@ Hand-over between them is by queues of whole fragments; the training thread neve
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import socket
@@ -24,7 +25,7 @@ import torch
 import zmq
 
 from common import control, wire
-from common.config import Endpoints, LearnerOptions, RunConfig
+from common.config import ConfigError, Endpoints, LearnerOptions, RunConfig
 from common.fragments import Fragment, gather, plan_digest, plan_fragments, scatter, tensor_specs
 from common.keys import Keys
 from common.lifecycle import process_start_time
@@ -108,6 +109,33 @@ class LearnerSummary:
     versions: dict[int, int] = field(default_factory=dict)
 
 
+def resolve_device(name: str) -> torch.device:
+    """"auto" -> the first CUDA device when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"learner device {name!r} asked for, but torch sees no CUDA device")
+    return dev
+
+
+def batch_to(batch: Any, device: torch.device) -> Any:
+    """Move a batch's tensors to ``device``: objects with ``.to``, dataclasses, tuples, dicts."""
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor) or (hasattr(batch, "to") and not dataclasses.is_dataclass(batch)):
+        return batch.to(device, non_blocking=True)
+    if dataclasses.is_dataclass(batch):
+        return dataclasses.replace(batch, **{f.name: batch_to(getattr(batch, f.name), device)
+                                             for f in dataclasses.fields(batch)
+                                             if isinstance(getattr(batch, f.name), torch.Tensor)})
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(batch_to(x, device) for x in batch)
+    if isinstance(batch, dict):
+        return {k: batch_to(v, device) for k, v in batch.items()}
+    return batch
+
+
 def resolve_learner_id(options: LearnerOptions) -> str:
     """The learner's id: as configured, else <hostname>-<pid>."""
     return options.learner_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -159,7 +187,8 @@ class Learner:
             self.run_cfg = control.fetch_run_config(self.redis, self.keys, wait_s=self.options.join_timeout_s,
                                                     stop=self.stop)
         self.algo = self.run_cfg.algo
-        self.model = self.model_factory()
+        self.device = resolve_device(self.options.device)
+        self.model = self.model_factory().to(self.device)
         self.params = dict(self.model.named_parameters())
         self.plan: tuple[Fragment, ...] = plan_fragments(tensor_specs(self.model, self.embedding_names),
                                                          self.algo.fragments)
@@ -264,6 +293,7 @@ class Learner:
             except StopIteration:
                 self.log.info("learner.data_exhausted", steps=self.stats.steps)
                 break
+            batch = batch_to(batch, self.device)
             loss = self.loss_fn(self.model, batch)          # θ ← AdamW(θ, ∇L(θ; next batch))
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -343,7 +373,7 @@ class Learner:
         frag = self.plan[p]
         alpha = self.algo.mix_alpha
         if alpha > 0 and not joining:
-            scatter(self.params, frag, alpha * gather(self.params, frag) + (1 - alpha) * item.values)
+            scatter(self.params, frag, alpha * gather(self.params, frag).cpu() + (1 - alpha) * item.values)
         else:
             scatter(self.params, frag, item.values)
         self.base_values[p] = item.values
@@ -363,7 +393,7 @@ class Learner:
             if key in self._answered:
                 continue
             self._answered.add(key)
-            snapshot = gather(self.params, self.plan[p])  # a copy; delta and quantization off-thread
+            snapshot = gather(self.params, self.plan[p]).cpu()  # a copy; delta and quantization off-thread
             self._outbox.put(("answer", _Answer(fragment=p, epoch=o.epoch, round=o.round, attempt=o.attempt,
                                                 base=int(self.base_version[p]), base_values=self.base_values[p],
                                                 snapshot=snapshot, steps=int(self.c_steps[p]),
