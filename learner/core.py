@@ -224,7 +224,10 @@ class Learner:
             if now > deadline:
                 raise JoinTimeout(f"shards served {len(self.plan) - len(need)}/{len(self.plan)} fragments "
                                   f"within {self.options.join_timeout_s}s (are the syncers running?)")
+            if self._fatal is not None:
+                raise RuntimeError(f"learner helper thread failed: {self._fatal!r}") from self._fatal
             if now - asked > 2.0:  # lost request or shard not up yet: ask again
+                self._check_shard_plan()  # shards that registered since: refuse a layout mismatch now
                 self._outbox.put(("fetch", tuple(sorted(need))))
                 asked = now
             if now - last_log > 5.0:
