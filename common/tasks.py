@@ -268,8 +268,9 @@ class Task:
         """Mean loss of ``model`` on ``batch`` (differentiable)."""
         raise NotImplementedError
 
-    def train_batches(self, *, stream: int, seed: int) -> Iterator[Batch]:
-        """Infinite, deterministic sequence of training batches for (``stream``, ``seed``)."""
+    def train_batches(self, *, stream: int, seed: int, start_step: int = 0) -> Iterator[Batch]:
+        """Infinite, deterministic sequence of training batches for (``stream``, ``seed``),
+        starting at batch ``start_step`` (a restarted learner resumes its data position)."""
         raise NotImplementedError
 
     def eval_loss(self, model: nn.Module) -> float:
@@ -320,12 +321,16 @@ class GPTTask(Task):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)),  # (B*T, vocab)
                                batch.targets.reshape(-1))  # (B*T,)
 
-    def train_batches(self, *, stream: int, seed: int) -> Iterator[Batch]:
+    def train_batches(self, *, stream: int, seed: int, start_step: int = 0) -> Iterator[Batch]:
         if stream < 0 or stream >= _EVAL_STREAM:
             raise ValueError(f"stream must be in [0, {_EVAL_STREAM}), got {stream}")
-        rng = np.random.default_rng([seed, stream])
-        while True:
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        step = start_step
+        while True:  # batch k depends on (seed, stream, k) only: resuming at any k is exact
+            rng = np.random.default_rng([seed, stream, step])
             yield _windows(self.corpus.train, rng, self.cfg.batch_size, self.cfg.seq_len)
+            step += 1
 
     def eval_loss(self, model: nn.Module) -> float:
         was_training = model.training

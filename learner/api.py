@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import zlib
+from dataclasses import replace
 from typing import Any, Callable, Collection, Iterable
 
 import torch
@@ -42,9 +43,21 @@ def train_builtin(*, endpoints: Endpoints, options: LearnerOptions = LearnerOpti
         r.close()
     task = make_task(run.task)
     model = task.build_model()
+    learner_id = resolve_learner_id(options)
+    options = replace(options, learner_id=learner_id)
     stream = options.data_shard
     if stream < 0:  # scaled replicas (compose --scale) get distinct streams from their unique ids
-        stream = zlib.crc32(resolve_learner_id(options).encode()) % (2**31 - 1)
-    data = task.train_batches(stream=stream, seed=run.task.seed)
-    return train(model_factory=lambda: model, data=data, loss_fn=task.loss, endpoints=endpoints, options=options,
-                 run=run, embedding_names=task.embedding_names(model), stop=stop)
+        stream = zlib.crc32(learner_id.encode()) % (2**31 - 1)
+    position = previous_data_position(endpoints, learner_id)  # a restarted learner resumes its data
+    data = task.train_batches(stream=stream, seed=run.task.seed, start_step=position)
+    return Learner(endpoints=endpoints, options=options, model_factory=lambda: model, data=data, loss_fn=task.loss,
+                   embedding_names=task.embedding_names(model), run=run, stop=stop, data_position=position).run()
+
+
+def previous_data_position(endpoints: Endpoints, learner_id: str) -> int:
+    """Batches this learner id consumed in earlier lives (0 if unknown: new id, or Redis lost it)."""
+    r = control.connect(endpoints.redis_url)
+    try:
+        return int(float(r.hget(Keys(endpoints.run_id).learner(learner_id), "data_position") or 0))
+    finally:
+        r.close()

@@ -148,8 +148,10 @@ class Learner:
                  model_factory: Callable[[], torch.nn.Module],
                  data: Iterable[Any], loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
                  embedding_names: Collection[str] = (), run: RunConfig | None = None,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, data_position: int = 0) -> None:
         self.endpoints = endpoints
+        self.data_position = data_position
+        """Batches consumed before this life (``data`` starts there); reported as data_position."""
         self.options = options
         self.id = resolve_learner_id(options)
         self.keys = Keys(endpoints.run_id)
@@ -552,7 +554,8 @@ class Learner:
                 "blocked_s": round(s.blocked_s, 3), "boot_s": round(s.boot_s, 3),
                 "started_at": self._process_started_at, "updated_at": time.time(),
                 "last_contrib_fragment": s.last_contrib_fragment, "last_contrib_at": s.last_contrib_at,
-                "data_shard": self.options.data_shard, "pid": os.getpid()}
+                "data_shard": self.options.data_shard, "pid": os.getpid(),
+                "data_position": self.data_position + s.steps}
 
     def _leave(self) -> None:
         try:

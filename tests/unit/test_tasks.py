@@ -100,3 +100,14 @@ def test_adamw_steps_reduce_the_loss_of_a_fixed_batch(task: GPTTask) -> None:
         opt.step()
     end = task.loss(model, batch).item()
     assert end < start - 0.3, f"loss went from {start:.3f} to {end:.3f}"
+
+
+def test_train_batches_resume_exactly_at_a_data_position():
+    from common.config import TaskConfig
+    from common.tasks import make_task
+    task = make_task(TaskConfig(seq_len=16, batch_size=4, corpus_max_bytes=300_000))
+    it = task.train_batches(stream=3, seed=0)
+    first = [next(it) for _ in range(5)]
+    resumed = next(task.train_batches(stream=3, seed=0, start_step=4))
+    assert torch.equal(resumed.inputs, first[4].inputs) and torch.equal(resumed.targets, first[4].targets)
+    assert not torch.equal(first[3].inputs, first[4].inputs)
