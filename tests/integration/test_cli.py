@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from common import control
+from common.keys import Keys
 from common.redis_server import free_port
 from tests.conftest import wait_until
 
@@ -99,9 +101,8 @@ def test_daemons_by_hand_status_and_refused_learner(tmp_path, redis_server):
         # a restarted learner (same id) resumes its data position instead of replaying its batches
         again = ddloco("learner", *net, "--learner-id", "hand-1", "--steps", "10", timeout=120)
         assert again.returncode == 0, again.stderr[-2000:]
-        import redis as redis_client
-        r = redis_client.Redis.from_url(redis_server.url, decode_responses=True)
-        assert r.hget("ddl:{byhand}:learner:hand-1", "data_position") == "40"
+        r = control.connect(redis_server.url)
+        assert r.hget(Keys("byhand").learner("hand-1"), "data_position") == "40"
         res = ddloco("learner", *net, "--config", str(cfg), "--quorum", "2", "--steps", "5", timeout=120)
         assert res.returncode == 3
         assert "refused" in res.stderr and "algo.quorum=2 (run has 1)" in res.stderr
