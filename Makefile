@@ -2,6 +2,10 @@
 #   make demo   -> venv, torch 2.13.0 (CPU) first, the rest, redis-server, then `ddloco up`
 #   make test   -> the same set-up, then the whole test suite
 PY ?= python3
+# Extra pip flags for the torch pin. On this project's machines the pin resolves to a local CPU
+# wheel; elsewhere use the CPU index so no CUDA build (several GB) is pulled:
+#   make test TORCH_PIP_FLAGS="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_PIP_FLAGS ?=
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -12,7 +16,7 @@ DEMO_FLAGS ?= --report reports/demo
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet torch==2.13.0 $(TORCH_PIP_FLAGS)
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/python -m common.redis_server --check
 	touch $(STAMP)

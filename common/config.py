@@ -25,7 +25,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, TypeVar
 
-from common.quant import CODECS
+CODECS = ("fp32", "bf16", "int8", "int4")
+"""Codec names (``common.quant`` implements them; kept here so config does not import torch)."""
 
 
 class ConfigError(ValueError):

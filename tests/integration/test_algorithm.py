@@ -80,6 +80,7 @@ def test_lockstep_quorum_m_matches_reference_synchronous_diloco(make_cluster):
     threads = [cluster.start_learner(lr) for lr in learners]
     for t in threads:
         t.join(timeout=60)
+        assert not t.is_alive(), "learner did not finish its steps"
     assert not cluster.errors, cluster.errors
     versions = {p: f.version for k in range(2) for p, f in cluster.shards[k].frags.items()}
     assert versions == {0: rounds, 1: rounds}, versions
@@ -97,6 +98,7 @@ def test_single_learner_with_unit_outer_step_follows_plain_training(make_cluster
     cluster.start_shard(0, 1)
     t = cluster.start_learner(cluster.learner("solo", 0, max_steps=steps + 1))
     t.join(timeout=60)
+    assert not t.is_alive(), "learner did not finish its steps"
     assert not cluster.errors, cluster.errors
     assert cluster.shards[0].frags[0].version == steps
     plain = TinyNet()

@@ -14,19 +14,11 @@ import pytest
 import redis
 
 from common.redis_server import EmbeddedRedis, find_redis_server, free_port, main
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Poll ``predicate`` until it holds; fail with ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s}s waiting for: {what}")
-        time.sleep(0.02)
 
 
 def process_gone(pid: int) -> bool:
@@ -146,8 +138,8 @@ def test_server_dies_when_its_owner_is_sigkilled() -> None:
         assert not process_gone(pid) and not port_closed(port)
         owner.send_signal(signal.SIGKILL)
         owner.wait(timeout=10)
-        wait_until(lambda: process_gone(pid), 10, f"redis pid {pid} to exit after owner SIGKILL")
-        wait_until(lambda: port_closed(port), 10, f"port {port} to close")
+        wait_until(lambda: process_gone(pid), 10, what=f"redis pid {pid} to exit after owner SIGKILL")
+        wait_until(lambda: port_closed(port), 10, what=f"port {port} to close")
     finally:
         if owner.poll() is None:
             owner.kill()

@@ -7,6 +7,11 @@ from common.config import (AlgoConfig, ConfigError, RunConfig, TaskConfig, dump_
                            run_config_from_dict)
 
 
+def test_config_codec_names_are_the_implemented_codecs():
+    from common import config, quant
+    assert config.CODECS == quant.CODECS
+
+
 def test_defaults_are_the_papers():
     a = AlgoConfig()
     assert (a.fragments, a.sync_every_steps, a.tau, a.quorum, a.uplink_codec) == (24, 24, 2, 1, "int4")

@@ -148,7 +148,7 @@ def test_decode_accepts_zmq_frames() -> None:
 
 
 @pytest.mark.parametrize("codec", CODECS)
-def test_frames_go_through_zmq_without_copy(codec: str) -> None:
+def test_frames_round_trip_through_zmq_sent_with_copy_false(codec: str) -> None:
     zmq = pytest.importorskip("zmq")
     ctx = zmq.Context()
     tx, rx = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
