@@ -216,6 +216,10 @@ class SyncerOptions:
     """Assumed learner step time before any learner has reported one."""
     reopen_after_steps: float = 4.0
     """Re-publish a round's open message after this many learner step times without quorum."""
+    lease_ttl_s: float = 3.0
+    """The shard's lease in Redis expires this long after its holder stopped renewing it."""
+    lease_wait_s: float = 10.0
+    """At start, wait this long for another holder's lease to expire before refusing to run."""
     downtime_gap_s: float = 5.0
     """(reporting) a gap between merges longer than this counts as global downtime."""
 

@@ -139,6 +139,38 @@ def read_events(r: redis.Redis, keys: Keys, *, kind: str | None = None) -> list[
     return out
 
 
+class LeaseHeld(RuntimeError):
+    """Another live process holds this shard's lease (two shards must never own one fragment)."""
+
+
+_RENEW_LEASE = """
+local cur = redis.call('GET', KEYS[1])
+if cur == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if not cur then return redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) and 1 or 0 end
+return 0
+"""
+
+
+def acquire_lease(r: redis.Redis, key: str, holder: str, *, ttl_s: float, wait_s: float) -> None:
+    """Take the lease, waiting up to ``wait_s`` for a crashed holder's lease to expire."""
+    deadline = time.monotonic() + wait_s
+    while not r.set(key, holder, nx=True, px=int(ttl_s * 1000)):
+        if time.monotonic() >= deadline:
+            raise LeaseHeld(f"refused: {key} is held by {r.get(key)!r} (is this shard already running?)")
+        time.sleep(min(0.2, ttl_s / 4))
+
+
+def renew_lease(r: redis.Redis, key: str, holder: str, *, ttl_s: float) -> bool:
+    """Extend our lease (re-take it if Redis lost it); False if another process holds it."""
+    return bool(r.eval(_RENEW_LEASE, 1, key, holder, int(ttl_s * 1000)))
+
+
+def release_lease(r: redis.Redis, key: str, holder: str) -> None:
+    """Give the lease up if it is still ours (graceful stop: a successor starts at once)."""
+    r.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+           1, key, holder)
+
+
 def register_shard(pipe: Any, keys: Keys, shard: int, fields: Mapping[str, Any]) -> None:
     """Shard entry (rpc endpoint, shard count, counters); re-written periodically."""
     pipe.sadd(keys.shards, shard)

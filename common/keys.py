@@ -11,6 +11,7 @@ hash slot). Redis holds coordination state only, never the model.
 | hb:<id>                      | string | heartbeat, expires after heartbeat_ttl_s                 |
 | shards                       | set    | shard indices that registered                            |
 | shard:<k>                    | hash   | rpc endpoint, pid, merges, counters                      |
+| shard:<k>:lease              | string | holder of shard k (one live process per shard), with TTL |
 | frag:<p>                     | hash   | version, round, shard, merged_at, contributors           |
 | events                       | stream | join, leave, merge, drop, refuse, failure (capped)       |
 """
@@ -46,6 +47,9 @@ class Keys:
 
     def shard(self, shard: int) -> str:
         return f"{self.prefix}shard:{shard}"
+
+    def shard_lease(self, shard: int) -> str:
+        return f"{self.prefix}shard:{shard}:lease"
 
     def fragment(self, fragment: int) -> str:
         return f"{self.prefix}frag:{fragment}"

@@ -86,7 +86,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 
 def cmd_syncer(args: argparse.Namespace) -> int:
-    from common.control import ConfigMismatch, RunConfigMissing
+    from common.control import ConfigMismatch, LeaseHeld, RunConfigMissing
     from common.lifecycle import install_stop_handlers
     from syncer.shard import CheckpointMismatch, Shard
     import redis
@@ -102,7 +102,7 @@ def cmd_syncer(args: argparse.Namespace) -> int:
         with Shard(endpoints=cfg.endpoints, options=opts, run=run) as shard:
             while not stop.is_set():
                 shard.poll_once(20)
-    except (ConfigMismatch, CheckpointMismatch) as e:
+    except (ConfigMismatch, CheckpointMismatch, LeaseHeld) as e:
         print(f"ddloco syncer: {e}", file=sys.stderr)
         return EXIT_REFUSED
     except RunConfigMissing as e:

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import secrets
+import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -134,6 +135,7 @@ class Shard:
         self._last_control = -1e9
         self._redis_ok = True
         self._merges_since_ckpt = 0
+        self._lease_lost = False
 
     # ---------------------------------------------------------------- set-up / tear-down
     def __enter__(self) -> "Shard":
@@ -144,6 +146,10 @@ class Shard:
         else:
             self.run = control.fetch_run_config(self.redis, self.keys, wait_s=30.0)
         control.claim_shard_count(self.redis, self.keys, self.options.shards)
+        self.epoch = secrets.randbits(31)  # this life of the shard: versions compare only within it
+        self.lease_holder = f"{socket.gethostname()}:{os.getpid()}:{self.epoch}"
+        control.acquire_lease(self.redis, self.keys.shard_lease(self.options.shard), self.lease_holder,
+                              ttl_s=self.options.lease_ttl_s, wait_s=self.options.lease_wait_s)
         algo = self.run.algo
         self.policy = QuorumPolicy(quorum=algo.quorum, tau=algo.tau, grace_gamma=algo.grace_gamma,
                                    grace_enabled=algo.grace_enabled)
@@ -156,7 +162,6 @@ class Shard:
             self.frags[p] = FragmentState(spec=self.plan[p], theta=theta, momentum=torch.zeros_like(theta),
                                           history={0: theta.clone()})
         self._load_checkpoint()
-        self.epoch = secrets.randbits(31)  # this life of the shard: versions compare only within it
         self._open_sockets()
         self.started_at = self.clock()
         self._refresh_control(force=True)
@@ -196,10 +201,13 @@ class Shard:
         if self._ctx is None:
             return
         try:
+            if self._lease_lost:
+                return
             self.checkpoint()
             control.add_event(self.redis, self.keys, "shard_stop", shard=self.options.shard,
                               versions={p: f.version for p, f in self.frags.items()})
             self.redis.hset(self.keys.shard(self.options.shard), "status", "stopped")
+            control.release_lease(self.redis, self.keys.shard_lease(self.options.shard), self.lease_holder)
         except redis.RedisError:
             pass
         finally:
@@ -496,6 +504,11 @@ class Shard:
             return
         self._last_control = now
         try:
+            if not control.renew_lease(self.redis, self.keys.shard_lease(self.options.shard), self.lease_holder,
+                                       ttl_s=self.options.lease_ttl_s):
+                self._lease_lost = True  # another process owns these fragments now: write nothing
+                raise control.LeaseHeld(f"lost the lease of shard {self.options.shard} to "
+                                        f"{self.redis.get(self.keys.shard_lease(self.options.shard))!r}")
             self.live = control.live_learners(self.redis, self.keys)
             pipe = self.redis.pipeline(transaction=False)
             control.register_shard(pipe, self.keys, self.options.shard, {

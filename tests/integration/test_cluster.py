@@ -238,3 +238,19 @@ def test_shard_started_with_another_shard_count_is_refused(make_cluster):
         with Shard(endpoints=cluster.endpoints, options=SyncerOptions(shard=1, shards=3, checkpoint_dir=""),
                    run=ASYNC, model_factory=TinyNet):
             pass
+
+
+def test_a_second_process_for_the_same_shard_is_refused_while_the_first_holds_the_lease(make_cluster):
+    from syncer.shard import Shard
+    from common.config import SyncerOptions
+    cluster = make_cluster(ASYNC)
+    first = cluster.start_shard(0, 1)
+    opts = SyncerOptions(shard=0, shards=1, checkpoint_dir="", lease_wait_s=0.5)
+    with pytest.raises(control.LeaseHeld, match="is held by"):
+        with Shard(endpoints=cluster.endpoints, options=opts, run=ASYNC, model_factory=TinyNet):
+            pass
+    assert first._ctx is not None and not cluster.errors  # the holder keeps running
+    cluster.stop_shard(0)  # a graceful stop releases the lease: a successor starts at once
+    wait_until(lambda: first._ctx is None, 10, what="first shard closed")
+    with Shard(endpoints=cluster.endpoints, options=opts, run=ASYNC, model_factory=TinyNet) as successor:
+        assert successor.lease_holder != first.lease_holder
