@@ -98,6 +98,8 @@ def test_daemons_by_hand_status_and_refused_learner(tmp_path, redis_server):
         assert st["learners"]["hand-1"]["steps"] == 30
         assert st["learners"]["hand-1"]["merged_contributions"] >= 1
         assert sum(f["version"] for f in st["fragments"].values()) >= 1
+        text = ddloco("status", *net[:-2], timeout=60)
+        assert text.returncode == 0 and "hand-1" in text.stdout and "fragments (p:version)" in text.stdout
         # a restarted learner (same id) resumes its data position instead of replaying its batches
         again = ddloco("learner", *net, "--learner-id", "hand-1", "--steps", "10", timeout=120)
         assert again.returncode == 0, again.stderr[-2000:]
