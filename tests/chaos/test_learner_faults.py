@@ -119,3 +119,52 @@ def test_merges_go_on_while_a_learner_is_frozen_or_killed_and_a_restarted_one_re
     finally:
         d.stop_all()
     assert d.procs["syncer"].returncode == 0
+
+
+def test_broker_and_shard_killed_and_restarted_training_resumes(tmp_path, redis_server):
+    d = Daemons(tmp_path, redis_server.url)
+    r = control.connect(redis_server.url)
+    keys = Keys("chaos")
+
+    def versions() -> int:
+        pipe = r.pipeline(transaction=False)
+        for p in range(4):
+            pipe.hget(keys.fragment(p), "version")
+        return sum(int(v or 0) for v in pipe.execute())
+
+    def merges(shard: int) -> int:
+        return int(r.hget(keys.shard(shard), "merges") or 0)
+    try:
+        d.start("broker", "broker", "--xsub", d.xsub, "--xpub", d.xpub)
+        syncer = ["syncer", *d.net, "--config", str(d.cfg), "--checkpoint-dir", str(tmp_path / "ck"),
+                  "--shards", "2", "--checkpoint-every", "3"]
+        d.start("syncer-0", *syncer, "--shard", "0")
+        d.start("syncer-1", *syncer, "--shard", "1")
+        for name in ("a", "b"):
+            d.learner(name)
+        wait_until(lambda: merges(0) >= 6 and merges(1) >= 6, 120, interval_s=0.1, what="merges on both shards")
+
+        # the broker dies and comes back on the same endpoints: every socket reconnects on its own
+        os.kill(d.procs["broker"].pid, signal.SIGKILL)
+        d.procs["broker"].wait(timeout=10)
+        d.start("broker", "broker", "--xsub", d.xsub, "--xpub", d.xpub)
+        m0, m1 = merges(0), merges(1)
+        wait_until(lambda: merges(0) >= m0 + 6 and merges(1) >= m1 + 6, 60, interval_s=0.1,
+                   what="merges on both shards after the broker restart")
+
+        # shard 1 is killed (no checkpoint on the way down) and restarted: it waits out its old
+        # lease, resumes from its last checkpoint in a new epoch, learners adopt it, merges go on
+        os.kill(d.procs["syncer-1"].pid, signal.SIGKILL)
+        d.procs["syncer-1"].wait(timeout=10)
+        m0 = merges(0)
+        wait_until(lambda: merges(0) >= m0 + 6, 60, interval_s=0.1, what="shard 0 merging while shard 1 is down")
+        d.start("syncer-1", *syncer, "--shard", "1")
+        wait_until(lambda: r.hget(keys.shard(1), "pid") == str(d.procs["syncer-1"].pid), 60, interval_s=0.1,
+                   what="restarted shard 1 registered")
+        m1 = merges(1)
+        wait_until(lambda: merges(1) >= m1 + 6, 60, interval_s=0.1, what="restarted shard 1 merging")
+        assert all(p.poll() is None for p in d.procs.values()), "a daemon died"
+        assert versions() > 0
+    finally:
+        d.stop_all()
+    assert all(d.procs[n].returncode == 0 for n in ("syncer-0", "syncer-1", "a", "b"))
