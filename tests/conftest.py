@@ -14,6 +14,23 @@ from common.redis_server import EmbeddedRedis, free_port
 from common.tasks import Batch
 
 
+TINY_TOML = """
+[task]
+n_layer = 1
+n_embd = 16
+n_head = 2
+seq_len = 16
+batch_size = 4
+eval_batches = 2
+corpus_max_bytes = 300000
+[algo]
+fragments = 4
+sync_every_steps = 4
+inner_warmup_steps = 2
+"""
+"""A tiny built-in task for tests that run the real daemons as processes."""
+
+
 def wait_until(predicate: Callable[[], Any], timeout_s: float = 30.0, interval_s: float = 0.02,
                what: str = "condition") -> Any:
     """Poll ``predicate`` until it returns a truthy value; fail loudly with ``what`` on timeout."""

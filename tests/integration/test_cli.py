@@ -12,24 +12,11 @@ import pytest
 from common import control
 from common.keys import Keys
 from common.redis_server import free_port
-from tests.conftest import wait_until
+from tests.conftest import TINY_TOML as TINY, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
-TINY = """
-[task]
-n_layer = 1
-n_embd = 16
-n_head = 2
-seq_len = 16
-batch_size = 4
-eval_batches = 2
-corpus_max_bytes = 300000
-[algo]
-fragments = 4
-sync_every_steps = 4
-inner_warmup_steps = 2
-"""
+
 
 
 def ddloco(*args: str, **kw) -> subprocess.CompletedProcess:
