@@ -246,9 +246,6 @@ class UpOptions:
     """Write report.json and plots here (empty: no report)."""
     eval_every_s: float = 8.0
     """Evaluate the global model this often during the run."""
-    seed: int = 0
-    """Seed of the run (model init, data split, learner streams)."""
-
     def __post_init__(self) -> None:
         _check(self.learners >= 1, "up.learners must be >= 1")
         _check(self.syncers >= 1, "up.syncers must be >= 1")

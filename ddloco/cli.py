@@ -146,7 +146,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from ddloco.up import run_up
     cfg = _resolve(args)
     up = override(cfg.up, learners=args.learners, syncers=args.syncers, steps=args.steps, minutes=args.minutes,
-                  report_dir=args.report, seed=args.seed)
+                  report_dir=args.report)
     if cfg.run.algo.lockstep and args.quorum is None:  # the synchronous baseline waits for every learner
         cfg = override(cfg, run=override(cfg.run, algo=override(cfg.run.algo, quorum=up.learners)))
     if args.slowdowns:
