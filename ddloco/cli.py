@@ -145,6 +145,7 @@ def cmd_learner(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from ddloco.up import run_up
     cfg = _resolve(args)
+    _setup_logging(args)  # library logs (embedded Redis) to stderr; progress lines go to stdout
     up = override(cfg.up, learners=args.learners, syncers=args.syncers, steps=args.steps, minutes=args.minutes,
                   report_dir=args.report)
     if cfg.run.algo.lockstep and args.quorum is None:  # the synchronous baseline waits for every learner
