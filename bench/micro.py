@@ -1,4 +1,4 @@
-"""`ddloco bench`: micro benchmarks of the hot paths (codecs, wire framing, merge).
+"""`ddloco bench`: micro benchmarks of the hot paths (codecs, wire framing, merge, broker).
 
 Timings are medians over repeats on this machine; compare figures from one run only.
 """
@@ -75,7 +75,100 @@ def bench_merge(numel: int, repeats: int, learners: Sequence[int] = (2, 4, 8)) -
     return rows
 
 
-BENCHES = {"codec": bench_codec, "wire": bench_wire, "merge": bench_merge}
+def _broker_run(frames: list[Any], *, stalled: int, messages: int) -> tuple[int, float]:
+    """One run: ``messages`` sent through a fresh broker to two live subscribers and ``stalled``
+    subscribers that never read. Returns (messages both live subscribers got, seconds)."""
+    import threading
+
+    import zmq
+
+    from broker.daemon import Broker, BrokerOptions
+    from common.redis_server import free_port
+
+    pub_ep, sub_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    stop, ready = threading.Event(), threading.Event()
+
+    def forward() -> None:
+        with Broker(BrokerOptions(xsub_bind=pub_ep, xpub_bind=sub_ep, stats_interval_s=1e9)) as b:
+            ready.set()
+            while not stop.is_set():
+                b.poll_once(10)
+    t = threading.Thread(target=forward, daemon=True)
+    t.start()
+    ready.wait(10)
+    ctx = zmq.Context()
+    try:
+        subs = []
+        for _ in range(2 + stalled):
+            s = ctx.socket(zmq.SUB)
+            s.setsockopt(zmq.RCVHWM, 100)
+            s.setsockopt(zmq.SUBSCRIBE, b"bench|")
+            s.connect(sub_ep)
+            subs.append(s)
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, 10_000)
+        pub.connect(pub_ep)
+        live = subs[:2]
+        while True:  # slow joiner: send probes until both live subscriptions deliver
+            pub.send_multipart(frames)
+            if all(s.poll(50) for s in live):
+                break
+        for s in live:
+            while s.poll(200):
+                s.recv_multipart()
+        got = [0, 0]
+        done = [threading.Event(), threading.Event()]
+
+        def read(i: int) -> None:  # a learner's network thread: reads all the time
+            s = live[i]
+            while got[i] < messages and s.poll(2000):
+                s.recv_multipart(copy=False)
+                got[i] += 1
+            done[i].set()
+        readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
+        t0 = time.perf_counter()
+        for r in readers:
+            r.start()
+        for _ in range(messages):
+            pub.send_multipart(frames, copy=False)
+        for d in done:
+            d.wait(60)
+        t1 = time.perf_counter()
+        for r in readers:
+            r.join(5)
+        return min(got), t1 - t0
+    finally:
+        ctx.destroy(linger=0)
+        stop.set()
+        t.join(5)
+
+
+def bench_broker(numel: int, repeats: int, messages: int = 1000) -> list[dict[str, Any]]:
+    """Broker throughput with int4 fragment messages to two live subscribers (reader threads),
+    with and without a subscriber that never reads (a frozen learner): the live ones must not be
+    slowed by it. The publisher floods as fast as it can, far above a run's rate (one fragment
+    per learner step), so PUB/SUB may drop under this overload; ``delivered_to_live_min`` says
+    how many arrived. Median of 5 runs per row, runs interleaved."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(2))
+    frames = wire.encode(kind=wire.UPDATE, run="bench", sender="b", fragment=0, values=x, codec="int4",
+                         round=1, base=0, steps=24, tokens=24 * 1024)
+    size = wire.message_nbytes(frames)
+    runs: dict[int, list[tuple[int, float]]] = {0: [], 1: []}
+    for _ in range(5):
+        for stalled in (0, 1):
+            runs[stalled].append(_broker_run(frames, stalled=stalled, messages=messages))
+    rows = []
+    for stalled, rs in runs.items():
+        delivered = min(n for n, _ in rs)
+        dt = statistics.median(s for _, s in rs)
+        rows.append({"stalled_subscribers": stalled, "messages": messages, "message_bytes": size,
+                     "delivered_to_live_min": delivered, "seconds_median": dt,
+                     "seconds_min": min(s for _, s in rs), "seconds_max": max(s for _, s in rs),
+                     "MB_per_s_per_subscriber": messages * size / dt / 1e6})
+    return rows
+
+
+BENCHES = {"codec": bench_codec, "wire": bench_wire, "merge": bench_merge, "broker": bench_broker}
 
 
 def _print_table(name: str, rows: list[dict[str, Any]]) -> None:
@@ -101,6 +194,8 @@ def main(argv: Sequence[str]) -> int:
     if args.numel < 64 or args.repeats < 1 or args.threads < 1:
         ap.error("--numel must be >= 64, --repeats and --threads >= 1")
     torch.set_num_threads(args.threads)
+    from common.log import configure_logging
+    configure_logging(level="warning")  # results on stdout, nothing else
     names = list(BENCHES) if args.name == "all" else [args.name]
     out = {n: BENCHES[n](args.numel, args.repeats) for n in names}
     if args.json:

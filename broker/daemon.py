@@ -25,8 +25,11 @@ class BrokerOptions:
     """Publishers connect here."""
     xpub_bind: str = "tcp://0.0.0.0:5556"
     """Subscribers connect here."""
-    hwm_messages: int = 2000
-    """High-water mark of each direction, in messages (bursts of full fragments fit)."""
+    hwm_messages: int = 200
+    """High-water mark of each direction, in messages. A subscriber that stops reading (a frozen
+    learner) costs the broker at most this many queued messages before it drops for that one
+    subscriber only; 200 holds the bursts of a run (one merged fragment per learner step at
+    most) while bounding memory when fragments are large."""
     stats_interval_s: float = 10.0
     """Log counters this often (only when they changed)."""
 

@@ -212,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.add_argument("--xsub", default="tcp://0.0.0.0:5555", help="bind endpoint for publishers")
     p.add_argument("--xpub", default="tcp://0.0.0.0:5556", help="bind endpoint for subscribers")
-    p.add_argument("--hwm", type=int, default=2000, help="high-water mark per direction (messages)")
+    p.add_argument("--hwm", type=int, default=200, help="high-water mark per direction and subscriber "
+                   "(messages; bounds the broker's memory for a subscriber that stops reading)")
     p.set_defaults(func=cmd_broker)
 
     p = sub.add_parser("syncer", help="run one syncer shard daemon",
