@@ -22,15 +22,18 @@ def install_stop_handlers(stop: threading.Event) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Ask Linux to send ``sig`` to this process when its parent dies (preexec_fn use)."""
+def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
+    """preexec_fn: ask Linux for ``sig`` when the parent dies; exit at once if it already died
+    (between fork and prctl). Elsewhere a no-op: the parent's own clean-up is the only guard."""
     if not sys.platform.startswith("linux"):
         return
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
-    except OSError:
-        pass
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
 def process_start_time() -> float | None:

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import ctypes
 import importlib.util
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -31,9 +29,10 @@ from types import TracebackType
 
 import structlog
 
+from common.lifecycle import die_with_parent
+
 log = structlog.get_logger("redis_server")
 
-_PR_SET_PDEATHSIG = 1
 _STOP_TIMEOUT_S = 5.0
 _POLL_S = 0.02
 _LOG_TAIL_BYTES = 2000
@@ -106,17 +105,6 @@ def server_pid(host: str, port: int, timeout_s: float = 0.5) -> int | None:
     return None
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """preexec_fn: ask for SIGTERM when the parent dies; exit if it is already gone."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: the atexit hook is the only guard
-    if os.getppid() != parent_pid:  # parent died before prctl took effect
-        os._exit(1)
-
-
 class EmbeddedRedis:
     """A private redis-server process on a loopback port; a context manager.
 
@@ -185,7 +173,7 @@ class EmbeddedRedis:
             self._proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C in a terminal reaches the owner, not Redis
-                preexec_fn=(lambda: _die_with_parent(parent)) if sys.platform == "linux" else None)
+                preexec_fn=lambda: die_with_parent(parent))
         while True:
             if server_pid(self.host, self.port) == self._proc.pid:  # ours, not a stranger's
                 return "ready"

@@ -150,6 +150,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                   report_dir=args.report)
     if cfg.run.algo.lockstep and args.quorum is None:  # the synchronous baseline waits for every learner
         cfg = override(cfg, run=override(cfg.run, algo=override(cfg.run.algo, quorum=up.learners)))
+    slow = None
     if args.slowdowns:
         try:
             slow = [float(x) for x in args.slowdowns.split(",")]
@@ -159,7 +160,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise ConfigError("--slowdowns factors must be >= 1")
     cfg = override(cfg, learner=override(cfg.learner, device=args.device))
     return run_up(override(cfg, up=up), external_redis=args.redis_url is not None,
-                  step_time_floor_ms=args.step_time_floor_ms, slowdowns=args.slowdowns, quiet=args.quiet)
+                  step_time_floor_ms=args.step_time_floor_ms, slowdowns=slow, quiet=args.quiet)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -36,8 +36,9 @@ class Child:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         # own session: Ctrl-C reaches `up` only, which then stops each child once (SIGTERM);
         # the parent-death signal still stops children if `up` itself is killed
+        parent = os.getpid()
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     preexec_fn=die_with_parent, start_new_session=True)
+                                     preexec_fn=lambda: die_with_parent(parent), start_new_session=True)
 
     @property
     def pid(self) -> int:
@@ -85,7 +86,7 @@ def _stop_all(children: list[Child], timeout_s: float = 15.0) -> None:
 
 
 def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float | None = None,
-           slowdowns: str | None = None, quiet: bool = False) -> int:
+           slowdowns: list[float] | None = None, quiet: bool = False) -> int:
     from common.redis_server import EmbeddedRedis, free_port
     up = cfg.up
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -133,7 +134,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             children.append(Child(f"syncer-{k}", _ddloco("syncer", *common_args, "--shard", str(k),
                                                          "--shards", str(up.syncers)), log(f"syncer-{k}")))
         threads = max(1, (os.cpu_count() or 1) // up.learners)
-        slow = [float(x) for x in slowdowns.split(",")] if slowdowns else []
+        slow = slowdowns or []
         learner_ids = [f"learner-{i}" for i in range(up.learners)]
         for i, lid in enumerate(learner_ids):
             argv = _ddloco("learner", *common_args, "--learner-id", lid, "--data-shard", str(i),
