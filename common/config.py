@@ -29,6 +29,10 @@ CODECS = ("fp32", "bf16", "int8", "int4")
 """Codec names (``common.quant`` implements them; kept here so config does not import torch)."""
 
 
+MERGE_RULES = ("rda", "mean")
+"""How a round's outer gradients combine (common.merge)."""
+
+
 class ConfigError(ValueError):
     """A configuration value is out of range or unknown."""
 
@@ -103,6 +107,17 @@ class AlgoConfig:
     """Codec of learners' fragment deltas: fp32, bf16, int8, int4."""
     downlink_codec: str = "fp32"
     """Codec of broadcast merged fragments: fp32 or bf16 (the syncer adopts the decoded value)."""
+    merge_rule: str = "rda"
+    """How outer gradients of non-embedding tensors combine: "rda" (radial-directional
+    average) or "mean" (weighted average). Embedding tensors always use the weighted average."""
+    outer_nesterov: bool = True
+    """Outer SGD with Nesterov momentum (False: plain heavy-ball momentum)."""
+    outer_warmup_merges: int = 0
+    """Outer learning rate ramps linearly over a fragment's first N merges (0 = no warm-up)."""
+    carry_local_steps: bool = False
+    """On receipt of a merged fragment, keep the steps not yet contributed on top of it:
+    theta <- Theta_new + (theta - reference), where reference is the snapshot the learner last
+    answered with (or its previous base when it has not answered since). False: overwrite."""
     mix_alpha: float = 0.0
     """alpha: learner keeps alpha*theta + (1-alpha)*Theta on receipt (0 = overwrite)."""
     history_versions: int = 8
@@ -122,6 +137,10 @@ class AlgoConfig:
         _check(self.uplink_codec in CODECS, f"algo.uplink_codec must be one of {CODECS}")
         _check(self.downlink_codec in ("fp32", "bf16"), "algo.downlink_codec must be fp32 or bf16")
         _check(0.0 <= self.mix_alpha < 1.0, "algo.mix_alpha must be in [0, 1)")
+        _check(self.merge_rule in MERGE_RULES, f"algo.merge_rule must be one of {MERGE_RULES}, got {self.merge_rule!r}")
+        _check(self.outer_warmup_merges >= 0, "algo.outer_warmup_merges must be >= 0")
+        _check(not (self.carry_local_steps and self.mix_alpha > 0),
+               "algo.carry_local_steps and algo.mix_alpha > 0 are exclusive (two rules for the same receipt)")
         _check(self.history_versions >= 1, "algo.history_versions must be >= 1")
 
 
@@ -181,6 +200,9 @@ class LearnerOptions:
     """How often the learner refreshes its heartbeat and counters in Redis."""
     heartbeat_ttl_s: float = 3.0
     """A learner whose heartbeat is older than this is considered gone."""
+    flush_timeout_s: float = 30.0
+    """After its last step (--steps), answer every fragment once more so no step is lost; give
+    up after this long (0 = leave at once; a stopped learner never flushes)."""
     join_timeout_s: float = 120.0
     """Give up (exit non-zero) if the shards don't serve the current fragments within this."""
 
@@ -191,6 +213,7 @@ class LearnerOptions:
         _check(bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device)),
                f"learner.device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         _check(self.max_steps >= 0, "learner.max_steps must be >= 0")
+        _check(self.flush_timeout_s >= 0, "learner.flush_timeout_s must be >= 0")
         _check(self.data_shard >= -1, "learner.data_shard must be >= 0 (or -1: derived from the id)")
         _check(self.heartbeat_ttl_s > self.heartbeat_interval_s > 0,
                "learner.heartbeat_ttl_s must exceed learner.heartbeat_interval_s > 0")

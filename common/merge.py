@@ -82,13 +82,17 @@ def merge_outer_gradients(
     outer_grads: torch.Tensor,
     weights: torch.Tensor,
     spans: Sequence[tuple[int, int, bool]],
+    rule: str = "rda",
 ) -> torch.Tensor:
     """Merged outer gradient Δ [numel] of one fragment.
 
     ``outer_grads`` [M, numel] holds one Δ_m per row; ``weights`` [M] are normalised;
     ``spans`` is ``Fragment.spans``: each tensor's ``(start, stop, embedding)``. Embedding
-    tensors use the weighted average, every other tensor RDA, each tensor separately.
+    tensors use the weighted average; every other tensor uses ``rule``: "rda" (radial-
+    directional average) or "mean" (weighted average), each tensor separately.
     """
+    if rule not in ("rda", "mean"):
+        raise ValueError(f"merge rule must be 'rda' or 'mean', got {rule!r}")
     _check_matrix(outer_grads, weights)
     numel = outer_grads.shape[1]
     expected_start = 0
@@ -101,7 +105,7 @@ def merge_outer_gradients(
     merged = torch.empty(numel, dtype=torch.float32, device=outer_grads.device)
     for start, stop, embedding in spans:
         block = outer_grads[:, start:stop]                              # [M, stop - start]
-        combine = weighted_average if embedding else radial_directional_average
+        combine = weighted_average if embedding or rule == "mean" else radial_directional_average
         merged[start:stop] = combine(block, weights)
     return merged
 
@@ -113,11 +117,12 @@ def outer_nesterov_step(
     *,
     lr: float,
     momentum_coef: float,
+    nesterov: bool = True,
 ) -> None:
-    """One outer SGD step with Nesterov momentum, in place on ``theta`` and ``momentum``.
+    """One outer SGD step with (Nesterov) momentum, in place on ``theta`` and ``momentum``.
 
     Bit-identical to ``torch.optim.SGD([theta], lr=lr, momentum=momentum_coef,
-    nesterov=True)`` when ``momentum`` starts at zeros: same op sequence as torch's
+    nesterov=nesterov)`` when ``momentum`` starts at zeros: same op sequence as torch's
     single-tensor SGD.
     """
     if theta.shape != grad.shape or theta.shape != momentum.shape:
@@ -134,5 +139,36 @@ def outer_nesterov_step(
             theta.add_(grad, alpha=-lr)
             return
         momentum.mul_(momentum_coef).add_(grad)                         # b ← μ·b + Δ
+        if not nesterov:
+            theta.add_(momentum, alpha=-lr)                             # Θ ← Θ − η·b
+            return
         step = grad.add(momentum, alpha=momentum_coef)                  # Δ + μ·b
         theta.add_(step, alpha=-lr)                                     # Θ ← Θ − η·(Δ + μ·b)
+
+
+def outer_lr_at(lr: float, merges_done: int, warmup_merges: int) -> float:
+    """Outer learning rate of a fragment's next merge: linear warm-up over its first
+    ``warmup_merges`` merges ((k+1)/N · η for merge k), then η."""
+    if warmup_merges <= 0:
+        return lr
+    return lr * min(1.0, (merges_done + 1) / warmup_merges)
+
+
+def carry_local_steps(merged: torch.Tensor, local: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """A learner's new value of a fragment when it keeps its uncontributed steps:
+    Θ_new + (θ_local − reference), where ``reference`` is the value it last answered with (or
+    its previous base). With one learner, η = 1 and μ = 0 this is exactly plain training."""
+    return merged + (local - reference)
+
+
+def outer_update(theta: torch.Tensor, momentum: torch.Tensor, outer_grads: torch.Tensor, weights: torch.Tensor,
+                 spans: Sequence[tuple[int, int, bool]], *, lr: float, momentum_coef: float, nesterov: bool,
+                 rule: str, merges_done: int = 0, warmup_merges: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One round of fragment p (ALGORITHM §5) on copies: merge the outer gradients
+    [M, numel] with ``weights`` and take the outer step. Returns (Θ_new, b_new); the inputs are
+    left unchanged so a caller can still drop the result (non-finite values)."""
+    grad = merge_outer_gradients(outer_grads, weights, spans, rule)    # [numel]
+    theta, momentum = theta.clone(), momentum.clone()
+    outer_nesterov_step(theta, momentum, grad, lr=outer_lr_at(lr, merges_done, warmup_merges),
+                        momentum_coef=momentum_coef, nesterov=nesterov)
+    return theta, momentum

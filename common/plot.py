@@ -344,6 +344,9 @@ class Series:
     xs: Sequence[float]
     ys: Sequence[float]
     style: str = "line"
+    color: int | None = None
+    """Palette index (default: the series' position), so a band can share its line's colour."""
+    in_legend: bool = True
 
 
 def line_chart(path: str | os.PathLike[str], series: Sequence[Series], *, title: str = "",
@@ -391,13 +394,14 @@ def line_chart(path: str | os.PathLike[str], series: Sequence[Series], *, title:
     _draw_frame(c, ax, xticks, xlabels, yticks, ylabels)
     legend = []
     for i, (s, x, y) in enumerate(zip(series, xs, ys)):
-        color = series_color(i)
+        color = series_color(i if s.color is None else s.color)
         px, py = ax.px(x), ax.py(y)
         if "line" in s.style:
             c.polyline(px, py, color, clip=ax.clip)
         if "points" in s.style or len(x) == 1:
             c.dots(px, py, color, clip=ax.clip)
-        legend.append((s.label, color, s.style if len(x) != 1 else "points"))
+        if s.in_legend:
+            legend.append((s.label, color, s.style if len(x) != 1 else "points"))
     c.outline_rect(ax.left, ax.top, ax.right, ax.bottom, INK)
     _draw_legend(c, ax, legend)
     _draw_labels(c, ax, title, xlabel, ylabel)

@@ -7,6 +7,7 @@
     ddloco learner  one learner daemon (built-in task)
     ddloco sim      goodput simulator at paper scale
     ddloco bench    micro benchmarks of the hot paths
+    ddloco compare  quality: DDP, one learner, sync DiLoCo, our cluster at equal tokens, seeds
 
 Exit codes: 0 success, 1 runtime failure, 2 bad usage or config, 3 refused by the run.
 """
@@ -174,6 +175,11 @@ def cmd_bench(argv: Sequence[str]) -> int:
     return bench_main(list(argv))
 
 
+def cmd_compare(argv: Sequence[str]) -> int:
+    from ddloco.compare.runner import main as compare_main
+    return compare_main(list(argv))
+
+
 def cmd_sim(argv: Sequence[str]) -> int:
     from sim.cli import main as sim_main
     return sim_main(list(argv))
@@ -247,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("sim", help="goodput simulator at paper scale (ddloco sim --help)", add_help=False)
     sub.add_parser("bench", help="micro benchmarks: codec, wire, merge (ddloco bench --help)", add_help=False)
+    sub.add_parser("compare", help="quality at equal tokens: DDP, one learner, sync DiLoCo, our cluster "
+                   "(ddloco compare --help)", add_help=False)
     return ap
 
 
@@ -256,6 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_sim(argv[1:])
     if argv and argv[0] == "bench":
         return cmd_bench(argv[1:])
+    if argv and argv[0] == "compare":
+        return cmd_compare(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -87,6 +87,8 @@ class Monitor:
                 status = "boot"
             if status == "training":
                 status = "up"
+            if status == "flushing":  # past its last step, answering once more: not training
+                status = "blocked"
             self.samples[lid].append((now - self.t0, status))
         if now - self.last_eval >= self.cfg.up.eval_every_s:
             self.evaluate()

@@ -28,9 +28,11 @@ from common import control, wire
 from common.config import ConfigError, Endpoints, LearnerOptions, RunConfig
 from common.fragments import Fragment, gather, plan_digest, plan_fragments, scatter, tensor_specs
 from common.keys import Keys
+from common.merge import carry_local_steps
 from common.lifecycle import process_start_time
 from common.log import get_logger
 from common.rpc import FragmentClient
+from learner.inner import inner_step, make_inner_optimizer
 
 
 FETCH_RETRY_S = 1.0
@@ -81,6 +83,15 @@ class _Answer:
     tokens: int
 
 
+@dataclass(frozen=True)
+class _Contribution:
+    """What the learner last answered fragment p with since its base (carried on receipt)."""
+
+    snapshot: torch.Tensor
+    steps: int
+    tokens: int
+
+
 @dataclass
 class LearnerStats:
     steps: int = 0
@@ -88,6 +99,9 @@ class LearnerStats:
     answers: int = 0
     merges_applied: int = 0
     version_gaps: int = 0
+    stale_opens: int = 0
+    flushed: int = 0
+    unflushed: int = 0
     nonfinite_answers: int = 0
     fetches: int = 0
     malformed: int = 0
@@ -202,6 +216,7 @@ class Learner:
         self.c_steps = np.zeros(n, dtype=np.int64)
         self.c_tokens = np.zeros(n, dtype=np.int64)
         self._pending_open: dict[int, _Open] = {}
+        self._contributed: dict[int, _Contribution] = {}
         self._answered: set[tuple[int, int, int, int]] = set()
         self._fetch_asked: dict[int, tuple[int, int, float]] = {}
         self._check_shard_plan()
@@ -268,15 +283,14 @@ class Learner:
             self._leave()
         return LearnerSummary(self.id, self.stats, {p: int(v) for p, v in enumerate(self.base_version)})
 
-    def _make_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-        opt = torch.optim.AdamW(self.model.parameters(), lr=self.algo.inner_lr, betas=(0.9, 0.95),
-                                weight_decay=self.algo.inner_weight_decay)
-        warm = max(1, self.algo.inner_warmup_steps)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
-        return opt, sched
-
     def _train(self) -> None:
-        opt, sched = self._make_optimizer()
+        if self._train_steps():
+            self._flush()
+        self._drain_inbox()
+
+    def _train_steps(self) -> bool:
+        """The inner loop; True when it ended on its own (step budget, data), not on ``stop``."""
+        opt, sched = make_inner_optimizer(self.model.parameters(), self.algo)
         batches: Iterator[Any] = iter(self.data)
         H = self.algo.sync_every_steps
         min_steps = H if self.algo.lockstep else 1
@@ -284,7 +298,7 @@ class Learner:
         self.model.train()
         while not self.stop.is_set():
             if self.options.max_steps and self.stats.steps >= self.options.max_steps:
-                break
+                return True
             if self._fatal is not None:
                 raise RuntimeError(f"learner helper thread failed: {self._fatal!r}") from self._fatal
             self._drain_inbox()
@@ -297,13 +311,10 @@ class Learner:
                 batch = next(batches)
             except StopIteration:
                 self.log.info("learner.data_exhausted", steps=self.stats.steps)
-                break
+                return True
             batch = batch_to(batch, self.device)
-            loss = self.loss_fn(self.model, batch)          # θ ← AdamW(θ, ∇L(θ; next batch))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
+            loss = self.loss_fn(self.model, batch)
+            inner_step(self.model, opt, sched, loss)         # θ ← AdamW(θ, ∇L(θ; next batch))
             tokens = int(batch.tokens)
             self.c_steps += 1                                # for every p: c_steps[p] += 1
             self.c_tokens += tokens                          #              c_tokens[p] += tokens
@@ -319,7 +330,33 @@ class Learner:
             self.stats.step_ema_s = step_s if ema == 0 else 0.9 * ema + 0.1 * step_s
             lv = float(loss.detach())
             self.stats.loss_ema = lv if self.stats.steps == 1 else 0.95 * self.stats.loss_ema + 0.05 * lv
-        self._drain_inbox()
+        return False
+
+    def _flush(self) -> None:
+        """After the last step: answer each fragment's next round once more so that no step this
+        learner took is lost (the global model then holds every token of the budget). Ends when
+        every fragment's steps were merged, on ``stop`` or after ``flush_timeout_s``."""
+        timeout = self.options.flush_timeout_s
+        if timeout <= 0:
+            return
+        self.status = "flushing"
+        deadline = time.monotonic() + timeout
+        pending = lambda: int((self.c_steps > 0).sum())  # noqa: E731
+        before = pending()
+        while pending() and not self.stop.is_set() and time.monotonic() < deadline:
+            if self._fatal is not None:
+                raise RuntimeError(f"learner helper thread failed: {self._fatal!r}") from self._fatal
+            try:
+                self._handle(self._inbox.get(timeout=0.05))
+            except queue.Empty:
+                pass
+            self._drain_inbox()
+            self._answer_open_rounds(1)
+        self.stats.unflushed = pending()
+        self.stats.flushed = before - self.stats.unflushed
+        log = self.log.info if not self.stats.unflushed else self.log.warning
+        log("learner.flushed", fragments=self.stats.flushed, unflushed=self.stats.unflushed,
+            timed_out=bool(self.stats.unflushed) and not self.stop.is_set())
 
     def _wait_blocked(self, min_steps: int) -> None:
         """Lock-step baseline only: wait at the barrier until the fragments are merged."""
@@ -377,15 +414,24 @@ class Learner:
             self.stats.version_gaps += 1              # a lost broadcast, repaired by this full value
         frag = self.plan[p]
         alpha = self.algo.mix_alpha
-        if alpha > 0 and not joining:
-            scatter(self.params, frag, alpha * gather(self.params, frag).cpu() + (1 - alpha) * item.values)
+        contributed = self._contributed.pop(p, None)
+        if self.algo.carry_local_steps and same_epoch and not joining and self.base_values[p] is not None:
+            # keep the steps not merged yet: θ ← Θ_new + (θ − what we last answered, else the old base)
+            ref = contributed.snapshot if contributed is not None else self.base_values[p]
+            scatter(self.params, frag, carry_local_steps(item.values, gather(self.params, frag).cpu(), ref))
+            if contributed is not None:
+                self.c_steps[p] -= contributed.steps
+                self.c_tokens[p] -= contributed.tokens
         else:
-            scatter(self.params, frag, item.values)
+            if alpha > 0 and not joining:
+                scatter(self.params, frag, alpha * gather(self.params, frag).cpu() + (1 - alpha) * item.values)
+            else:
+                scatter(self.params, frag, item.values)
+            self.c_steps[p] = 0
+            self.c_tokens[p] = 0
         self.base_values[p] = item.values
         self.base_version[p] = item.version
         self.base_epoch[p] = item.epoch
-        self.c_steps[p] = 0
-        self.c_tokens[p] = 0
         if not joining:
             self.stats.merges_applied += 1
 
@@ -393,12 +439,18 @@ class Learner:
         for p, o in list(self._pending_open.items()):
             if self.c_steps[p] < min_steps or self.base_values[p] is None or o.epoch != self.base_epoch[p]:
                 continue
-            key = (o.epoch, o.fragment, o.round, o.attempt)
+            if o.version > self.base_version[p]:
+                continue  # our base is stale (a fetch is on its way): answering now would undo merges
             del self._pending_open[p]
+            if o.version < self.base_version[p]:
+                self.stats.stale_opens += 1  # that round has merged already
+                continue
+            key = (o.epoch, o.fragment, o.round, o.attempt)
             if key in self._answered:
                 continue
             self._answered.add(key)
             snapshot = gather(self.params, self.plan[p]).cpu()  # a copy; delta and quantization off-thread
+            self._contributed[p] = _Contribution(snapshot, int(self.c_steps[p]), int(self.c_tokens[p]))
             self._outbox.put(("answer", _Answer(fragment=p, epoch=o.epoch, round=o.round, attempt=o.attempt,
                                                 base=int(self.base_version[p]), base_values=self.base_values[p],
                                                 snapshot=snapshot, steps=int(self.c_steps[p]),
@@ -549,7 +601,8 @@ class Learner:
         s = self.stats
         return {"status": self.status, "steps": s.steps, "tokens": s.tokens, "step_ema_s": round(s.step_ema_s, 6),
                 "loss_ema": round(s.loss_ema, 5), "answers": s.answers, "merges_applied": s.merges_applied,
-                "version_gaps": s.version_gaps, "fetches": s.fetches, "malformed": s.malformed,
+                "version_gaps": s.version_gaps, "stale_opens": s.stale_opens, "flushed": s.flushed,
+                "unflushed": s.unflushed, "fetches": s.fetches, "malformed": s.malformed,
                 "bytes_up": s.bytes_up, "bytes_down": s.bytes_down, "train_s": round(s.train_s, 3),
                 "blocked_s": round(s.blocked_s, 3), "boot_s": round(s.boot_s, 3),
                 "started_at": self._process_started_at, "updated_at": time.time(),

@@ -30,7 +30,7 @@ from common.config import Endpoints, RunConfig, SyncerOptions
 from common.fragments import Fragment, gather, owned_fragments, plan_digest, plan_fragments, tensor_specs
 from common.keys import Keys
 from common.log import get_logger
-from common.merge import contribution_weights, merge_outer_gradients, outer_nesterov_step
+from common.merge import contribution_weights, outer_update
 from common.quorum import Decision, Ema, QuorumPolicy, RoundView, decide_round, due_fragments, grace_window_s
 from common import quant
 
@@ -448,9 +448,10 @@ class Shard:
         if float(weights.sum()) <= 0.0:
             f.round = None
             return
-        grad = merge_outer_gradients(outer, weights, f.spec.spans)  # [numel]
-        theta, momentum = f.theta.clone(), f.momentum.clone()
-        outer_nesterov_step(theta, momentum, grad, lr=algo.outer_lr, momentum_coef=algo.outer_momentum)
+        theta, momentum = outer_update(f.theta, f.momentum, outer, weights, f.spec.spans, lr=algo.outer_lr,
+                                       momentum_coef=algo.outer_momentum, nesterov=algo.outer_nesterov,
+                                       rule=algo.merge_rule, merges_done=f.version,
+                                       warmup_merges=algo.outer_warmup_merges)
         if not bool(torch.isfinite(theta).all()):  # a diverged learner must not poison Θ
             self.stats.nonfinite_rounds += 1
             self.log.warning("syncer.nonfinite_merge_dropped", fragment=f.spec.index, round=rnd.round_id,

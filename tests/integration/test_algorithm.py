@@ -28,6 +28,16 @@ def _inner_step(model, opt, sched, batch) -> None:
     sched.step()
 
 
+def _plain_training(algo: AlgoConfig, steps: int) -> TinyNet:
+    """One TinyNet trained alone on stream 0 for ``steps`` inner steps."""
+    plain = TinyNet()
+    opt, sched = _adamw(plain, algo)
+    data = tiny_batches(0)
+    for _ in range(steps):
+        _inner_step(plain, opt, sched, next(data))
+    return plain
+
+
 def reference_sync_diloco(*, learners: int, rounds: int, algo: AlgoConfig) -> dict[str, torch.Tensor]:
     """Synchronous DiLoCo: M replicas, H AdamW steps each, per-tensor radial-directional average
     of the outer gradients (equal token weights), outer SGD with Nesterov momentum."""
@@ -76,7 +86,8 @@ def test_lockstep_quorum_m_matches_reference_synchronous_diloco(make_cluster):
     cluster = make_cluster(run)
     for k in range(2):
         cluster.start_shard(k, 2)
-    learners = [cluster.learner(f"l{m}", m, max_steps=rounds * algo.sync_every_steps + 1) for m in range(2)]
+    # the last round is the learners' flush after their final step
+    learners = [cluster.learner(f"l{m}", m, max_steps=rounds * algo.sync_every_steps) for m in range(2)]
     threads = [cluster.start_learner(lr) for lr in learners]
     for t in threads:
         t.join(timeout=60)
@@ -96,16 +107,39 @@ def test_single_learner_with_unit_outer_step_follows_plain_training(make_cluster
                       outer_lr=1.0, outer_momentum=0.0, inner_warmup_steps=1)
     cluster = make_cluster(RunConfig(algo=algo))
     cluster.start_shard(0, 1)
-    t = cluster.start_learner(cluster.learner("solo", 0, max_steps=steps + 1))
+    t = cluster.start_learner(cluster.learner("solo", 0, max_steps=steps))
     t.join(timeout=60)
     assert not t.is_alive(), "learner did not finish its steps"
     assert not cluster.errors, cluster.errors
     assert cluster.shards[0].frags[0].version == steps
-    plain = TinyNet()
-    opt, sched = _adamw(plain, algo)
-    data = tiny_batches(0)
-    for _ in range(steps):
-        _inner_step(plain, opt, sched, next(data))
+    plain = _plain_training(algo, steps)
     ours = _shard_theta(cluster, 1)
     for n, p in plain.named_parameters():
         torch.testing.assert_close(ours[n], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("carry", [True, False])
+def test_async_single_learner_keeps_steps_taken_after_answering_only_with_carry(make_cluster, carry):
+    """K = 1, no lock-step: the learner trains on while its answer is merged. With carry, every
+    step it took reaches the global model (η = 1, μ = 0: the result is plain training); with
+    overwrite, the steps between an answer and the merged value's arrival are lost."""
+    steps = 40
+    algo = AlgoConfig(fragments=2, sync_every_steps=4, quorum=1, uplink_codec="fp32", outer_lr=1.0,
+                      outer_momentum=0.0, inner_warmup_steps=1, carry_local_steps=carry)
+    cluster = make_cluster(RunConfig(algo=algo))
+    cluster.start_shard(0, 1)
+    # a step floor makes merges arrive while the learner is still training (answers are async)
+    learner = cluster.learner("solo", 0, max_steps=steps, step_time_floor_ms=15)
+    t = cluster.start_learner(learner)
+    t.join(timeout=60)
+    assert not t.is_alive(), "learner did not finish its steps"
+    assert not cluster.errors, cluster.errors
+    assert learner.stats.unflushed == 0 and learner.stats.flushed == 2
+    assert learner.stats.merges_applied >= 4, learner.stats
+    plain = _plain_training(algo, steps)
+    ours = _shard_theta(cluster, 1)
+    gap = max(float((ours[n] - p.detach()).abs().max()) for n, p in plain.named_parameters())
+    if carry:
+        assert gap < 1e-4, f"global model differs from plain training by {gap}"
+    else:
+        assert gap > 1e-3, f"overwrite lost no steps (gap {gap}): the test no longer separates the rules"

@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from common.merge import (
+    carry_local_steps,
     contribution_weights,
+    outer_lr_at,
+    outer_update,
     merge_outer_gradients,
     outer_nesterov_step,
     radial_directional_average,
@@ -147,3 +150,48 @@ def test_outer_step_rejects_bad_arguments() -> None:
         outer_nesterov_step(theta, b, torch.zeros(3), lr=0.7, momentum_coef=1.0)
     with pytest.raises(ValueError, match="lr"):
         outer_nesterov_step(theta, b, torch.zeros(3), lr=0.0, momentum_coef=0.9)
+
+
+def test_plain_momentum_matches_torch_sgd_without_nesterov() -> None:
+    g = torch.Generator().manual_seed(3)
+    start = torch.randn(64, generator=g)
+    theta, momentum = start.clone(), torch.zeros(64)
+    reference = torch.nn.Parameter(start.clone())
+    sgd = torch.optim.SGD([reference], lr=0.5, momentum=0.6, nesterov=False)
+    for step in range(10):
+        grad = torch.randn(64, generator=g)
+        outer_nesterov_step(theta, momentum, grad, lr=0.5, momentum_coef=0.6, nesterov=False)
+        reference.grad = grad.clone()
+        sgd.step()
+        assert torch.equal(theta, reference.detach()), f"diverged at step {step}"
+
+
+def test_mean_rule_averages_where_rda_keeps_the_radius() -> None:
+    grads = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    w = torch.tensor([0.5, 0.5])
+    mean = merge_outer_gradients(grads, w, [(0, 2, False)], "mean")
+    rda = merge_outer_gradients(grads, w, [(0, 2, False)], "rda")
+    assert mean.tolist() == [0.5, 0.5]
+    assert float(rda.norm()) == pytest.approx(1.0) and float(mean.norm()) == pytest.approx(math.sqrt(0.5))
+    with pytest.raises(ValueError, match="merge rule"):
+        merge_outer_gradients(grads, w, [(0, 2, False)], "median")
+
+
+def test_outer_lr_warms_up_linearly_over_merges() -> None:
+    assert [outer_lr_at(1.0, k, 4) for k in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert outer_lr_at(0.7, 0, 0) == 0.7
+
+
+def test_outer_update_leaves_its_inputs_alone_and_a_unit_step_lands_on_the_learner() -> None:
+    theta, momentum = torch.tensor([1.0, 2.0]), torch.zeros(2)
+    learner = torch.tensor([0.5, 2.5])
+    new_theta, new_mom = outer_update(theta, momentum, (theta - learner).unsqueeze(0), torch.tensor([1.0]),
+                                      [(0, 2, False)], lr=1.0, momentum_coef=0.0, nesterov=True, rule="rda")
+    assert theta.tolist() == [1.0, 2.0] and momentum.tolist() == [0.0, 0.0]
+    assert torch.allclose(new_theta, learner)
+
+
+def test_carry_keeps_the_steps_after_the_reference() -> None:
+    merged, local, ref = torch.tensor([1.0, 1.0]), torch.tensor([0.3, 0.7]), torch.tensor([0.1, 0.2])
+    assert torch.allclose(carry_local_steps(merged, local, ref), torch.tensor([1.2, 1.5]))
+    assert torch.equal(carry_local_steps(merged, ref, ref), merged)   # nothing since: overwrite

@@ -1,0 +1,367 @@
+"""`ddloco compare`: every system on the same task, data streams, inner AdamW and eval batches.
+
+Systems (``--systems``, comma list; default: the five of the quality table):
+- ``dp``: real data-parallel training, ``torch.distributed`` DDP launched by torchrun, M ranks
+  (gloo on CPU, NCCL on CUDA), rank r reading stream r; one step = M batches.
+- ``single``: one learner alone (stream 0) at equal steps (1/M of the tokens).
+- ``diloco_sync``: synchronous DiLoCo [lineage], in one process (``systems.run_diloco_sync``).
+- ``decoupled_lockstep``: our cluster (``ddloco up``) with lockstep and K = M.
+- ``decoupled``: our cluster with the run's defaults (K = 1 + grace, int4, ...).
+- extra: ``decoupled_fp32`` (the cluster with an fp32 uplink), ``decoupled_emulated`` and
+  ``dp_emulated`` (fast deterministic in-process stand-ins, for sweeps).
+
+Token budget N: every learner (or rank) takes N / (M · tokens per batch) steps; every system's
+final number is its global model evaluated after exactly that budget (the cluster's learners
+flush their last steps before the final evaluation). Intermediate points: in-process systems
+and DP at exact step counts; the cluster at its periodic evaluations (tokens counted then).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from common.config import ConfigError, ConfigFile, RunConfig, load_config, override
+
+DEFAULT_SYSTEMS = ("dp", "single", "diloco_sync", "decoupled_lockstep", "decoupled")
+IN_PROCESS = ("single", "diloco_sync", "decoupled_emulated", "dp_emulated")
+CLUSTER = ("decoupled", "decoupled_lockstep", "decoupled_fp32")
+ALL_SYSTEMS = ("dp",) + IN_PROCESS + CLUSTER
+
+# two-sided 95 % Student t quantiles by degrees of freedom
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def mean_ci(values: Sequence[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the 95 % Student-t interval of the mean; a single value has width 0."""
+    n = len(values)
+    if n == 0:
+        raise ValueError("no values")
+    m = statistics.fmean(values)
+    if n == 1:
+        return m, m, m
+    half = _T95.get(n - 1, 1.96) * statistics.stdev(values) / math.sqrt(n)
+    return m, m - half, m + half
+
+
+def parse_set(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``--set algo.outer_lr=1.0`` → {"algo": {"outer_lr": 1.0}} (values parsed as JSON, else str)."""
+    out: dict[str, dict[str, Any]] = {"task": {}, "algo": {}}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot or section not in out:
+            raise ConfigError(f"--set wants task.KEY=VALUE or algo.KEY=VALUE, got {item!r}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out[section][name] = value
+    return out
+
+
+def apply_sets(run: RunConfig, sets: dict[str, dict[str, Any]]) -> RunConfig:
+    from common.config import AlgoConfig, TaskConfig, from_mapping
+    task = from_mapping(TaskConfig, {**run.to_dict()["task"], **sets.get("task", {})}, section="task")
+    algo = from_mapping(AlgoConfig, {**run.to_dict()["algo"], **sets.get("algo", {})}, section="algo")
+    return RunConfig(task=task, algo=algo)
+
+
+def tokens_per_batch(run: RunConfig) -> int:
+    from common.tasks import make_task
+    task = make_task(run.task)
+    return int(next(task.train_batches(stream=0, seed=run.task.seed)).tokens)
+
+
+def system_run(system: str, run: RunConfig) -> RunConfig:
+    """The run config a system trains with (the lock-step and fp32 variants change one knob)."""
+    if system == "decoupled_fp32":
+        return replace(run, algo=replace(run.algo, uplink_codec="fp32"))
+    return run
+
+
+# ------------------------------------------------------------------------------------ runners
+def _in_process(system: str, run_dict: dict[str, Any], learners: int, steps: int, seed: int,
+                eval_points: int, delay_steps: int) -> dict[str, Any]:
+    """Worker-process entry: one in-process system at one seed."""
+    from common.config import run_config_from_dict
+    from common.tasks import make_task
+    from ddloco.compare import systems
+    run = run_config_from_dict(run_dict)
+    task = make_task(run.task)
+    kw = dict(steps=steps, seed=seed, eval_points=eval_points, threads=1)
+    if system == "single":
+        res = systems.run_single(task, run.algo, **kw)
+    elif system == "diloco_sync":
+        res = systems.run_diloco_sync(task, run.algo, learners=learners, **kw)
+    elif system == "dp_emulated":
+        res = systems.run_dp_emulated(task, run.algo, learners=learners, **kw)
+    elif system == "decoupled_emulated":
+        res = systems.run_decoupled_emulated(task, run.algo, learners=learners, delay_steps=delay_steps, **kw)
+    else:
+        raise ValueError(f"not an in-process system: {system}")
+    return res.to_dict()
+
+
+def run_dp(run: RunConfig, *, learners: int, steps: int, seed: int, eval_points: int, workdir: Path,
+           device: str) -> dict[str, Any]:
+    """Real DDP: torchrun with M ranks (``ddloco.compare.ddp_worker``)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec = workdir / "spec.json"
+    out = workdir / "result.json"
+    threads = max(1, (os.cpu_count() or 1) // learners)
+    spec.write_text(json.dumps({"run": run.to_dict(), "steps": steps, "seed": seed, "eval_points": eval_points,
+                                "threads": threads, "device": device}))
+    out.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={learners}",
+            "-m", "ddloco.compare.ddp_worker", "--spec", str(spec), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    with open(workdir / "torchrun.log", "wb") as log:
+        rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+    if rc != 0 or not out.exists():
+        tail = (workdir / "torchrun.log").read_text(errors="replace").splitlines()[-15:]
+        raise RuntimeError(f"torchrun DDP failed with exit code {rc}:\n" + "\n".join(tail))
+    return json.loads(out.read_text())
+
+
+def run_cluster(system: str, cfg: ConfigFile, *, learners: int, steps: int, seed: int, workdir: Path,
+                syncers: int) -> dict[str, Any]:
+    """Our cluster through ``ddloco up`` (separate processes, real sockets and Redis)."""
+    from ddloco.up import run_up
+    run = system_run(system, cfg.run)
+    algo = run.algo
+    if system == "decoupled_lockstep":
+        algo = replace(algo, lockstep=True, quorum=learners)
+    run = replace(run, algo=algo)
+    up = override(cfg.up, learners=learners, syncers=syncers, steps=steps, report_dir=str(workdir),
+                  minutes=max(cfg.up.minutes, 30.0))
+    run_id = f"cmp-{system.replace('_', '-')}-s{seed}-{os.getpid()}"
+    c = replace(cfg, run=run, up=up, endpoints=override(cfg.endpoints, run_id=run_id))
+    rc = run_up(c, external_redis=False, quiet=True)
+    rep_path = workdir / "report.json"
+    if not rep_path.exists():
+        raise RuntimeError(f"ddloco up for {system} seed {seed} wrote no report (exit {rc})")
+    rep = json.loads(rep_path.read_text())
+    if rc != 0 or rep.get("eval_loss_final") is None:
+        raise RuntimeError(f"ddloco up for {system} seed {seed} failed (exit {rc}): {rep.get('failure')}")
+    tokens = int(rep["tokens_total"])
+    curve = [(int(e["tokens"]), float(e["loss"])) for e in rep["eval_curve"]]
+    curve[0] = (0, curve[0][1])
+    unflushed = sum(int(float(h.get("unflushed", 0) or 0)) for h in rep["learner_stats"].values())
+    return {"system": system, "seed": seed, "learners": learners, "steps": steps, "tokens": tokens,
+            "wall_s": rep["wall_s"], "eval_loss_final": float(rep["eval_loss_final"]), "curve": curve,
+            "bytes_per_token": (rep["bytes_up"] + rep["bytes_down"]) / max(1, tokens),
+            "extra": {"merges": rep["merges"], "goodput": rep["goodput"], "dropped": rep["dropped_messages"],
+                      "unflushed_fragments": unflushed, "report": str(rep_path)}}
+
+
+# ------------------------------------------------------------------------------------ summary
+def _interp(curve: Sequence[Sequence[float]], x: float) -> float:
+    pts = sorted((float(a), float(b)) for a, b in curve)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return pts[-1][1]
+
+
+def summarise(results: dict[str, list[dict[str, Any]]], eval_points: int) -> dict[str, Any]:
+    """Per system: mean and 95 % CI of the final eval loss, tokens, wall, bytes/token, per-seed
+    values, the curve on a common token grid (mean, min, max over seeds), ratios to dp."""
+    out: dict[str, Any] = {}
+    for system, runs in results.items():
+        if not runs:
+            continue
+        finals = [r["eval_loss_final"] for r in runs]
+        m, lo, hi = mean_ci(finals)
+        tokens = max(r["tokens"] for r in runs)
+        grid = [round(tokens * k / eval_points) for k in range(eval_points + 1)]
+        band = [[_interp(r["curve"], x) for r in runs] for x in grid]
+        out[system] = {
+            "eval_loss_final": m, "eval_loss_ci": [lo, hi], "tokens": tokens,
+            "wall_s": statistics.fmean(r["wall_s"] for r in runs),
+            "bytes_per_token": statistics.fmean(r["bytes_per_token"] for r in runs),
+            "seeds": [r["seed"] for r in runs],
+            "per_seed": {str(r["seed"]): r["eval_loss_final"] for r in runs},
+            "curve": {"tokens": grid, "mean": [statistics.fmean(b) for b in band],
+                      "min": [min(b) for b in band], "max": [max(b) for b in band]},
+            "runs": runs,
+        }
+    if "dp" in out:
+        dp = out["dp"]["per_seed"]
+        for system, s in out.items():
+            paired = [s["per_seed"][k] / dp[k] for k in s["per_seed"] if k in dp]
+            if paired:
+                rm, rlo, rhi = mean_ci(paired)
+                s["ratio_to_dp"] = rm
+                s["ratio_to_dp_ci"] = [rlo, rhi]
+    return out
+
+
+def write_markdown(path: Path, summary: dict[str, Any], meta: dict[str, Any]) -> None:
+    lines = [f"# ddloco compare: {meta['task']} task, M = {meta['learners']}, {meta['tokens']:,} tokens, "
+             f"seeds {meta['seeds']}", "",
+             f"Command: `{meta['command']}`", "",
+             "| system | final eval loss (mean, 95 % CI) | ÷ DP (paired by seed) | per seed | tokens | wall s | bytes/token |",
+             "|---|---|---|---|---|---|---|"]
+    for system, s in summary.items():
+        ratio = (f"{s['ratio_to_dp']:.3f} [{s['ratio_to_dp_ci'][0]:.3f}, {s['ratio_to_dp_ci'][1]:.3f}]"
+                 if "ratio_to_dp" in s else "")
+        per = " / ".join(f"{v:.3f}" for v in s["per_seed"].values())
+        lines.append(f"| {system} | {s['eval_loss_final']:.3f} [{s['eval_loss_ci'][0]:.3f}, {s['eval_loss_ci'][1]:.3f}]"
+                     f" | {ratio} | {per} | {s['tokens']:,} | {s['wall_s']:.0f} | {s['bytes_per_token']:.1f} |")
+    lines += ["", "Algorithm config (all systems): `" + json.dumps(meta["algo"], sort_keys=True) + "`", "",
+              "Wall times of in-process systems run side by side (`--jobs`) share the cores; "
+              "compare them only within one system.", ""]
+    path.write_text("\n".join(lines))
+
+
+def write_plot(path: Path, summary: dict[str, Any], title: str) -> None:
+    from common.plot import Series, line_chart
+    series: list[Series] = []
+    for i, (system, s) in enumerate(summary.items()):
+        c = s["curve"]
+        series.append(Series(system, c["tokens"], c["mean"], style="line+points", color=i))
+        if len(s["runs"]) > 1:  # band: min and max over seeds, thin lines of the same colour
+            series.append(Series(f"{system} min", c["tokens"], c["min"], color=i, in_legend=False))
+            series.append(Series(f"{system} max", c["tokens"], c["max"], color=i, in_legend=False))
+    finals = [v for s in summary.values() for v in s["curve"]["max"][1:] + s["curve"]["min"][1:]]
+    lo, hi = min(finals), max(finals)
+    pad = 0.05 * (hi - lo or 1.0)
+    line_chart(path, series, title=title, xlabel="tokens (all learners)", ylabel="eval loss (nats/byte)",
+               ylim=(lo - pad, hi + pad))
+
+
+# ------------------------------------------------------------------------------------ CLI
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ddloco compare", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", default="gpt", help="built-in task (default gpt)")
+    ap.add_argument("--learners", type=int, default=4, help="M: learners / DP ranks (default 4)")
+    ap.add_argument("--tokens", type=int, default=1_638_400, help="token budget N of every multi-learner "
+                    "system (default 1,638,400 = 4 learners x 400 steps x 1,024 tokens)")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds 0..S-1 (model init and data; default 3)")
+    ap.add_argument("--seed-list", default=None, help="explicit comma list of seeds instead of --seeds")
+    ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                    help=f"comma list from {', '.join(ALL_SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)})")
+    ap.add_argument("--report", metavar="DIR", required=True, help="write compare.json, compare.md, compare.png here")
+    ap.add_argument("--config", metavar="FILE.toml", help="TOML config (task, algo, up sections) for every system")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a task or algo setting for every system, e.g. --set algo.outer_lr=1.0")
+    ap.add_argument("--eval-points", type=int, default=8, help="evaluations along the budget (default 8)")
+    ap.add_argument("--jobs", type=int, default=1, help="in-process systems run this many at a time (default 1)")
+    ap.add_argument("--syncers", type=int, default=2, help="syncer shards of the cluster systems (default 2)")
+    ap.add_argument("--delay-steps", type=int, default=2,
+                    help="decoupled_emulated: steps between a round's answers and the merged value's arrival")
+    ap.add_argument("--device", default="auto", help="dp: auto (CUDA + NCCL when available) or cpu")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _main(args, list(sys.argv[1:] if argv is None else argv))
+    except ConfigError as e:
+        print(f"ddloco compare: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace, argv: list[str]) -> int:
+    from common.log import configure_logging
+    configure_logging(json_output=False, level="warning")  # progress lines only; runs keep their own logs
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in ALL_SYSTEMS]
+    if unknown or not systems:
+        raise ConfigError(f"unknown system(s) {unknown}; choose from {', '.join(ALL_SYSTEMS)}")
+    if args.learners < 1 or args.eval_points < 1 or args.jobs < 1:
+        raise ConfigError("--learners, --eval-points and --jobs must be >= 1")
+    seeds = ([int(x) for x in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds)))
+    if not seeds:
+        raise ConfigError("--seeds must be >= 1")
+    cfg = load_config(args.config)
+    run = apply_sets(cfg.run, {"task": {"name": args.task}, "algo": {}})
+    run = apply_sets(run, parse_set(args.set))
+    per_batch = tokens_per_batch(run)
+    steps = args.tokens // (args.learners * per_batch)
+    if steps < 1:
+        raise ConfigError(f"--tokens {args.tokens} is less than one step of {args.learners} learners "
+                          f"x {per_batch} tokens")
+    if steps * args.learners * per_batch != args.tokens:
+        print(f"note: {args.tokens:,} tokens is not a whole number of steps; using {steps} steps "
+              f"= {steps * args.learners * per_batch:,} tokens", flush=True)
+    report = Path(args.report)
+    report.mkdir(parents=True, exist_ok=True)
+    print(f"compare    {', '.join(systems)} | M={args.learners} | {steps} steps per learner "
+          f"({steps * args.learners * per_batch:,} tokens) | seeds {seeds} | report {report}", flush=True)
+    results: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+    failures: list[str] = []
+    t_start = time.time()
+
+    def done(system: str, seed: int, res: dict[str, Any]) -> None:
+        results[system].append(res)
+        (report / "runs").mkdir(exist_ok=True)
+        (report / "runs" / f"{system}-s{seed}.json").write_text(json.dumps(res, indent=1))
+        print(f"[{time.time() - t_start:7.0f}s] {system:<20} seed {seed}: eval loss {res['eval_loss_final']:.4f} "
+              f"at {res['tokens']:,} tokens ({res['wall_s']:.0f}s)", flush=True)
+
+    in_proc = [(s, seed) for s in systems if s in IN_PROCESS for seed in seeds]
+    if in_proc:
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            futures = {}
+            for s, seed in in_proc:
+                r = apply_sets(run, {"task": {"seed": seed}})
+                futures[pool.submit(_in_process, s, r.to_dict(), args.learners, steps, seed, args.eval_points,
+                                    args.delay_steps)] = (s, seed)
+            for fut, (s, seed) in futures.items():
+                try:
+                    done(s, seed, fut.result())
+                except Exception as e:  # one failed run is reported, the others still count
+                    failures.append(f"{s} seed {seed}: {e!r}")
+                    print(f"FAILED     {s} seed {seed}: {e!r}", file=sys.stderr, flush=True)
+    for s in systems:
+        if s in IN_PROCESS:
+            continue
+        for seed in seeds:
+            r = apply_sets(run, {"task": {"seed": seed}})
+            workdir = report / "runs" / f"{s}-s{seed}"
+            try:
+                if s == "dp":
+                    res = run_dp(r, learners=args.learners, steps=steps, seed=seed, eval_points=args.eval_points,
+                                 workdir=workdir, device=args.device)
+                else:
+                    res = run_cluster(s, replace(cfg, run=r), learners=args.learners, steps=steps, seed=seed,
+                                      workdir=workdir, syncers=args.syncers)
+                done(s, seed, res)
+            except Exception as e:
+                failures.append(f"{s} seed {seed}: {e}")
+                print(f"FAILED     {s} seed {seed}: {e}", file=sys.stderr, flush=True)
+    summary = summarise({s: sorted(v, key=lambda r: r["seed"]) for s, v in results.items()}, args.eval_points)
+    meta = {"task": run.task.name, "learners": args.learners, "tokens": steps * args.learners * per_batch,
+            "steps_per_learner": steps, "seeds": seeds, "algo": asdict(run.algo), "task_config": asdict(run.task),
+            "command": "ddloco compare " + " ".join(argv), "wall_s": round(time.time() - t_start, 1),
+            "failures": failures}
+    doc = {"meta": meta, "systems": summary}
+    tmp = report / "compare.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(report / "compare.json")
+    write_markdown(report / "compare.md", summary, meta)
+    if summary:
+        write_plot(report / "compare.png", summary,
+                   f"Eval loss vs tokens, M={args.learners}, {len(seeds)} seed(s)")
+    print((report / "compare.md").read_text(), flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""In-process systems of `ddloco compare` (the real cluster and DDP run as processes elsewhere).
+
+- ``single``: one learner alone (data stream 0) at equal steps: ``steps`` inner steps.
+- ``diloco_sync``: synchronous DiLoCo [lineage]: M replicas, every H steps every replica's
+  outer gradient is averaged (plain mean over the whole model) and the outer optimizer steps.
+- ``decoupled_emulated``: Decoupled DiLoCo's streaming rounds emulated deterministically in one
+  process: fragment p opens every H steps at offset p·H/P, every learner answers with its
+  quantized delta, the shard math of ``common.merge`` runs, and the merged value reaches the
+  learners ``delay_steps`` steps later (the grace window and transport). Used for fast seeded
+  sweeps of the outer optimizer and for the regression guard in the test suite; the real
+  cluster (``ddloco up``) confirms what it finds.
+- ``dp_emulated``: data-parallel as one model on the M streams' concatenated batches (the
+  same mathematics as DDP with M ranks); for sweeps. ``ddloco compare`` runs real DDP.
+
+Every system evaluates the global model on the task's fixed held-out batches at exact token
+counts: after the same numbers of inner steps per learner (``eval_steps``).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from common import quant
+from common.config import AlgoConfig
+from common.fragments import Fragment, gather, plan_fragments, scatter, tensor_specs
+from common.merge import carry_local_steps, contribution_weights, outer_update
+from common.tasks import Task
+from learner.inner import inner_step, make_inner_optimizer
+
+
+@dataclass
+class SystemResult:
+    """One run of one system at one seed."""
+
+    system: str
+    seed: int
+    learners: int
+    steps: int
+    """Inner steps per learner (DP: optimizer steps)."""
+    tokens: int
+    wall_s: float
+    eval_loss_final: float
+    curve: list[tuple[int, float]]
+    """(tokens, global model's eval loss), starting at (0, initial loss)."""
+    bytes_per_token: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"system": self.system, "seed": self.seed, "learners": self.learners, "steps": self.steps,
+                "tokens": self.tokens, "wall_s": round(self.wall_s, 2), "eval_loss_final": self.eval_loss_final,
+                "curve": [[t, l] for t, l in self.curve], "bytes_per_token": self.bytes_per_token,
+                **({"extra": self.extra} if self.extra else {})}
+
+
+def eval_steps(steps: int, points: int) -> list[int]:
+    """Step counts (1..steps) at which to evaluate: ``points`` evenly spaced, always ``steps``."""
+    return sorted({max(1, round(steps * k / points)) for k in range(1, points + 1)} | {steps})
+
+
+def _batch_tokens(batch: Any) -> int:
+    return int(batch.tokens)
+
+
+def _set_threads(threads: int) -> None:
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
+def _train_alone(task: Task, algo: AlgoConfig, data: Iterator[Any], *, steps: int,
+                 eval_points: int) -> tuple[int, list[tuple[int, float]]]:
+    """One model, ``steps`` AdamW steps on ``data``, evaluated at ``eval_steps``."""
+    model = task.build_model()
+    opt, sched = make_inner_optimizer(model.parameters(), algo)
+    marks = set(eval_steps(steps, eval_points))
+    curve = [(0, task.eval_loss(model))]
+    tokens = 0
+    model.train()
+    for t in range(1, steps + 1):
+        batch = next(data)
+        inner_step(model, opt, sched, task.loss(model, batch))
+        tokens += _batch_tokens(batch)
+        if t in marks:
+            curve.append((tokens, task.eval_loss(model)))
+    return tokens, curve
+
+
+def run_single(task: Task, algo: AlgoConfig, *, steps: int, seed: int, eval_points: int = 8,
+               threads: int = 1, stream: int = 0) -> SystemResult:
+    """One learner alone: ``steps`` AdamW steps on data stream ``stream``."""
+    _set_threads(threads)
+    t0 = time.perf_counter()
+    tokens, curve = _train_alone(task, algo, task.train_batches(stream=stream, seed=seed), steps=steps,
+                                 eval_points=eval_points)
+    return SystemResult("single", seed, 1, steps, tokens, time.perf_counter() - t0, curve[-1][1], curve)
+
+
+class _ConcatBatches:
+    """M streams' batches joined along the batch dimension (one DP step)."""
+
+    def __init__(self, streams: list[Iterator[Any]]) -> None:
+        self.streams = streams
+
+    def __iter__(self) -> "_ConcatBatches":
+        return self
+
+    def __next__(self) -> Any:
+        parts = [next(s) for s in self.streams]
+        first = parts[0]
+        return type(first)(inputs=torch.cat([p.inputs for p in parts]), targets=torch.cat([p.targets for p in parts]),
+                           tokens=sum(p.tokens for p in parts))
+
+
+def run_dp_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps: int, seed: int,
+                    eval_points: int = 8, threads: int = 1) -> SystemResult:
+    """Data-parallel mathematics in one process: one model, M streams' batches concatenated
+    (the mean loss over the concatenation equals the mean of M equal ranks' mean losses)."""
+    _set_threads(threads)
+    t0 = time.perf_counter()
+    data = _ConcatBatches([task.train_batches(stream=m, seed=seed) for m in range(learners)])
+    tokens, curve = _train_alone(task, algo, data, steps=steps, eval_points=eval_points)
+    return SystemResult("dp_emulated", seed, learners, steps, tokens, time.perf_counter() - t0, curve[-1][1], curve)
+
+
+@dataclass
+class _Replica:
+    model: torch.nn.Module
+    params: dict[str, torch.Tensor]
+    opt: torch.optim.Optimizer
+    sched: Any
+    data: Iterator[Any]
+
+
+def _replicas(task: Task, algo: AlgoConfig, learners: int, seed: int) -> list[_Replica]:
+    out = []
+    for m in range(learners):
+        model = task.build_model()
+        model.train()
+        opt, sched = make_inner_optimizer(model.parameters(), algo)
+        out.append(_Replica(model, dict(model.named_parameters()), opt, sched,
+                            task.train_batches(stream=m, seed=seed)))
+    return out
+
+
+def _plan(task: Task, model: torch.nn.Module, fragments: int) -> tuple[Fragment, ...]:
+    return plan_fragments(tensor_specs(model, task.embedding_names(model)), fragments)
+
+
+def run_diloco_sync(task: Task, algo: AlgoConfig, *, learners: int, steps: int, seed: int,
+                    eval_points: int = 8, threads: int = 1) -> SystemResult:
+    """Synchronous DiLoCo [lineage]: every H steps every replica answers with its whole model,
+    outer gradients are averaged (plain mean, equal weights), the outer optimizer (η, μ,
+    Nesterov from ``algo``) steps, every replica restarts from Θ. Inner AdamW state persists."""
+    _set_threads(threads)
+    t0 = time.perf_counter()
+    reps = _replicas(task, algo, learners, seed)
+    glob = task.build_model()
+    whole = _plan(task, glob, 1)[0]
+    gparams = dict(glob.named_parameters())
+    theta = gather(gparams, whole)
+    momentum = torch.zeros_like(theta)
+    marks = set(eval_steps(steps, eval_points))
+    curve = [(0, task.eval_loss(glob))]
+    H = algo.sync_every_steps
+    tokens = 0
+    syncs = 0
+    pending_mark = False
+    for t in range(1, steps + 1):
+        for r in reps:
+            batch = next(r.data)
+            inner_step(r.model, r.opt, r.sched, task.loss(r.model, batch))
+            tokens += _batch_tokens(batch)
+        pending_mark = pending_mark or t in marks
+        if t % H == 0 or t == steps:
+            outer = torch.stack([theta - gather(r.params, whole) for r in reps])        # [M, n]
+            weights = torch.full((learners,), 1.0 / learners)
+            theta, momentum = outer_update(theta, momentum, outer, weights, whole.spans, lr=algo.outer_lr,
+                                           momentum_coef=algo.outer_momentum, nesterov=algo.outer_nesterov,
+                                           rule="mean", merges_done=syncs, warmup_merges=algo.outer_warmup_merges)
+            syncs += 1
+            for r in reps:
+                scatter(r.params, whole, theta)
+            if pending_mark:
+                scatter(gparams, whole, theta)
+                curve.append((tokens, task.eval_loss(glob)))
+                pending_mark = False
+    n = whole.numel
+    bytes_per_token = syncs * learners * 2 * 4 * n / max(1, tokens)   # fp32 up and down
+    return SystemResult("diloco_sync", seed, learners, steps, tokens, time.perf_counter() - t0, curve[-1][1],
+                        curve, bytes_per_token, {"syncs": syncs})
+
+
+@dataclass
+class _Answered:
+    snapshot: torch.Tensor
+    steps: int
+    tokens: int
+
+
+def run_decoupled_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps: int, seed: int,
+                           eval_points: int = 8, threads: int = 1, delay_steps: int = 2) -> SystemResult:
+    """Decoupled DiLoCo's rounds, deterministic and in one process (see the module docstring).
+
+    At each step boundary: merged fragments due now are applied by every learner (overwrite,
+    or carry of uncontributed steps with ``algo.carry_local_steps``), then fragments due to open
+    are answered by every learner (delta against its base, through ``algo.uplink_codec``),
+    merged with the shard's math (weights, RDA/mean, outer step) and scheduled to arrive
+    ``delay_steps`` boundaries later. At the end every fragment is flushed once."""
+    _set_threads(threads)
+    H, P = algo.sync_every_steps, algo.fragments
+    if not 0 <= delay_steps < H:
+        raise ValueError(f"delay_steps must be in [0, H={H}), got {delay_steps}")
+    t0 = time.perf_counter()
+    reps = _replicas(task, algo, learners, seed)
+    glob = task.build_model()
+    gparams = dict(glob.named_parameters())
+    plan = _plan(task, glob, P)
+    theta = [gather(gparams, f) for f in plan]
+    momentum = [torch.zeros_like(x) for x in theta]
+    version = [0] * len(plan)
+    history = [{0: x.clone()} for x in theta]
+    base = [[(0, x.clone()) for x in theta] for _ in reps]             # per learner: (version, value)
+    c_steps = [[0] * len(plan) for _ in reps]
+    c_tokens = [[0] * len(plan) for _ in reps]
+    answered: list[dict[int, _Answered]] = [{} for _ in reps]
+    in_flight: list[tuple[int, int]] = []                              # (deliver at boundary, fragment)
+    offsets = [(p * H) // len(plan) for p in range(len(plan))]
+    marks = set(eval_steps(steps, eval_points))
+    curve = [(0, task.eval_loss(glob))]
+    tokens = 0
+    bytes_up = bytes_down = 0
+    merges = 0
+
+    def deliver(p: int) -> None:
+        nonlocal bytes_down
+        for m, r in enumerate(reps):
+            ans = answered[m].pop(p, None)
+            if algo.carry_local_steps:
+                ref = ans.snapshot if ans is not None else base[m][p][1]
+                scatter(r.params, plan[p], carry_local_steps(theta[p], gather(r.params, plan[p]), ref))
+                if ans is not None:
+                    c_steps[m][p] -= ans.steps
+                    c_tokens[m][p] -= ans.tokens
+            else:
+                scatter(r.params, plan[p], theta[p])
+                c_steps[m][p] = c_tokens[m][p] = 0
+            base[m][p] = (version[p], theta[p].clone())
+            bytes_down += 4 * plan[p].numel
+
+    def open_round(p: int) -> None:
+        nonlocal bytes_up, merges
+        outer, toks, stps = [], [], []
+        for m, r in enumerate(reps):
+            if c_steps[m][p] < 1:
+                continue
+            snap = gather(r.params, plan[p])
+            bv, bval = base[m][p]
+            delta = snap - bval                                                        # δ_m
+            deq = quant.decode(quant.encode(delta, algo.uplink_codec), algo.uplink_codec, delta.numel())
+            bytes_up += quant.payload_nbytes(delta.numel(), algo.uplink_codec)
+            outer.append(theta[p] - (history[p][bv] + deq))                            # Δ_m
+            toks.append(c_tokens[m][p])
+            stps.append(c_steps[m][p])
+            answered[m][p] = _Answered(snap, c_steps[m][p], c_tokens[m][p])
+        if not outer:
+            return
+        weights = contribution_weights(toks, stps)
+        theta[p], momentum[p] = outer_update(theta[p], momentum[p], torch.stack(outer), weights, plan[p].spans,
+                                             lr=algo.outer_lr, momentum_coef=algo.outer_momentum,
+                                             nesterov=algo.outer_nesterov, rule=algo.merge_rule,
+                                             merges_done=version[p], warmup_merges=algo.outer_warmup_merges)
+        version[p] += 1
+        history[p][version[p]] = theta[p].clone()
+        for v in sorted(history[p])[:-algo.history_versions]:
+            del history[p][v]
+        merges += 1
+
+    for t in range(1, steps + 1):
+        for m, r in enumerate(reps):
+            batch = next(r.data)
+            inner_step(r.model, r.opt, r.sched, task.loss(r.model, batch))
+            n_tok = _batch_tokens(batch)
+            tokens += n_tok
+            for p in range(len(plan)):
+                c_steps[m][p] += 1
+                c_tokens[m][p] += n_tok
+        for due in [x for x in in_flight if x[0] <= t]:
+            in_flight.remove(due)
+            deliver(due[1])
+        if t < steps:
+            for p in range(len(plan)):
+                if t >= offsets[p] and (t - offsets[p]) % H == 0 and t > 0:
+                    open_round(p)
+                    in_flight.append((t + delay_steps, p))
+        else:  # the budget is spent: every learner's remaining steps are merged once (a flush)
+            for _, p in sorted(in_flight):
+                deliver(p)
+            in_flight.clear()
+            for p in range(len(plan)):
+                open_round(p)
+                deliver(p)
+        if t in marks:
+            for p, f in enumerate(plan):
+                scatter(gparams, f, theta[p])
+            curve.append((tokens, task.eval_loss(glob)))
+    return SystemResult("decoupled_emulated", seed, learners, steps, tokens, time.perf_counter() - t0,
+                        curve[-1][1], curve, (bytes_up + bytes_down) / max(1, tokens),
+                        {"merges": merges, "delay_steps": delay_steps})

@@ -1,0 +1,74 @@
+"""`ddloco compare` pieces: statistics, settings, token budgets, in-process systems."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from common.config import AlgoConfig, ConfigError, RunConfig, TaskConfig
+from common.tasks import make_task
+from ddloco.compare import runner, systems
+
+TINY = TaskConfig(n_layer=1, n_embd=16, n_head=2, seq_len=16, batch_size=4, eval_batches=2,
+                  corpus_max_bytes=300_000)
+
+
+def test_mean_ci_is_the_student_t_interval() -> None:
+    m, lo, hi = runner.mean_ci([1.0, 2.0, 3.0])
+    assert m == 2.0
+    assert hi - m == pytest.approx(4.303 * 1.0 / math.sqrt(3), rel=1e-6)
+    assert m - lo == pytest.approx(hi - m)
+    assert runner.mean_ci([5.0]) == (5.0, 5.0, 5.0)
+
+
+def test_set_overrides_parse_json_values_and_refuse_unknown_keys() -> None:
+    sets = runner.parse_set(["algo.outer_lr=1.5", "algo.carry_local_steps=true", "task.seed=3"])
+    run = runner.apply_sets(RunConfig(), sets)
+    assert run.algo.outer_lr == 1.5 and run.algo.carry_local_steps is True and run.task.seed == 3
+    with pytest.raises(ConfigError, match="unknown key"):
+        runner.apply_sets(RunConfig(), runner.parse_set(["algo.outer_lrr=1"]))
+    with pytest.raises(ConfigError, match="--set wants"):
+        runner.parse_set(["outer_lr=1"])
+
+
+def test_eval_steps_are_spread_and_end_at_the_budget() -> None:
+    assert systems.eval_steps(400, 4) == [100, 200, 300, 400]
+    assert systems.eval_steps(3, 8) == [1, 2, 3]
+
+
+def test_summary_ratios_are_paired_by_seed() -> None:
+    def run(system: str, seed: int, loss: float) -> dict:
+        return {"system": system, "seed": seed, "tokens": 100, "wall_s": 1.0, "eval_loss_final": loss,
+                "curve": [[0, 5.0], [100, loss]], "bytes_per_token": 0.0}
+    out = runner.summarise({"dp": [run("dp", 0, 2.0), run("dp", 1, 3.0)],
+                            "decoupled": [run("decoupled", 0, 2.2), run("decoupled", 1, 3.3)]}, 2)
+    assert out["decoupled"]["ratio_to_dp"] == pytest.approx(1.1)
+    assert out["decoupled"]["ratio_to_dp_ci"][0] == pytest.approx(1.1)   # identical ratios: zero width
+    assert out["dp"]["curve"]["tokens"] == [0, 50, 100]
+    assert out["dp"]["curve"]["mean"][1] == pytest.approx((3.5 + 4.0) / 2)
+
+
+def test_dp_emulated_is_one_model_on_the_concatenated_streams() -> None:
+    task = make_task(TINY)
+    algo = AlgoConfig(fragments=4, sync_every_steps=4, inner_warmup_steps=2)
+    res = systems.run_dp_emulated(task, algo, learners=2, steps=3, seed=0, eval_points=3)
+    assert res.tokens == 3 * 2 * 64 and [t for t, _ in res.curve] == [0, 128, 256, 384]
+
+
+def test_emulated_single_learner_with_unit_outer_step_and_carry_is_plain_training() -> None:
+    """M = 1, η = 1, μ = 0, fp32, carry: every step reaches the global model, whatever the delay."""
+    task = make_task(TINY)
+    algo = AlgoConfig(fragments=4, sync_every_steps=4, inner_warmup_steps=2, uplink_codec="fp32",
+                      outer_lr=1.0, outer_momentum=0.0, carry_local_steps=True)
+    dec = systems.run_decoupled_emulated(task, algo, learners=1, steps=10, seed=0, eval_points=1, delay_steps=2)
+    single = systems.run_single(task, algo, steps=10, seed=0, eval_points=1)
+    assert dec.eval_loss_final == pytest.approx(single.eval_loss_final, abs=1e-4)
+    over = systems.run_decoupled_emulated(task, AlgoConfig(**{**algo.__dict__, "carry_local_steps": False}),
+                                          learners=1, steps=10, seed=0, eval_points=1, delay_steps=2)
+    assert abs(over.eval_loss_final - single.eval_loss_final) > 1e-3   # overwrite loses the delayed steps
+
+
+def test_compare_refuses_unknown_systems_and_tiny_budgets(tmp_path) -> None:
+    assert runner.main(["--systems", "dp,bogus", "--report", str(tmp_path)]) == 2
+    assert runner.main(["--tokens", "10", "--report", str(tmp_path), "--systems", "single"]) == 2
