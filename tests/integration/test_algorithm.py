@@ -81,7 +81,7 @@ def _shard_theta(cluster, shards: int) -> dict[str, torch.Tensor]:
 def test_lockstep_quorum_m_matches_reference_synchronous_diloco(make_cluster):
     rounds = 4
     algo = AlgoConfig(fragments=2, sync_every_steps=3, quorum=2, uplink_codec="fp32", lockstep=True,
-                      inner_warmup_steps=2)
+                      inner_warmup_steps=2, outer_lr=0.7, outer_momentum=0.9)   # exercises Nesterov
     run = RunConfig(algo=algo)
     cluster = make_cluster(run)
     for k in range(2):

@@ -15,7 +15,7 @@ def test_config_codec_names_are_the_implemented_codecs():
 def test_defaults_are_the_papers():
     a = AlgoConfig()
     assert (a.fragments, a.sync_every_steps, a.tau, a.quorum, a.uplink_codec) == (24, 24, 2, 1, "int4")
-    assert (a.outer_lr, a.outer_momentum, a.grace_gamma) == (0.7, 0.9, 0.8)
+    assert (a.outer_lr, a.outer_momentum, a.grace_gamma, a.carry_local_steps) == (1.0, 0.0, 0.8, True)
 
 
 def test_toml_sections_load_and_round_trip(tmp_path):
