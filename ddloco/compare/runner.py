@@ -83,10 +83,12 @@ def tokens_per_batch(run: RunConfig) -> int:
     return int(next(task.train_batches(stream=0, seed=run.task.seed)).tokens)
 
 
-def system_run(system: str, run: RunConfig) -> RunConfig:
+def system_run(system: str, run: RunConfig, learners: int) -> RunConfig:
     """The run config a system trains with (the lock-step and fp32 variants change one knob)."""
     if system == "decoupled_fp32":
         return replace(run, algo=replace(run.algo, uplink_codec="fp32"))
+    if system == "decoupled_lockstep":
+        return replace(run, algo=replace(run.algo, lockstep=True, quorum=learners))
     return run
 
 
@@ -138,11 +140,7 @@ def run_cluster(system: str, cfg: ConfigFile, *, learners: int, steps: int, seed
                 syncers: int) -> dict[str, Any]:
     """Our cluster through ``ddloco up`` (separate processes, real sockets and Redis)."""
     from ddloco.up import run_up
-    run = system_run(system, cfg.run)
-    algo = run.algo
-    if system == "decoupled_lockstep":
-        algo = replace(algo, lockstep=True, quorum=learners)
-    run = replace(run, algo=algo)
+    run = system_run(system, cfg.run, learners)
     up = override(cfg.up, learners=learners, syncers=syncers, steps=steps, report_dir=str(workdir),
                   minutes=max(cfg.up.minutes, 30.0))
     run_id = f"cmp-{system.replace('_', '-')}-s{seed}-{os.getpid()}"
@@ -265,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--delay-steps", type=int, default=2,
                     help="decoupled_emulated: steps between a round's answers and the merged value's arrival")
     ap.add_argument("--device", default="auto", help="dp: auto (CUDA + NCCL when available) or cpu")
+    ap.add_argument("--resume", action="store_true",
+                    help="reuse the runs already in DIR/runs whose system, seed, learners, steps and run config "
+                         "match (an interrupted compare goes on where it stopped)")
     return ap
 
 
@@ -308,14 +309,33 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
     failures: list[str] = []
     t_start = time.time()
 
+    def identity(system: str, seed: int) -> dict[str, Any]:
+        r = system_run(system, apply_sets(run, {"task": {"seed": seed}}), args.learners)
+        return {"run_digest": r.digest(), "learners": args.learners, "steps": steps}
+
+    def reusable(system: str, seed: int) -> dict[str, Any] | None:
+        path = report / "runs" / f"{system}-s{seed}.json"
+        if not args.resume or not path.exists():
+            return None
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        if old.get("identity") != identity(system, seed):
+            return None
+        print(f"reused     {system} seed {seed}: eval loss {old['eval_loss_final']:.4f} ({path})", flush=True)
+        results[system].append(old)
+        return old
+
     def done(system: str, seed: int, res: dict[str, Any]) -> None:
+        res["identity"] = identity(system, seed)
         results[system].append(res)
         (report / "runs").mkdir(exist_ok=True)
         (report / "runs" / f"{system}-s{seed}.json").write_text(json.dumps(res, indent=1))
         print(f"[{time.time() - t_start:7.0f}s] {system:<20} seed {seed}: eval loss {res['eval_loss_final']:.4f} "
               f"at {res['tokens']:,} tokens ({res['wall_s']:.0f}s)", flush=True)
 
-    in_proc = [(s, seed) for s in systems if s in IN_PROCESS for seed in seeds]
+    in_proc = [(s, seed) for s in systems if s in IN_PROCESS for seed in seeds if reusable(s, seed) is None]
     if in_proc:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
             futures = {}
@@ -333,6 +353,8 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
         if s in IN_PROCESS:
             continue
         for seed in seeds:
+            if reusable(s, seed) is not None:
+                continue
             r = apply_sets(run, {"task": {"seed": seed}})
             workdir = report / "runs" / f"{s}-s{seed}"
             try:

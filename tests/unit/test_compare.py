@@ -72,3 +72,28 @@ def test_emulated_single_learner_with_unit_outer_step_and_carry_is_plain_trainin
 def test_compare_refuses_unknown_systems_and_tiny_budgets(tmp_path) -> None:
     assert runner.main(["--systems", "dp,bogus", "--report", str(tmp_path)]) == 2
     assert runner.main(["--tokens", "10", "--report", str(tmp_path), "--systems", "single"]) == 2
+
+
+def test_compare_writes_its_report_and_resume_reuses_finished_runs(tmp_path, capsys) -> None:
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text("[task]\nn_layer = 1\nn_embd = 16\nn_head = 2\nseq_len = 16\nbatch_size = 4\n"
+                   "eval_batches = 2\ncorpus_max_bytes = 300000\n[algo]\nfragments = 4\nsync_every_steps = 4\n")
+    args = ["--config", str(cfg), "--learners", "2", "--tokens", "1280", "--seeds", "2", "--eval-points", "2",
+            "--systems", "single,diloco_sync", "--report", str(tmp_path / "r")]
+    assert runner.main(args) == 0
+    import json
+    doc = json.loads((tmp_path / "r" / "compare.json").read_text())
+    assert set(doc["systems"]) == {"single", "diloco_sync"}
+    sync = doc["systems"]["diloco_sync"]
+    assert sync["tokens"] == 1280 and len(sync["per_seed"]) == 2
+    assert sync["eval_loss_ci"][0] <= sync["eval_loss_final"] <= sync["eval_loss_ci"][1]
+    assert (tmp_path / "r" / "compare.md").exists() and (tmp_path / "r" / "compare.png").exists()
+    capsys.readouterr()
+    assert runner.main(args + ["--resume"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("reused") == 4, out
+    again = json.loads((tmp_path / "r" / "compare.json").read_text())["systems"]["diloco_sync"]
+    assert again["per_seed"] == sync["per_seed"]
+    capsys.readouterr()
+    assert runner.main(args + ["--resume", "--set", "algo.outer_lr=0.5"]) == 0   # another config: rerun
+    assert "reused" not in capsys.readouterr().out
