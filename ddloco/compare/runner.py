@@ -204,6 +204,17 @@ def summarise(results: dict[str, list[dict[str, Any]]], eval_points: int) -> dic
                 rm, rlo, rhi = mean_ci(paired)
                 s["ratio_to_dp"] = rm
                 s["ratio_to_dp_ci"] = [rlo, rhi]
+    if "single" in out:
+        one = out["single"]
+        for system, s in out.items():
+            if system == "single":
+                continue
+            gains = [one["per_seed"][k] - s["per_seed"][k] for k in s["per_seed"] if k in one["per_seed"]]
+            if gains:
+                gm, glo, ghi = mean_ci(gains)
+                s["gain_over_single"] = gm          # one learner's loss minus this system's, same seed
+                s["gain_over_single_ci"] = [glo, ghi]
+            s["ci_below_single"] = s["eval_loss_ci"][1] < one["eval_loss_ci"][0]
     return out
 
 
@@ -211,15 +222,20 @@ def write_markdown(path: Path, summary: dict[str, Any], meta: dict[str, Any]) ->
     lines = [f"# ddloco compare: {meta['task']} task, M = {meta['learners']}, {meta['tokens']:,} tokens, "
              f"seeds {meta['seeds']}", "",
              f"Command: `{meta['command']}`", "",
-             "| system | final eval loss (mean, 95 % CI) | ÷ DP (paired by seed) | per seed | tokens | wall s | bytes/token |",
-             "|---|---|---|---|---|---|---|"]
+             "| system | final eval loss (mean, 95 % CI) | ÷ DP (paired by seed) | below single (paired) | per seed | tokens | wall s | bytes/token |",
+             "|---|---|---|---|---|---|---|---|"]
     for system, s in summary.items():
         ratio = (f"{s['ratio_to_dp']:.3f} [{s['ratio_to_dp_ci'][0]:.3f}, {s['ratio_to_dp_ci'][1]:.3f}]"
                  if "ratio_to_dp" in s else "")
+        gain = (f"{s['gain_over_single']:+.3f} [{s['gain_over_single_ci'][0]:+.3f}, {s['gain_over_single_ci'][1]:+.3f}]"
+                + (" (CIs apart)" if s.get("ci_below_single") else "") if "gain_over_single" in s else "")
         per = " / ".join(f"{v:.3f}" for v in s["per_seed"].values())
         lines.append(f"| {system} | {s['eval_loss_final']:.3f} [{s['eval_loss_ci'][0]:.3f}, {s['eval_loss_ci'][1]:.3f}]"
-                     f" | {ratio} | {per} | {s['tokens']:,} | {s['wall_s']:.0f} | {s['bytes_per_token']:.1f} |")
-    lines += ["", "Algorithm config (all systems): `" + json.dumps(meta["algo"], sort_keys=True) + "`", "",
+                     f" | {ratio} | {gain} | {per} | {s['tokens']:,} | {s['wall_s']:.0f} | {s['bytes_per_token']:.1f} |")
+    lines += ["", "below single: one learner's final loss minus the system's, same seed (positive: better than "
+              "one learner at equal steps), mean and 95 % CI over seeds; \"CIs apart\" when the system's CI "
+              "lies wholly below one learner's.", "",
+              "Algorithm config (all systems): `" + json.dumps(meta["algo"], sort_keys=True) + "`", "",
               "Wall times of in-process systems run side by side (`--jobs`) share the cores; "
               "compare them only within one system.", ""]
     path.write_text("\n".join(lines))
@@ -263,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--delay-steps", type=int, default=2,
                     help="decoupled_emulated: steps between a round's answers and the merged value's arrival")
     ap.add_argument("--device", default="auto", help="dp: auto (CUDA + NCCL when available) or cpu")
+    ap.add_argument("--render-only", action="store_true",
+                    help="run nothing: rebuild compare.json/md/png from the runs already in DIR/runs")
     ap.add_argument("--resume", action="store_true",
                     help="reuse the runs already in DIR/runs whose system, seed, learners, steps and run config "
                          "match (an interrupted compare goes on where it stopped)")
@@ -315,6 +333,11 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
 
     def reusable(system: str, seed: int) -> dict[str, Any] | None:
         path = report / "runs" / f"{system}-s{seed}.json"
+        if args.render_only:
+            if not path.exists():
+                raise ConfigError(f"--render-only: {path} is missing")
+            results[system].append(json.loads(path.read_text()))
+            return results[system][-1]
         if not args.resume or not path.exists():
             return None
         try:
