@@ -242,16 +242,21 @@ def write_markdown(path: Path, summary: dict[str, Any], meta: dict[str, Any]) ->
 
 
 def write_plot(path: Path, summary: dict[str, Any], title: str) -> None:
+    """Mean eval loss vs tokens per system (line), min and max over seeds (dots, same colour)."""
     from common.plot import Series, line_chart
     series: list[Series] = []
     for i, (system, s) in enumerate(summary.items()):
         c = s["curve"]
-        series.append(Series(system, c["tokens"], c["mean"], style="line+points", color=i))
-        if len(s["runs"]) > 1:  # band: min and max over seeds, thin lines of the same colour
-            series.append(Series(f"{system} min", c["tokens"], c["min"], color=i, in_legend=False))
-            series.append(Series(f"{system} max", c["tokens"], c["max"], color=i, in_legend=False))
-    finals = [v for s in summary.values() for v in s["curve"]["max"][1:] + s["curve"]["min"][1:]]
-    lo, hi = min(finals), max(finals)
+        series.append(Series(system, c["tokens"], c["mean"], style="line", color=i))
+        if len(s["runs"]) > 1:
+            for edge in ("min", "max"):
+                series.append(Series(f"{system} {edge}", c["tokens"][1:], c[edge][1:], style="points", color=i,
+                                     in_legend=False))
+    # y range: from the lowest seed to the highest mean a quarter into the budget (skip the cliff)
+    lo = min(v for s in summary.values() for v in s["curve"]["min"][1:])
+    quarter = [s["curve"]["mean"][min(len(s["curve"]["mean"]) - 1, max(1, len(s["curve"]["mean"]) // 4))]
+               for s in summary.values()]
+    hi = max(quarter + [max(s["curve"]["max"][-1] for s in summary.values())])
     pad = 0.05 * (hi - lo or 1.0)
     line_chart(path, series, title=title, xlabel="tokens (all learners)", ylabel="eval loss (nats/byte)",
                ylim=(lo - pad, hi + pad))
