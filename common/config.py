@@ -203,8 +203,9 @@ class LearnerOptions:
     heartbeat_ttl_s: float = 3.0
     """A learner whose heartbeat is older than this is considered gone."""
     flush_timeout_s: float = 30.0
-    """After its last step (--steps), answer every fragment once more so no step is lost; give
-    up after this long (0 = leave at once; a stopped learner never flushes)."""
+    """After its last step (--steps), answer every fragment once more so its last steps reach the
+    global model; give up after this long or 3 rounds' time (3·H·step time), whichever is longer
+    (0 = leave at once; a stopped learner never flushes)."""
     join_timeout_s: float = 120.0
     """Give up (exit non-zero) if the shards don't serve the current fragments within this."""
 

@@ -336,8 +336,11 @@ class GPTTask(Task):
         was_training = model.training
         model.eval()
         try:
+            device = next(model.parameters()).device   # held-out batches live on the CPU
             with torch.no_grad():
-                total = sum(float(self.loss(model, b)) for b in self._eval_set)
+                total = sum(float(self.loss(model, b if device.type == "cpu" else Batch(
+                    inputs=b.inputs.to(device), targets=b.targets.to(device), tokens=b.tokens)))
+                    for b in self._eval_set)
         finally:
             model.train(was_training)
         return total / len(self._eval_set)

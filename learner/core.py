@@ -336,9 +336,10 @@ class Learner:
         """After the last step: answer each fragment's next round once more so that no step this
         learner took is lost (the global model then holds every token of the budget). Ends when
         every fragment's steps were merged, on ``stop`` or after ``flush_timeout_s``."""
-        timeout = self.options.flush_timeout_s
-        if timeout <= 0:
+        if self.options.flush_timeout_s <= 0:
             return
+        # a fragment's next round may be a whole period (H steps of the run) away
+        timeout = max(self.options.flush_timeout_s, 3.0 * self.algo.sync_every_steps * self.stats.step_ema_s)
         self.status = "flushing"
         deadline = time.monotonic() + timeout
         pending = lambda: int((self.c_steps > 0).sum())  # noqa: E731

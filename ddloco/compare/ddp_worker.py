@@ -33,8 +33,11 @@ def main() -> int:
     args = ap.parse_args()
     spec = json.loads(open(args.spec).read())
     run = run_config_from_dict(spec["run"])
-    cuda = torch.cuda.is_available() and spec.get("device", "auto") != "cpu"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # NCCL wants one GPU per rank; with fewer GPUs than ranks the ranks run on the CPU with gloo
+    cuda = (spec.get("device", "auto") != "cpu" and torch.cuda.is_available()
+            and torch.cuda.device_count() >= world_size)
     if cuda:
         torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")

@@ -145,22 +145,42 @@ def run_cluster(system: str, cfg: ConfigFile, *, learners: int, steps: int, seed
                   minutes=max(cfg.up.minutes, 30.0))
     run_id = f"cmp-{system.replace('_', '-')}-s{seed}-{os.getpid()}"
     c = replace(cfg, run=run, up=up, endpoints=override(cfg.endpoints, run_id=run_id))
-    rc = run_up(c, external_redis=False, quiet=True)
     rep_path = workdir / "report.json"
+    rep_path.unlink(missing_ok=True)
+    rc = run_up(c, external_redis=False, quiet=True)
+    if rc == 130:
+        raise KeyboardInterrupt
     if not rep_path.exists():
         raise RuntimeError(f"ddloco up for {system} seed {seed} wrote no report (exit {rc})")
     rep = json.loads(rep_path.read_text())
     if rc != 0 or rep.get("eval_loss_final") is None:
         raise RuntimeError(f"ddloco up for {system} seed {seed} failed (exit {rc}): {rep.get('failure')}")
     tokens = int(rep["tokens_total"])
+    budget = steps * learners * tokens_per_batch(run)
+    last = rep["eval_curve"][-1]
+    if rep.get("timed_out") or tokens != budget or int(last["tokens"]) != tokens:
+        raise RuntimeError(f"ddloco up for {system} seed {seed} stopped short of the budget: {tokens:,} of "
+                           f"{budget:,} tokens trained, final evaluation at {int(last['tokens']):,} "
+                           f"(timed out: {rep.get('timed_out')})")
     curve = [(int(e["tokens"]), float(e["loss"])) for e in rep["eval_curve"]]
     curve[0] = (0, curve[0][1])
     unflushed = sum(int(float(h.get("unflushed", 0) or 0)) for h in rep["learner_stats"].values())
+    if unflushed:
+        print(f"warning    {system} seed {seed}: {unflushed} fragment(s) were not flushed in time; their last "
+              f"steps are missing from the final model", file=sys.stderr, flush=True)
     return {"system": system, "seed": seed, "learners": learners, "steps": steps, "tokens": tokens,
             "wall_s": rep["wall_s"], "eval_loss_final": float(rep["eval_loss_final"]), "curve": curve,
-            "bytes_per_token": (rep["bytes_up"] + rep["bytes_down"]) / max(1, tokens),
+            "bytes_per_token": cluster_bytes_per_token(rep),
             "extra": {"merges": rep["merges"], "goodput": rep["goodput"], "dropped": rep["dropped_messages"],
                       "unflushed_fragments": unflushed, "report": str(rep_path)}}
+
+
+def cluster_bytes_per_token(rep: dict[str, Any]) -> float:
+    """Bytes every learner sent and received per token (a broadcast counts once per receiving
+    learner, like the DP and sync-DiLoCo figures; not the shards' once-per-broadcast count)."""
+    moved = sum(float(h.get("bytes_up", 0) or 0) + float(h.get("bytes_down", 0) or 0)
+                for h in rep["learner_stats"].values())
+    return moved / max(1, int(rep["tokens_total"]))
 
 
 # ------------------------------------------------------------------------------------ summary
@@ -214,7 +234,8 @@ def summarise(results: dict[str, list[dict[str, Any]]], eval_points: int) -> dic
                 gm, glo, ghi = mean_ci(gains)
                 s["gain_over_single"] = gm          # one learner's loss minus this system's, same seed
                 s["gain_over_single_ci"] = [glo, ghi]
-            s["ci_below_single"] = s["eval_loss_ci"][1] < one["eval_loss_ci"][0]
+            s["ci_below_single"] = (len(s["runs"]) > 1 and len(one["runs"]) > 1
+                                    and s["eval_loss_ci"][1] < one["eval_loss_ci"][0])
     return out
 
 
@@ -333,16 +354,29 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
     t_start = time.time()
 
     def identity(system: str, seed: int) -> dict[str, Any]:
+        """What a finished run must share with this command to be reused by --resume."""
         r = system_run(system, apply_sets(run, {"task": {"seed": seed}}), args.learners)
-        return {"run_digest": r.digest(), "learners": args.learners, "steps": steps}
+        ident: dict[str, Any] = {"run_digest": r.digest(), "learners": args.learners, "steps": steps,
+                                 "eval_points": args.eval_points}
+        if system == "decoupled_emulated":
+            ident["delay_steps"] = args.delay_steps
+        if system in CLUSTER:
+            ident.update(syncers=args.syncers, learner=asdict(cfg.learner), syncer=asdict(cfg.syncer))
+        if system == "dp":
+            ident["device"] = args.device
+        return ident
 
     def reusable(system: str, seed: int) -> dict[str, Any] | None:
         path = report / "runs" / f"{system}-s{seed}.json"
         if args.render_only:
             if not path.exists():
                 raise ConfigError(f"--render-only: {path} is missing")
-            results[system].append(json.loads(path.read_text()))
-            return results[system][-1]
+            old = json.loads(path.read_text())
+            cluster_report = Path(old.get("extra", {}).get("report", ""))
+            if system in CLUSTER and cluster_report.is_file():  # figures re-derived from the raw report
+                old["bytes_per_token"] = cluster_bytes_per_token(json.loads(cluster_report.read_text()))
+            results[system].append(old)
+            return old
         if not args.resume or not path.exists():
             return None
         try:
@@ -393,6 +427,10 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
                     res = run_cluster(s, replace(cfg, run=r), learners=args.learners, steps=steps, seed=seed,
                                       workdir=workdir, syncers=args.syncers)
                 done(s, seed, res)
+            except KeyboardInterrupt:
+                print("interrupted: the finished runs are in DIR/runs (--resume goes on from them)",
+                      file=sys.stderr, flush=True)
+                return 130
             except Exception as e:
                 failures.append(f"{s} seed {seed}: {e}")
                 print(f"FAILED     {s} seed {seed}: {e}", file=sys.stderr, flush=True)
