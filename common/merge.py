@@ -15,9 +15,12 @@ Radial-directional averaging keeps the step size from shrinking as M grows::
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from common.config import MERGE_RULES, AlgoConfig
 
 
 def _check_matrix(vectors: torch.Tensor, weights: torch.Tensor) -> None:
@@ -91,8 +94,8 @@ def merge_outer_gradients(
     tensors use the weighted average; every other tensor uses ``rule``: "rda" (radial-
     directional average) or "mean" (weighted average), each tensor separately.
     """
-    if rule not in ("rda", "mean"):
-        raise ValueError(f"merge rule must be 'rda' or 'mean', got {rule!r}")
+    if rule not in MERGE_RULES:
+        raise ValueError(f"merge rule must be one of {MERGE_RULES}, got {rule!r}")
     _check_matrix(outer_grads, weights)
     numel = outer_grads.shape[1]
     expected_start = 0
@@ -161,14 +164,44 @@ def carry_local_steps(merged: torch.Tensor, local: torch.Tensor, reference: torc
     return merged + (local - reference)
 
 
+@dataclass(frozen=True)
+class Contribution:
+    """What a learner last answered fragment p with since its base: the snapshot and its counters."""
+
+    snapshot: torch.Tensor
+    steps: int
+    tokens: int
+
+
+def receive_merged(merged: torch.Tensor, local: torch.Tensor | None, base: torch.Tensor,
+                   contributed: Contribution | None, c_steps: int, c_tokens: int, *, carry: bool,
+                   mix_alpha: float = 0.0) -> tuple[torch.Tensor, int, int]:
+    """A learner's fragment value and counters after the merged value arrives (ALGORITHM §6).
+
+    carry: Θ_new + (θ − the answered snapshot, else the old base); the answered steps and tokens
+    leave the counters. Otherwise the paper's overwrite (α-mixed when ``mix_alpha`` > 0) and the
+    counters restart at 0. ``local`` (the learner's current value) is only read by carry and
+    α-mix; a plain overwrite may pass None. Returns (new value, c_steps, c_tokens)."""
+    if (carry or mix_alpha > 0) and local is None:
+        raise ValueError("carry and alpha-mixing need the learner's current value")
+    if carry:
+        ref = contributed.snapshot if contributed is not None else base
+        done_steps, done_tokens = (contributed.steps, contributed.tokens) if contributed is not None else (0, 0)
+        return carry_local_steps(merged, local, ref), c_steps - done_steps, c_tokens - done_tokens
+    if mix_alpha > 0:
+        return mix_alpha * local + (1 - mix_alpha) * merged, 0, 0
+    return merged, 0, 0
+
+
 def outer_update(theta: torch.Tensor, momentum: torch.Tensor, outer_grads: torch.Tensor, weights: torch.Tensor,
-                 spans: Sequence[tuple[int, int, bool]], *, lr: float, momentum_coef: float, nesterov: bool,
-                 rule: str, merges_done: int = 0, warmup_merges: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 spans: Sequence[tuple[int, int, bool]], algo: AlgoConfig, *, merges_done: int = 0,
+                 rule: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One round of fragment p (ALGORITHM §5) on copies: merge the outer gradients
-    [M, numel] with ``weights`` and take the outer step. Returns (Θ_new, b_new); the inputs are
-    left unchanged so a caller can still drop the result (non-finite values)."""
-    grad = merge_outer_gradients(outer_grads, weights, spans, rule)    # [numel]
+    [M, numel] with ``weights`` (``rule``, default ``algo.merge_rule``) and take the run's outer
+    step (η warmed up over ``algo.outer_warmup_merges``, μ, Nesterov or not). Returns
+    (Θ_new, b_new); the inputs are left unchanged so a caller can still drop the result."""
+    grad = merge_outer_gradients(outer_grads, weights, spans, rule or algo.merge_rule)    # [numel]
     theta, momentum = theta.clone(), momentum.clone()
-    outer_nesterov_step(theta, momentum, grad, lr=outer_lr_at(lr, merges_done, warmup_merges),
-                        momentum_coef=momentum_coef, nesterov=nesterov)
+    outer_nesterov_step(theta, momentum, grad, lr=outer_lr_at(algo.outer_lr, merges_done, algo.outer_warmup_merges),
+                        momentum_coef=algo.outer_momentum, nesterov=algo.outer_nesterov)
     return theta, momentum

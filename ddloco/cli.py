@@ -176,8 +176,8 @@ def cmd_bench(argv: Sequence[str]) -> int:
 
 
 def cmd_compare(argv: Sequence[str]) -> int:
-    from ddloco.compare.runner import main as compare_main
-    return compare_main(list(argv))
+    from ddloco.compare.runner import cli_main
+    return cli_main(list(argv))
 
 
 def cmd_sim(argv: Sequence[str]) -> int:

@@ -28,7 +28,7 @@ from common import control, wire
 from common.config import ConfigError, Endpoints, LearnerOptions, RunConfig
 from common.fragments import Fragment, gather, plan_digest, plan_fragments, scatter, tensor_specs
 from common.keys import Keys
-from common.merge import carry_local_steps
+from common.merge import Contribution, receive_merged
 from common.lifecycle import process_start_time
 from common.log import get_logger
 from common.rpc import FragmentClient
@@ -78,15 +78,6 @@ class _Answer:
     attempt: int
     base: int
     base_values: torch.Tensor
-    snapshot: torch.Tensor
-    steps: int
-    tokens: int
-
-
-@dataclass(frozen=True)
-class _Contribution:
-    """What the learner last answered fragment p with since its base (carried on receipt)."""
-
     snapshot: torch.Tensor
     steps: int
     tokens: int
@@ -216,7 +207,7 @@ class Learner:
         self.c_steps = np.zeros(n, dtype=np.int64)
         self.c_tokens = np.zeros(n, dtype=np.int64)
         self._pending_open: dict[int, _Open] = {}
-        self._contributed: dict[int, _Contribution] = {}
+        self._contributed: dict[int, Contribution] = {}
         self._answered: set[tuple[int, int, int, int]] = set()
         self._fetch_asked: dict[int, tuple[int, int, float]] = {}
         self._check_shard_plan()
@@ -403,7 +394,7 @@ class Learner:
         self._outbox.put(("fetch", (p,)))
 
     def _apply(self, item: _Frag, *, joining: bool = False) -> None:
-        """Overwrite θ_p with the merged Θ_p (α-mix when configured); reset counters (§6).
+        """Apply the merged Θ_p (§6): carry the unmerged steps, or overwrite / α-mix and reset counters.
 
         Versions order values within one epoch (one life of the owning shard); a value from
         another epoch is the shard's state after a restart and is always adopted."""
@@ -414,22 +405,16 @@ class Learner:
         if same_epoch and not joining and not item.requested and item.version > self.base_version[p] + 1:
             self.stats.version_gaps += 1              # a lost broadcast, repaired by this full value
         frag = self.plan[p]
-        alpha = self.algo.mix_alpha
         contributed = self._contributed.pop(p, None)
-        if self.algo.carry_local_steps and same_epoch and not joining and self.base_values[p] is not None:
-            # keep the steps not merged yet: θ ← Θ_new + (θ − what we last answered, else the old base)
-            ref = contributed.snapshot if contributed is not None else self.base_values[p]
-            scatter(self.params, frag, carry_local_steps(item.values, gather(self.params, frag).cpu(), ref))
-            if contributed is not None:
-                self.c_steps[p] -= contributed.steps
-                self.c_tokens[p] -= contributed.tokens
-        else:
-            if alpha > 0 and not joining:
-                scatter(self.params, frag, alpha * gather(self.params, frag).cpu() + (1 - alpha) * item.values)
-            else:
-                scatter(self.params, frag, item.values)
-            self.c_steps[p] = 0
-            self.c_tokens[p] = 0
+        if joining or self.base_values[p] is None:    # the first value: adopt it
+            value, self.c_steps[p], self.c_tokens[p] = item.values, 0, 0
+        else:  # carry the steps not merged yet (not across a shard restart), or overwrite / α-mix
+            carry = self.algo.carry_local_steps and same_epoch
+            local = gather(self.params, frag).cpu() if carry or self.algo.mix_alpha > 0 else None
+            value, self.c_steps[p], self.c_tokens[p] = receive_merged(
+                item.values, local, self.base_values[p], contributed, int(self.c_steps[p]),
+                int(self.c_tokens[p]), carry=carry, mix_alpha=self.algo.mix_alpha)
+        scatter(self.params, frag, value)
         self.base_values[p] = item.values
         self.base_version[p] = item.version
         self.base_epoch[p] = item.epoch
@@ -451,7 +436,7 @@ class Learner:
                 continue
             self._answered.add(key)
             snapshot = gather(self.params, self.plan[p]).cpu()  # a copy; delta and quantization off-thread
-            self._contributed[p] = _Contribution(snapshot, int(self.c_steps[p]), int(self.c_tokens[p]))
+            self._contributed[p] = Contribution(snapshot, int(self.c_steps[p]), int(self.c_tokens[p]))
             self._outbox.put(("answer", _Answer(fragment=p, epoch=o.epoch, round=o.round, attempt=o.attempt,
                                                 base=int(self.base_version[p]), base_values=self.base_values[p],
                                                 snapshot=snapshot, steps=int(self.c_steps[p]),

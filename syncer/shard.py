@@ -448,10 +448,8 @@ class Shard:
         if float(weights.sum()) <= 0.0:
             f.round = None
             return
-        theta, momentum = outer_update(f.theta, f.momentum, outer, weights, f.spec.spans, lr=algo.outer_lr,
-                                       momentum_coef=algo.outer_momentum, nesterov=algo.outer_nesterov,
-                                       rule=algo.merge_rule, merges_done=f.version,
-                                       warmup_merges=algo.outer_warmup_merges)
+        theta, momentum = outer_update(f.theta, f.momentum, outer, weights, f.spec.spans, algo,
+                                       merges_done=f.version)
         if not bool(torch.isfinite(theta).all()):  # a diverged learner must not poison Θ
             self.stats.nonfinite_rounds += 1
             self.log.warning("syncer.nonfinite_merge_dropped", fragment=f.spec.index, round=rnd.round_id,

@@ -31,7 +31,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from common.config import ConfigError, ConfigFile, RunConfig, load_config, override
+from common.config import ConfigError, ConfigFile, RunConfig, load_config, override, run_config_from_dict
 
 DEFAULT_SYSTEMS = ("dp", "single", "diloco_sync", "decoupled_lockstep", "decoupled")
 IN_PROCESS = ("single", "diloco_sync", "decoupled_emulated", "dp_emulated")
@@ -71,10 +71,9 @@ def parse_set(items: Sequence[str]) -> dict[str, dict[str, Any]]:
 
 
 def apply_sets(run: RunConfig, sets: dict[str, dict[str, Any]]) -> RunConfig:
-    from common.config import AlgoConfig, TaskConfig, from_mapping
-    task = from_mapping(TaskConfig, {**run.to_dict()["task"], **sets.get("task", {})}, section="task")
-    algo = from_mapping(AlgoConfig, {**run.to_dict()["algo"], **sets.get("algo", {})}, section="algo")
-    return RunConfig(task=task, algo=algo)
+    """``run`` with the ``parse_set`` overrides applied (validated like a TOML file)."""
+    d = run.to_dict()
+    return run_config_from_dict({s: {**d[s], **sets.get(s, {})} for s in ("task", "algo")})
 
 
 def tokens_per_batch(run: RunConfig) -> int:
@@ -137,7 +136,7 @@ def run_dp(run: RunConfig, *, learners: int, steps: int, seed: int, eval_points:
 
 
 def run_cluster(system: str, cfg: ConfigFile, *, learners: int, steps: int, seed: int, workdir: Path,
-                syncers: int) -> dict[str, Any]:
+                syncers: int, per_batch: int) -> dict[str, Any]:
     """Our cluster through ``ddloco up`` (separate processes, real sockets and Redis)."""
     from ddloco.up import run_up
     run = system_run(system, cfg.run, learners)
@@ -156,7 +155,7 @@ def run_cluster(system: str, cfg: ConfigFile, *, learners: int, steps: int, seed
     if rc != 0 or rep.get("eval_loss_final") is None:
         raise RuntimeError(f"ddloco up for {system} seed {seed} failed (exit {rc}): {rep.get('failure')}")
     tokens = int(rep["tokens_total"])
-    budget = steps * learners * tokens_per_batch(run)
+    budget = steps * learners * per_batch
     last = rep["eval_curve"][-1]
     if rep.get("timed_out") or tokens != budget or int(last["tokens"]) != tokens:
         raise RuntimeError(f"ddloco up for {system} seed {seed} stopped short of the budget: {tokens:,} of "
@@ -323,8 +322,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace, argv: list[str]) -> int:
-    from common.log import configure_logging
-    configure_logging(json_output=False, level="warning")  # progress lines only; runs keep their own logs
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in ALL_SYSTEMS]
     if unknown or not systems:
@@ -425,7 +422,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
                                  workdir=workdir, device=args.device)
                 else:
                     res = run_cluster(s, replace(cfg, run=r), learners=args.learners, steps=steps, seed=seed,
-                                      workdir=workdir, syncers=args.syncers)
+                                      workdir=workdir, syncers=args.syncers, per_batch=per_batch)
                 done(s, seed, res)
             except KeyboardInterrupt:
                 print("interrupted: the finished runs are in DIR/runs (--resume goes on from them)",
@@ -451,5 +448,13 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
     return 1 if failures else 0
 
 
+def cli_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the command: library logs at warning level (progress lines go to stdout;
+    every run keeps its own logs), then ``main``."""
+    from common.log import configure_logging
+    configure_logging(json_output=False, level="warning")
+    return main(argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli_main())

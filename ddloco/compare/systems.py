@@ -27,7 +27,7 @@ import torch
 from common import quant
 from common.config import AlgoConfig
 from common.fragments import Fragment, gather, plan_fragments, scatter, tensor_specs
-from common.merge import carry_local_steps, contribution_weights, outer_update
+from common.merge import Contribution, contribution_weights, outer_update, receive_merged
 from common.tasks import Task
 from learner.inner import inner_step, make_inner_optimizer
 
@@ -177,9 +177,8 @@ def run_diloco_sync(task: Task, algo: AlgoConfig, *, learners: int, steps: int, 
         if t % H == 0 or t == steps:
             outer = torch.stack([theta - gather(r.params, whole) for r in reps])        # [M, n]
             weights = torch.full((learners,), 1.0 / learners)
-            theta, momentum = outer_update(theta, momentum, outer, weights, whole.spans, lr=algo.outer_lr,
-                                           momentum_coef=algo.outer_momentum, nesterov=algo.outer_nesterov,
-                                           rule="mean", merges_done=syncs, warmup_merges=algo.outer_warmup_merges)
+            theta, momentum = outer_update(theta, momentum, outer, weights, whole.spans, algo, merges_done=syncs,
+                                           rule="mean")
             syncs += 1
             for r in reps:
                 scatter(r.params, whole, theta)
@@ -191,13 +190,6 @@ def run_diloco_sync(task: Task, algo: AlgoConfig, *, learners: int, steps: int, 
     bytes_per_token = syncs * learners * 2 * 4 * n / max(1, tokens)   # fp32 up and down
     return SystemResult("diloco_sync", seed, learners, steps, tokens, time.perf_counter() - t0, curve[-1][1],
                         curve, bytes_per_token, {"syncs": syncs})
-
-
-@dataclass
-class _Answered:
-    snapshot: torch.Tensor
-    steps: int
-    tokens: int
 
 
 def run_decoupled_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps: int, seed: int,
@@ -225,7 +217,7 @@ def run_decoupled_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps
     base = [[(0, x.clone()) for x in theta] for _ in reps]             # per learner: (version, value)
     c_steps = [[0] * len(plan) for _ in reps]
     c_tokens = [[0] * len(plan) for _ in reps]
-    answered: list[dict[int, _Answered]] = [{} for _ in reps]
+    answered: list[dict[int, Contribution]] = [{} for _ in reps]
     in_flight: list[tuple[int, int]] = []                              # (deliver at boundary, fragment)
     offsets = [(p * H) // len(plan) for p in range(len(plan))]
     marks = set(eval_steps(steps, eval_points))
@@ -237,16 +229,10 @@ def run_decoupled_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps
     def deliver(p: int) -> None:
         nonlocal bytes_down
         for m, r in enumerate(reps):
-            ans = answered[m].pop(p, None)
-            if algo.carry_local_steps:
-                ref = ans.snapshot if ans is not None else base[m][p][1]
-                scatter(r.params, plan[p], carry_local_steps(theta[p], gather(r.params, plan[p]), ref))
-                if ans is not None:
-                    c_steps[m][p] -= ans.steps
-                    c_tokens[m][p] -= ans.tokens
-            else:
-                scatter(r.params, plan[p], theta[p])
-                c_steps[m][p] = c_tokens[m][p] = 0
+            value, c_steps[m][p], c_tokens[m][p] = receive_merged(
+                theta[p], gather(r.params, plan[p]), base[m][p][1], answered[m].pop(p, None), c_steps[m][p],
+                c_tokens[m][p], carry=algo.carry_local_steps, mix_alpha=algo.mix_alpha)
+            scatter(r.params, plan[p], value)
             base[m][p] = (version[p], theta[p].clone())
             bytes_down += 4 * plan[p].numel
 
@@ -264,14 +250,12 @@ def run_decoupled_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps
             outer.append(theta[p] - (history[p][bv] + deq))                            # Δ_m
             toks.append(c_tokens[m][p])
             stps.append(c_steps[m][p])
-            answered[m][p] = _Answered(snap, c_steps[m][p], c_tokens[m][p])
+            answered[m][p] = Contribution(snap, c_steps[m][p], c_tokens[m][p])
         if not outer:
             return
         weights = contribution_weights(toks, stps)
         theta[p], momentum[p] = outer_update(theta[p], momentum[p], torch.stack(outer), weights, plan[p].spans,
-                                             lr=algo.outer_lr, momentum_coef=algo.outer_momentum,
-                                             nesterov=algo.outer_nesterov, rule=algo.merge_rule,
-                                             merges_done=version[p], warmup_merges=algo.outer_warmup_merges)
+                                             algo, merges_done=version[p])
         version[p] += 1
         history[p][version[p]] = theta[p].clone()
         for v in sorted(history[p])[:-algo.history_versions]:

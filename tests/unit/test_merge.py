@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from common.config import AlgoConfig
 from common.merge import (
     carry_local_steps,
     contribution_weights,
@@ -186,7 +187,7 @@ def test_outer_update_leaves_its_inputs_alone_and_a_unit_step_lands_on_the_learn
     theta, momentum = torch.tensor([1.0, 2.0]), torch.zeros(2)
     learner = torch.tensor([0.5, 2.5])
     new_theta, new_mom = outer_update(theta, momentum, (theta - learner).unsqueeze(0), torch.tensor([1.0]),
-                                      [(0, 2, False)], lr=1.0, momentum_coef=0.0, nesterov=True, rule="rda")
+                                      [(0, 2, False)], AlgoConfig(outer_lr=1.0, outer_momentum=0.0))
     assert theta.tolist() == [1.0, 2.0] and momentum.tolist() == [0.0, 0.0]
     assert torch.allclose(new_theta, learner)
 
