@@ -44,37 +44,45 @@ def _check(cond: bool, msg: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig:
-    """The model and data every learner trains (identical on every process of a run)."""
+    """Which task every learner trains.
 
-    name: str = "gpt"
-    """Built-in task: "gpt" (byte-level GPT on the Python standard library's sources)."""
+    TOML: ``[task]`` with ``spec`` and ``seed``; every other key is a task arg. The run's
+    identity is (``name``, ``config``, ``seed``): ``spec`` and ``args`` say how to load the task
+    and may differ between machines (a path, a module location) as long as the task they load
+    reports the same name and config.
+    """
+
+    spec: str = "gpt"
+    """Built-in task (gpt, gpt-moe, text, digits) or MODULE:ATTR (a Task or a callable returning
+    one); empty when the task was handed over as a Python object."""
     seed: int = 0
-    """Seed of the model initialisation and of the train/held-out split."""
-    seq_len: int = 64
-    """Tokens (bytes) per training sequence."""
-    batch_size: int = 16
-    """Sequences per inner step."""
-    n_layer: int = 6
-    """Transformer blocks."""
-    n_head: int = 4
-    """Attention heads per block."""
-    n_embd: int = 64
-    """Embedding width."""
-    eval_batches: int = 8
-    """Held-out batches per evaluation."""
-    heldout_fraction: float = 0.1
-    """Fraction of the corpus files kept out of training for evaluation."""
-    corpus_max_bytes: int = 4_000_000
-    """Cap on corpus size read from disk (keeps start-up fast)."""
+    """Run seed: the model initialisation (torch's RNG when ``model()`` runs) and the batch streams."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the task callable (``--task-arg KEY=VALUE``)."""
+    name: str = ""
+    """``Task.name`` of the loaded task (filled in when the task is bound to the run)."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """``Task.config`` of the loaded task (filled in when bound); processes whose task reports
+    another name or config are refused."""
 
     def __post_init__(self) -> None:
-        _check(self.name in ("gpt",), f"task.name must be 'gpt', got {self.name!r}")
-        _check(self.seq_len >= 2, "task.seq_len must be >= 2")
-        _check(self.batch_size >= 1, "task.batch_size must be >= 1")
-        _check(self.n_layer >= 1 and self.n_head >= 1, "task.n_layer and task.n_head must be >= 1")
-        _check(self.n_embd % self.n_head == 0, "task.n_embd must be divisible by task.n_head")
-        _check(0.0 < self.heldout_fraction < 0.5, "task.heldout_fraction must be in (0, 0.5)")
-        _check(self.eval_batches >= 1, "task.eval_batches must be >= 1")
+        _check(isinstance(self.spec, str), f"task.spec must be a string, got {self.spec!r}")
+        _check(isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
+               f"task.seed must be an int >= 0, got {self.seed!r}")
+        _check(isinstance(self.args, dict), "task.args must be a table")
+        _check(isinstance(self.config, dict), "task.config must be a table")
+
+
+RESERVED_TASK_KEYS = ("spec", "seed")
+"""Keys of the TOML ``[task]`` table that are not task args."""
+
+
+def task_config_from_table(table: Mapping[str, Any] | None) -> TaskConfig:
+    """``[task]`` TOML table -> TaskConfig: ``spec`` and ``seed``, every other key a task arg."""
+    table = dict(table or {})
+    args = {k: v for k, v in table.items() if k not in RESERVED_TASK_KEYS}
+    kept = {k: table[k] for k in RESERVED_TASK_KEYS if k in table}
+    return TaskConfig(**kept, args=args)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,9 +164,15 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def identity(self) -> dict[str, Any]:
+        """What every process of the run must agree on: all but how the task is loaded."""
+        d = self.to_dict()
+        d["task"] = {k: v for k, v in d["task"].items() if k not in ("spec", "args")}
+        return d
+
     def digest(self) -> str:
-        """Stable hash of the run config; processes with another digest are refused."""
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        """Stable hash of the run's identity; processes with another digest are refused."""
+        blob = json.dumps(self.identity(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -285,14 +299,30 @@ T = TypeVar("T")
 def from_mapping(cls: type[T], data: Mapping[str, Any] | None, *, section: str) -> T:
     """Build ``cls`` from a TOML section; unknown keys are an error naming the section."""
     data = dict(data or {})
-    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - known)
+    known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(known))
     if unknown:
         raise ConfigError(f"unknown key(s) in [{section}]: {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    for key, value in data.items():
+        _check_type(section, key, known[key].type, value)
     try:
         return cls(**data)
     except TypeError as e:  # a value of the wrong type reached a range check
         raise ConfigError(f"[{section}]: a value has the wrong type ({e})") from None
+
+
+_SCALAR_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+
+
+def _check_type(section: str, key: str, annotation: Any, value: Any) -> None:
+    """A TOML value of the wrong type is refused naming the field (no silent casts)."""
+    name = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    allowed = _SCALAR_TYPES.get(name)
+    if allowed is None:
+        return
+    if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
+        want = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}[name]
+        raise ConfigError(f"[{section}] {key} must be {want}, got {value!r} ({type(value).__name__})")
 
 
 def override(obj: T, **changes: Any) -> T:
@@ -330,7 +360,7 @@ def load_config(path: str | Path | None) -> ConfigFile:
     if unknown:
         raise ConfigError(f"unknown section(s) in {p}: {', '.join(unknown)}; known: {', '.join(_SECTIONS)}")
     return ConfigFile(
-        run=RunConfig(task=from_mapping(TaskConfig, data.get("task"), section="task"),
+        run=RunConfig(task=task_config_from_table(data.get("task")),
                       algo=from_mapping(AlgoConfig, data.get("algo"), section="algo")),
         endpoints=from_mapping(Endpoints, data.get("endpoints"), section="endpoints"),
         learner=from_mapping(LearnerOptions, data.get("learner"), section="learner"),
@@ -352,6 +382,8 @@ def _toml_value(v: Any) -> str:
         return repr(v)
     if isinstance(v, str):
         return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise ConfigError(f"cannot write {type(v).__name__} to TOML")
 
 
@@ -362,6 +394,10 @@ def dump_toml(cfg: ConfigFile) -> str:
     lines: list[str] = []
     for name, obj in sections.items():
         lines.append(f"[{name}]")
-        lines += [f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in fields(obj)]
+        if isinstance(obj, TaskConfig):  # flat: name, seed, then the task args
+            items = {"spec": obj.spec, "seed": obj.seed, **obj.args}
+            lines += [f"{k} = {_toml_value(v)}" for k, v in items.items()]
+        else:
+            lines += [f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in fields(obj)]
         lines.append("")
     return "\n".join(lines)

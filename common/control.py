@@ -42,7 +42,7 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def describe_difference(ours: RunConfig, theirs: RunConfig) -> str:
     """Human-readable list of the fields that differ, e.g. 'algo.quorum=2 (run has 1)'."""
-    a, b = _flatten(ours.to_dict()), _flatten(theirs.to_dict())
+    a, b = _flatten(ours.identity()), _flatten(theirs.identity())
     diffs = [f"{k}={a.get(k)!r} (run has {b.get(k)!r})" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     return ", ".join(diffs) or "no field differs (digest mismatch)"
 
@@ -192,3 +192,20 @@ def shard_endpoints(r: redis.Redis, keys: Keys) -> tuple[int, dict[int, str]]:
     counts = {int(h.get("shards", 0)) for h in table.values()}
     n = max(counts) if counts else 0
     return n, {k: h["rpc"] for k, h in table.items() if h.get("rpc") and k < n}
+
+
+def record_layout(r: Any, keys: Keys, layout: list[tuple[str, tuple[int, ...]]]) -> None:
+    """Record the run's model state layout (name, shape) once, so that a refused process can be
+    told the first tensor that differs."""
+    r.hsetnx(keys.config, "layout", json.dumps([[n, list(s)] for n, s in layout]))
+
+
+def run_layout(r: redis.Redis, keys: Keys) -> list[tuple[str, tuple[int, ...]]] | None:
+    """The layout recorded by ``record_layout`` (None if none yet)."""
+    blob = r.hget(keys.config, "layout")
+    return None if not blob else [(n, tuple(s)) for n, s in json.loads(blob)]
+
+
+def data_position(r: redis.Redis, keys: Keys, learner_id: str) -> int:
+    """Batches this learner id consumed in earlier lives (0 if unknown: a new id)."""
+    return int(float(r.hget(keys.learner(learner_id), "data_position") or 0))

@@ -81,18 +81,26 @@ def radial_directional_average(
     return direction * (radius / direction_norm)
 
 
+def _span_kind(kind: str | bool) -> str:
+    if isinstance(kind, bool):  # (start, stop, embedding) spans of whole-tensor plans
+        return "embedding" if kind else "param"
+    return kind
+
+
 def merge_outer_gradients(
     outer_grads: torch.Tensor,
     weights: torch.Tensor,
-    spans: Sequence[tuple[int, int, bool]],
+    spans: Sequence[tuple[int, int, str | bool]],
     rule: str = "rda",
 ) -> torch.Tensor:
     """Merged outer gradient Δ [numel] of one fragment.
 
     ``outer_grads`` [M, numel] holds one Δ_m per row; ``weights`` [M] are normalised;
-    ``spans`` is ``Fragment.spans``: each tensor's ``(start, stop, embedding)``. Embedding
-    tensors use the weighted average; every other tensor uses ``rule``: "rda" (radial-
-    directional average) or "mean" (weighted average), each tensor separately.
+    ``spans`` is ``Fragment.spans``: each piece's ``(start, stop, kind)``, in order, with zero
+    gaps between them allowed. ``param`` pieces use ``rule``: "rda" (radial-directional
+    average) or "mean" (weighted average), each piece separately; ``embedding`` and ``buffer``
+    pieces the weighted average; ``int_buffer`` pieces the smallest Δ_m (so that Θ − Δ is the
+    largest learner value). Gaps stay zero.
     """
     if rule not in MERGE_RULES:
         raise ValueError(f"merge rule must be one of {MERGE_RULES}, got {rule!r}")
@@ -100,15 +108,19 @@ def merge_outer_gradients(
     numel = outer_grads.shape[1]
     expected_start = 0
     for start, stop, _ in spans:
-        if start != expected_start or stop < start:
-            raise ValueError(f"spans must tile [0, {numel}) in order, got {list(spans)}")
+        if start < expected_start or stop < start:
+            raise ValueError(f"spans must be in order and disjoint within [0, {numel}), got {list(spans)}")
         expected_start = stop
-    if expected_start != numel:
+    if expected_start > numel:
         raise ValueError(f"spans cover {expected_start} values but outer_grads has {numel}")
-    merged = torch.empty(numel, dtype=torch.float32, device=outer_grads.device)
-    for start, stop, embedding in spans:
+    merged = torch.zeros(numel, dtype=torch.float32, device=outer_grads.device)
+    for start, stop, kind in spans:
         block = outer_grads[:, start:stop]                              # [M, stop - start]
-        combine = weighted_average if embedding or rule == "mean" else radial_directional_average
+        kind = _span_kind(kind)
+        if kind == "int_buffer":
+            merged[start:stop] = block.min(dim=0).values
+            continue
+        combine = radial_directional_average if kind == "param" and rule == "rda" else weighted_average
         merged[start:stop] = combine(block, weights)
     return merged
 
@@ -194,14 +206,18 @@ def receive_merged(merged: torch.Tensor, local: torch.Tensor | None, base: torch
 
 
 def outer_update(theta: torch.Tensor, momentum: torch.Tensor, outer_grads: torch.Tensor, weights: torch.Tensor,
-                 spans: Sequence[tuple[int, int, bool]], algo: AlgoConfig, *, merges_done: int = 0,
+                 spans: Sequence[tuple[int, int, str | bool]], algo: AlgoConfig, *, merges_done: int = 0,
                  rule: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One round of fragment p (ALGORITHM §5) on copies: merge the outer gradients
     [M, numel] with ``weights`` (``rule``, default ``algo.merge_rule``) and take the run's outer
     step (η warmed up over ``algo.outer_warmup_merges``, μ, Nesterov or not). Returns
     (Θ_new, b_new); the inputs are left unchanged so a caller can still drop the result."""
     grad = merge_outer_gradients(outer_grads, weights, spans, rule or algo.merge_rule)    # [numel]
-    theta, momentum = theta.clone(), momentum.clone()
-    outer_nesterov_step(theta, momentum, grad, lr=outer_lr_at(algo.outer_lr, merges_done, algo.outer_warmup_merges),
+    new_theta, momentum = theta.clone(), momentum.clone()
+    outer_nesterov_step(new_theta, momentum, grad, lr=outer_lr_at(algo.outer_lr, merges_done, algo.outer_warmup_merges),
                         momentum_coef=algo.outer_momentum, nesterov=algo.outer_nesterov)
-    return theta, momentum
+    for start, stop, kind in spans:  # buffers: the learners' merged value, no outer optimizer
+        if _span_kind(kind) in ("buffer", "int_buffer"):
+            new_theta[start:stop] = theta[start:stop] - grad[start:stop]
+            momentum[start:stop] = 0.0
+    return new_theta, momentum

@@ -14,12 +14,13 @@ Exit codes: 0 success, 1 runtime failure, 2 bad usage or config, 3 refused by th
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 from typing import Any, Sequence
 
-from common.config import (ConfigError, ConfigFile, Endpoints, LearnerOptions, SyncerOptions, load_config,
-                           override)
+from common.config import (ConfigError, ConfigFile, Endpoints, LearnerOptions, SyncerOptions, TaskConfig,
+                           load_config, override)
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_REFUSED = 1, 2, 3
 
@@ -47,6 +48,28 @@ def _add_algo(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-grace", action="store_true", help="disable the adaptive grace window")
     g.add_argument("--lockstep", action="store_true", help="synchronous DiLoCo baseline (learners wait every H steps)")
     g.add_argument("--seed", type=int, help="seed of model init and data (default 0)")
+    g = p.add_argument_group("task (must match the run's)")
+    g.add_argument("--task", metavar="TASK", help="built-in task (gpt, gpt-moe, text, digits) or MODULE:ATTR, a "
+                   "ddloco.Task or a callable returning one, imported from the current directory or PYTHONPATH "
+                   "(default gpt; env DDLOCO_TASK)")
+    g.add_argument("--task-arg", action="append", default=None, metavar="KEY=VALUE",
+                   help="keyword argument of the task callable, repeatable (env DDLOCO_TASK_ARGS, space-separated)")
+
+
+def _task_from_args(args: argparse.Namespace, task: TaskConfig) -> TaskConfig:
+    """--task / --task-arg, else DDLOCO_TASK / DDLOCO_TASK_ARGS, over the TOML [task] table."""
+    from tasks.contract import TaskError, parse_task_args
+    spec = getattr(args, "task", None) or os.environ.get("DDLOCO_TASK") or None
+    items = getattr(args, "task_arg", None)
+    if items is None and os.environ.get("DDLOCO_TASK_ARGS"):
+        items = os.environ["DDLOCO_TASK_ARGS"].split()
+    try:
+        extra = parse_task_args(items or [])
+    except TaskError as e:
+        raise ConfigError(str(e)) from None
+    if spec is not None and spec != task.spec:
+        task = override(task, spec=spec, args={})  # another task: the TOML's args were for the old one
+    return override(task, args={**task.args, **extra}) if extra else task
 
 
 def _resolve(args: argparse.Namespace) -> ConfigFile:
@@ -59,14 +82,15 @@ def _resolve(args: argparse.Namespace) -> ConfigFile:
                         quorum=args.quorum, uplink_codec=args.codec,
                         grace_enabled=False if args.no_grace else None,
                         lockstep=True if args.lockstep else None)
-        run = override(run, algo=algo, task=override(run.task, seed=args.seed))
+        run = override(run, algo=algo, task=_task_from_args(args, override(run.task, seed=args.seed)))
     return override(cfg, run=run, endpoints=endpoints)
 
 
 def _algo_given(args: argparse.Namespace) -> bool:
     return args.config is not None or any(
         getattr(args, k, None) not in (None, False)
-        for k in ("fragments", "sync_every", "tau", "quorum", "codec", "no_grace", "lockstep", "seed"))
+        for k in ("fragments", "sync_every", "tau", "quorum", "codec", "no_grace", "lockstep", "seed", "task",
+                  "task_arg")) or bool(os.environ.get("DDLOCO_TASK"))
 
 
 def _setup_logging(args: argparse.Namespace) -> None:
@@ -118,7 +142,7 @@ def cmd_syncer(args: argparse.Namespace) -> int:
 def cmd_learner(args: argparse.Namespace) -> int:
     from common.control import RunConfigMissing
     from common.lifecycle import install_stop_handlers
-    from learner.api import train_builtin
+    from learner.api import train
     from learner.core import JoinTimeout, LearnerRefused
     import redis
     cfg = _resolve(args)
@@ -130,7 +154,7 @@ def cmd_learner(args: argparse.Namespace) -> int:
     install_stop_handlers(stop)
     run = cfg.run if _algo_given(args) else None
     try:
-        train_builtin(endpoints=cfg.endpoints, options=opts, run=run, stop=stop)
+        train(endpoints=cfg.endpoints, options=opts, run=run, stop=stop)
     except LearnerRefused as e:
         print(f"ddloco learner: {e}", file=sys.stderr)
         return EXIT_REFUSED
@@ -267,9 +291,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "compare":
         return cmd_compare(argv[1:])
     args = build_parser().parse_args(argv)
+    from common.fragments import FragmentationError
+    from tasks.contract import TaskError
     try:
         return args.func(args)
-    except ConfigError as e:
+    except (ConfigError, TaskError, FragmentationError) as e:
         print(f"ddloco {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -12,9 +12,10 @@ import redis
 
 from common import control
 from common.config import ConfigFile
-from common.fragments import plan_fragments, scatter, tensor_specs
+from common.fragments import model_plan, scatter, state_tensors
 from common.keys import Keys
 from common.rpc import fetch_fragments
+from tasks.contract import Task, build_model, evaluate
 
 
 def _f(h: dict[str, str], k: str, default: float = 0.0) -> float:
@@ -25,19 +26,17 @@ def _f(h: dict[str, str], k: str, default: float = 0.0) -> float:
 
 
 class Monitor:
-    def __init__(self, cfg: ConfigFile, r: redis.Redis, keys: Keys, *, learner_ids: list[str],
+    def __init__(self, cfg: ConfigFile, r: redis.Redis, keys: Keys, task: Task, *, learner_ids: list[str],
                  say: Callable[[str], None]) -> None:
-        from common.tasks import make_task
         self.cfg = cfg
         self.r = r
         self.keys = keys
         self.learner_ids = learner_ids
         self.say = say
-        self.task = make_task(cfg.run.task)
-        self.model = self.task.build_model()
-        self.plan = plan_fragments(tensor_specs(self.model, self.task.embedding_names(self.model)),
-                                   cfg.run.algo.fragments)
-        self.params = dict(self.model.named_parameters())
+        self.task = task
+        self.model = build_model(task, cfg.run.task.seed)
+        self.plan = model_plan(self.model, task.embedding_names, cfg.run.algo.fragments)
+        self.params = state_tensors(self.model)
         self.t0 = time.time()
         self.evals: list[dict[str, float]] = []
         self.samples: dict[str, list[tuple[float, str]]] = {lid: [] for lid in learner_ids}
@@ -59,7 +58,7 @@ class Monitor:
             for p, (v, values) in frags.items():
                 scatter(self.params, self.plan[p], values)
                 versions[p] = v
-        loss = self.task.eval_loss(self.model)
+        loss = evaluate(self.task, self.model)
         self.evals.append({"t": time.time() - self.t0, "tokens": self.tokens_total(), "loss": loss,
                            "versions_total": sum(versions.values())})
         self.last_eval = time.time()

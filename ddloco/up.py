@@ -88,7 +88,15 @@ def _stop_all(children: list[Child], timeout_s: float = 15.0) -> None:
 def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float | None = None,
            slowdowns: list[float] | None = None, quiet: bool = False) -> int:
     from common.redis_server import EmbeddedRedis, free_port
+    from common.fragments import model_plan
+    from tasks.contract import bind_task, build_model, check_task
     up = cfg.up
+    # every refusal (task cannot load, P does not fit, bad batch or loss) before anything starts
+    task, run = bind_task(cfg.run)
+    model = build_model(task, run.task.seed)
+    model_plan(model, task.embedding_names, run.algo.fragments)
+    check_task(task, model, seed=run.task.seed)
+    cfg = replace(cfg, run=run)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     workdir = Path("runs") / f"{cfg.endpoints.run_id}-{stamp}"
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
@@ -147,7 +155,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         say(f"started    broker, {up.syncers} syncer(s), {up.learners} learner(s): "
             + " ".join(f"{c.name}={c.pid}" for c in children))
 
-        monitor = Monitor(cfg, r, keys, learner_ids=learner_ids, say=say)
+        monitor = Monitor(cfg, r, keys, task, learner_ids=learner_ids, say=say)
         monitor.evaluate(initial=True)
         learners = [c for c in children if c.name.startswith("learner")]
         daemons = [c for c in children if not c.name.startswith("learner")]

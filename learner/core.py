@@ -10,14 +10,14 @@ Hand-over between them is by queues of whole fragments; the training thread neve
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import queue
 import socket
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import redis
@@ -26,13 +26,15 @@ import zmq
 
 from common import control, wire
 from common.config import ConfigError, Endpoints, LearnerOptions, RunConfig
-from common.fragments import Fragment, gather, plan_digest, plan_fragments, scatter, tensor_specs
+from common.fragments import (Fragment, describe_plan_difference, gather, model_plan, plan_digest, plan_layout,
+                              scatter, state_tensors)
 from common.keys import Keys
 from common.merge import Contribution, receive_merged
 from common.lifecycle import process_start_time
 from common.log import get_logger
 from common.rpc import FragmentClient
 from learner.inner import inner_step, make_inner_optimizer
+from tasks.contract import Task, TaskError, batch_to, bind_task, build_model, check_task, count_tokens, scalar_loss
 
 
 FETCH_RETRY_S = 1.0
@@ -124,21 +126,12 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def batch_to(batch: Any, device: torch.device) -> Any:
-    """Move a batch's tensors to ``device``: objects with ``.to``, dataclasses, tuples, dicts."""
-    if device.type == "cpu":
-        return batch
-    if isinstance(batch, torch.Tensor) or (hasattr(batch, "to") and not dataclasses.is_dataclass(batch)):
-        return batch.to(device, non_blocking=True)
-    if dataclasses.is_dataclass(batch):
-        return dataclasses.replace(batch, **{f.name: batch_to(getattr(batch, f.name), device)
-                                             for f in dataclasses.fields(batch)
-                                             if isinstance(getattr(batch, f.name), torch.Tensor)})
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(batch_to(x, device) for x in batch)
-    if isinstance(batch, dict):
-        return {k: batch_to(v, device) for k, v in batch.items()}
-    return batch
+def data_stream(options: LearnerOptions, learner_id: str) -> int:
+    """The learner's data stream: ``data_shard``, else one derived from its id (scaled replicas
+    with unique ids get distinct streams)."""
+    if options.data_shard >= 0:
+        return options.data_shard
+    return zlib.crc32(learner_id.encode()) % (2**31 - 1)
 
 
 def resolve_learner_id(options: LearnerOptions) -> str:
@@ -149,26 +142,22 @@ def resolve_learner_id(options: LearnerOptions) -> str:
 class Learner:
     """One learner. ``Learner(...).run()`` joins, trains until ``max_steps`` or ``stop``, leaves."""
 
-    def __init__(self, *, endpoints: Endpoints, options: LearnerOptions,
-                 model_factory: Callable[[], torch.nn.Module],
-                 data: Iterable[Any], loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
-                 embedding_names: Collection[str] = (), run: RunConfig | None = None,
-                 stop: threading.Event | None = None, data_position: int = 0) -> None:
+    def __init__(self, *, endpoints: Endpoints, options: LearnerOptions, task: Task | None = None,
+                 run: RunConfig | None = None, stop: threading.Event | None = None) -> None:
+        """``task``: the model and data (None: load the run's task from its config in Redis).
+        ``run``: the run config to start or join with (None: take the run's from Redis)."""
         self.endpoints = endpoints
-        self.data_position = data_position
-        """Batches consumed before this life (``data`` starts there); reported as data_position."""
         self.options = options
         self.id = resolve_learner_id(options)
         self.keys = Keys(endpoints.run_id)
+        self.task = task
         self._run_arg = run
-        self.model_factory = model_factory
-        self.data = data
-        self.loss_fn = loss_fn
-        self.embedding_names = embedding_names
         self.stop = stop or threading.Event()
         self.stats = LearnerStats()
         self.log = get_logger("learner", learner=self.id, run=endpoints.run_id)
         self.status = "joining"
+        self.data_position = 0
+        """Batches consumed before this life (read from Redis at join); reported as data_position."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._threads_stop = threading.Event()
@@ -181,25 +170,39 @@ class Learner:
         self._process_started_at = process_start_time() or self._started_at
 
     # ------------------------------------------------------------------ join
+    def _prepare(self, run: RunConfig) -> None:
+        """Bind the task to ``run``, build the model and its plan, dry-run one batch: every check
+        that can refuse this learner, before it writes anything to Redis."""
+        try:
+            self.task, self.run_cfg = bind_task(run, self.task)
+        except TaskError as e:
+            raise LearnerRefused(f"refused: {e}") from None
+        self.algo = self.run_cfg.algo
+        self.device = resolve_device(self.options.device)
+        self.model = build_model(self.task, self.run_cfg.task.seed).to(self.device)
+        self.tensors = state_tensors(self.model)
+        self.plan: tuple[Fragment, ...] = model_plan(self.model, self.task.embedding_names, self.algo.fragments)
+        self.plan_digest = plan_digest(self.plan)
+        self.stream = data_stream(self.options, self.id)
+        check_task(self.task, self.model, seed=self.run_cfg.task.seed, stream=self.stream)
+
     def _join_control(self) -> None:
-        self.redis = control.connect(self.endpoints.redis_url)
         if self._run_arg is not None:
+            self._prepare(self._run_arg)                     # refusals happen before any write
+            self.redis = control.connect(self.endpoints.redis_url)
             try:
-                control.publish_run_config(self.redis, self.keys, self._run_arg)
+                control.publish_run_config(self.redis, self.keys, self.run_cfg)
             except control.ConfigMismatch as e:
                 control.add_event(self.redis, self.keys, "refuse", learner=self.id, reason=str(e))
                 raise LearnerRefused(str(e)) from None
-            self.run_cfg = self._run_arg
         else:
-            self.run_cfg = control.fetch_run_config(self.redis, self.keys, wait_s=self.options.join_timeout_s,
-                                                    stop=self.stop)
-        self.algo = self.run_cfg.algo
-        self.device = resolve_device(self.options.device)
-        self.model = self.model_factory().to(self.device)
-        self.params = dict(self.model.named_parameters())
-        self.plan: tuple[Fragment, ...] = plan_fragments(tensor_specs(self.model, self.embedding_names),
-                                                         self.algo.fragments)
-        self.plan_digest = plan_digest(self.plan)
+            self.redis = control.connect(self.endpoints.redis_url)
+            run = control.fetch_run_config(self.redis, self.keys, wait_s=self.options.join_timeout_s, stop=self.stop)
+            try:
+                self._prepare(run)
+            except LearnerRefused as e:
+                control.add_event(self.redis, self.keys, "refuse", learner=self.id, reason=str(e))
+                raise
         n = len(self.plan)
         self.base_version = np.full(n, -1, dtype=np.int64)
         self.base_epoch = np.full(n, -1, dtype=np.int64)    # life of the owning shard the base came from
@@ -215,8 +218,12 @@ class Learner:
     def _check_shard_plan(self) -> None:
         for k, h in control.shard_table(self.redis, self.keys).items():
             if h.get("plan") and h["plan"] != self.plan_digest:
-                msg = (f"refused: model fragment layout {self.plan_digest} differs from shard {k}'s "
-                       f"{h['plan']} (different model or fragment count)")
+                theirs = control.run_layout(self.redis, self.keys)
+                detail = (describe_plan_difference(self.plan, theirs) if theirs is not None
+                          else "the shard's tensor layout is not recorded")
+                msg = (f"refused: model state layout {self.plan_digest} differs from shard {k}'s {h['plan']} "
+                       f"(same task name, task config and P={self.algo.fragments}; {detail}: is the model code "
+                       f"the same version on every machine?)")
                 control.add_event(self.redis, self.keys, "refuse", learner=self.id, reason=msg)
                 raise LearnerRefused(msg)
 
@@ -282,7 +289,8 @@ class Learner:
     def _train_steps(self) -> bool:
         """The inner loop; True when it ended on its own (step budget, data), not on ``stop``."""
         opt, sched = make_inner_optimizer(self.model.parameters(), self.algo)
-        batches: Iterator[Any] = iter(self.data)
+        self.data_position = control.data_position(self.redis, self.keys, self.id)  # a restarted learner resumes
+        batches: Iterator[Any] = iter(self.task.batches(self.stream, self.run_cfg.task.seed, self.data_position))
         H = self.algo.sync_every_steps
         min_steps = H if self.algo.lockstep else 1
         self.status = "training"
@@ -303,10 +311,10 @@ class Learner:
             except StopIteration:
                 self.log.info("learner.data_exhausted", steps=self.stats.steps)
                 return True
+            tokens = count_tokens(self.task, batch)
             batch = batch_to(batch, self.device)
-            loss = self.loss_fn(self.model, batch)
+            loss = scalar_loss(self.task, self.model, batch)
             inner_step(self.model, opt, sched, loss)         # θ ← AdamW(θ, ∇L(θ; next batch))
-            tokens = int(batch.tokens)
             self.c_steps += 1                                # for every p: c_steps[p] += 1
             self.c_tokens += tokens                          #              c_tokens[p] += tokens
             self.stats.steps += 1
@@ -410,11 +418,11 @@ class Learner:
             value, self.c_steps[p], self.c_tokens[p] = item.values, 0, 0
         else:  # carry the steps not merged yet (not across a shard restart), or overwrite / α-mix
             carry = self.algo.carry_local_steps and same_epoch
-            local = gather(self.params, frag).cpu() if carry or self.algo.mix_alpha > 0 else None
+            local = gather(self.tensors, frag).cpu() if carry or self.algo.mix_alpha > 0 else None
             value, self.c_steps[p], self.c_tokens[p] = receive_merged(
                 item.values, local, self.base_values[p], contributed, int(self.c_steps[p]),
                 int(self.c_tokens[p]), carry=carry, mix_alpha=self.algo.mix_alpha)
-        scatter(self.params, frag, value)
+        scatter(self.tensors, frag, value)
         self.base_values[p] = item.values
         self.base_version[p] = item.version
         self.base_epoch[p] = item.epoch
@@ -435,7 +443,7 @@ class Learner:
             if key in self._answered:
                 continue
             self._answered.add(key)
-            snapshot = gather(self.params, self.plan[p]).cpu()  # a copy; delta and quantization off-thread
+            snapshot = gather(self.tensors, self.plan[p]).cpu()  # a copy; delta and quantization off-thread
             self._contributed[p] = Contribution(snapshot, int(self.c_steps[p]), int(self.c_tokens[p]))
             self._outbox.put(("answer", _Answer(fragment=p, epoch=o.epoch, round=o.round, attempt=o.attempt,
                                                 base=int(self.base_version[p]), base_values=self.base_values[p],

@@ -19,7 +19,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Collection
+from typing import Any, Callable
 
 import redis
 import torch
@@ -27,12 +27,13 @@ import zmq
 
 from common import control, wire
 from common.config import Endpoints, RunConfig, SyncerOptions
-from common.fragments import Fragment, gather, owned_fragments, plan_digest, plan_fragments, tensor_specs
+from common.fragments import Fragment, gather, model_plan, owned_fragments, plan_digest, plan_layout, state_tensors
 from common.keys import Keys
 from common.log import get_logger
 from common.merge import contribution_weights, outer_update
 from common.quorum import Decision, Ema, QuorumPolicy, RoundView, decide_round, due_fragments, grace_window_s
 from common import quant
+from tasks.contract import Task, TaskError, bind_task, build_model
 
 CONTROL_REFRESH_S = 0.5
 
@@ -97,31 +98,24 @@ class CheckpointMismatch(RuntimeError):
     """The checkpoint on disk belongs to another run config or shard layout."""
 
 
-def build_model_fragments(run: RunConfig, model_factory: Callable[[], torch.nn.Module] | None,
-                          embedding_names: Collection[str]) -> tuple[torch.nn.Module, tuple[Fragment, ...]]:
-    """The initial model (built-in task unless a factory is given) and its fragment plan."""
-    if model_factory is None:
-        from common.tasks import make_task
-        task = make_task(run.task)
-        model = task.build_model()
-        embedding_names = task.embedding_names(model)
-    else:
-        model = model_factory()
-    specs = tensor_specs(model, embedding_names)
-    return model, plan_fragments(specs, run.algo.fragments)
+def initial_state(run: RunConfig, task: Task) -> tuple[torch.nn.Module, tuple[Fragment, ...]]:
+    """The initial model of the run (``task.model()`` under the run seed) and its fragment plan;
+    FragmentationError when P does not fit the model."""
+    model = build_model(task, run.task.seed)
+    return model, model_plan(model, task.embedding_names, run.algo.fragments)
 
 
 class Shard:
     """Syncer shard k of S."""
 
     def __init__(self, *, endpoints: Endpoints, options: SyncerOptions, run: RunConfig | None = None,
-                 model_factory: Callable[[], torch.nn.Module] | None = None,
-                 embedding_names: Collection[str] = (), clock: Callable[[], float] = time.monotonic) -> None:
+                 task: Task | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """``run``: the run config to start or join with (None: the run's, from Redis). ``task``:
+        the model (None: load the run's task from its spec)."""
         self.endpoints = endpoints
         self.options = options
         self._run_arg = run
-        self._model_factory = model_factory
-        self._embedding_names = embedding_names
+        self.task = task
         self.clock = clock
         self.keys = Keys(endpoints.run_id)
         self.id = f"shard{options.shard}"
@@ -138,14 +132,26 @@ class Shard:
         self._lease_lost = False
 
     # ---------------------------------------------------------------- set-up / tear-down
+    def _prepare(self, run: RunConfig) -> torch.nn.Module:
+        """Bind the task and plan the fragments: every refusal before anything is written."""
+        try:
+            self.task, self.run = bind_task(run, self.task)
+        except TaskError as e:
+            raise control.ConfigMismatch(f"refused: {e}") from None
+        model, self.plan = initial_state(self.run, self.task)
+        self.plan_digest = plan_digest(self.plan)
+        return model
+
     def __enter__(self) -> "Shard":
-        self.redis = control.connect(self.endpoints.redis_url)
         if self._run_arg is not None:
-            control.publish_run_config(self.redis, self.keys, self._run_arg)
-            self.run = self._run_arg
+            model = self._prepare(self._run_arg)
+            self.redis = control.connect(self.endpoints.redis_url)
+            control.publish_run_config(self.redis, self.keys, self.run)
         else:
-            self.run = control.fetch_run_config(self.redis, self.keys, wait_s=30.0)
+            self.redis = control.connect(self.endpoints.redis_url)
+            model = self._prepare(control.fetch_run_config(self.redis, self.keys, wait_s=30.0))
         control.claim_shard_count(self.redis, self.keys, self.options.shards)
+        control.record_layout(self.redis, self.keys, plan_layout(self.plan))
         self.epoch = secrets.randbits(31)  # this life of the shard: versions compare only within it
         self.lease_holder = f"{socket.gethostname()}:{os.getpid()}:{self.epoch}"
         control.acquire_lease(self.redis, self.keys.shard_lease(self.options.shard), self.lease_holder,
@@ -153,9 +159,7 @@ class Shard:
         algo = self.run.algo
         self.policy = QuorumPolicy(quorum=algo.quorum, tau=algo.tau, grace_gamma=algo.grace_gamma,
                                    grace_enabled=algo.grace_enabled)
-        model, self.plan = build_model_fragments(self.run, self._model_factory, self._embedding_names)
-        self.plan_digest = plan_digest(self.plan)
-        params = dict(model.named_parameters())
+        params = state_tensors(model)
         owned = owned_fragments(self.options.shard, self.options.shards, algo.fragments)
         for p in owned:
             theta = self._as_broadcast(gather(params, self.plan[p]))

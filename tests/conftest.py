@@ -11,7 +11,8 @@ import torch
 
 from common.config import Endpoints, LearnerOptions, RunConfig, SyncerOptions
 from common.redis_server import EmbeddedRedis, free_port
-from common.tasks import Batch
+from tasks.contract import Task
+from tasks.gpt import Batch
 
 
 TINY_TOML = """
@@ -81,6 +82,16 @@ def tiny_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return torch.nn.functional.mse_loss(model(batch.inputs), batch.targets)
 
 
+def tiny_task(model: Callable[[], torch.nn.Module] = TinyNet, name: str = "tiny") -> Task:
+    """A Task around ``model`` on the tiny regression streams (``start`` skips batches)."""
+    def batches(stream: int, seed: int, start: int) -> Iterator[Batch]:
+        it = tiny_batches(stream)
+        for _ in range(start):
+            next(it)
+        return it
+    return Task(name=name, model=model, batches=batches, loss=tiny_loss)
+
+
 # ----------------------------------------------------------------------------- in-process cluster
 @dataclass
 class Cluster:
@@ -88,7 +99,7 @@ class Cluster:
 
     endpoints: Endpoints
     run: RunConfig
-    model_factory: Callable[[], torch.nn.Module]
+    task: Task
     checkpoint_dir: str
     stop: threading.Event = field(default_factory=threading.Event)
     threads: list[threading.Thread] = field(default_factory=list)
@@ -129,8 +140,7 @@ class Cluster:
                                 initial_step_time_s=0.02, **opts)
 
         def loop() -> None:
-            with Shard(endpoints=self.endpoints, options=options, run=self.run,
-                       model_factory=self.model_factory) as s:
+            with Shard(endpoints=self.endpoints, options=options, run=self.run, task=self.task) as s:
                 self.shards[k] = s
                 ready.set()
                 while not (stop.is_set() or self.stop.is_set()):
@@ -150,9 +160,9 @@ class Cluster:
                 **opts: Any) -> Any:
         from learner.core import Learner
         return Learner(endpoints=self.endpoints, options=LearnerOptions(learner_id=learner_id, max_steps=max_steps,
-                                                                       heartbeat_interval_s=0.1, **opts),
-                       model_factory=self.model_factory, data=tiny_batches(stream), loss_fn=tiny_loss,
-                       run=run or self.run, stop=self.stop)
+                                                                       data_shard=stream, heartbeat_interval_s=0.1,
+                                                                       **opts),
+                       task=self.task, run=run or self.run, stop=self.stop)
 
     def start_learner(self, learner: Any) -> threading.Thread:
         t = threading.Thread(target=self._guard(learner.run), daemon=True)
@@ -170,10 +180,10 @@ class Cluster:
 def make_cluster(redis_server: EmbeddedRedis, tmp_path) -> Iterator[Callable[..., Cluster]]:
     made: list[Cluster] = []
 
-    def make(run: RunConfig, *, run_id: str = "t", model_factory: Callable[[], torch.nn.Module] = TinyNet) -> Cluster:
+    def make(run: RunConfig, *, run_id: str = "t", task: Task | None = None) -> Cluster:
         ep = Endpoints(run_id=run_id, redis_url=redis_server.url, broker_pub=f"tcp://127.0.0.1:{free_port()}",
                        broker_sub=f"tcp://127.0.0.1:{free_port()}")
-        c = Cluster(endpoints=ep, run=run, model_factory=model_factory, checkpoint_dir=str(tmp_path / "ckpt"))
+        c = Cluster(endpoints=ep, run=run, task=task or tiny_task(), checkpoint_dir=str(tmp_path / "ckpt"))
         c.start_broker()
         made.append(c)
         return c

@@ -20,9 +20,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from common.config import run_config_from_dict
-from common.tasks import make_task
+from tasks.contract import batch_to, bind_task, build_model, count_tokens, evaluate, scalar_loss
 from ddloco.compare.systems import SystemResult, eval_steps
-from learner.core import batch_to
 from learner.inner import inner_step, make_inner_optimizer
 
 
@@ -45,23 +44,23 @@ def main() -> int:
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        task = make_task(run.task)
-        model = task.build_model().to(device)
+        task, run = bind_task(run)
+        model = build_model(task, run.task.seed).to(device)
         ddp = DistributedDataParallel(model)
         opt, sched = make_inner_optimizer(ddp.parameters(), run.algo)
         steps, seed = int(spec["steps"]), int(spec["seed"])
-        data = task.train_batches(stream=rank, seed=seed)
+        data = iter(task.batches(rank, seed, 0))
         marks = set(eval_steps(steps, int(spec.get("eval_points", 8))))
         t0 = time.perf_counter()
-        curve = [(0, task.eval_loss(model))] if rank == 0 else []
+        curve = [(0, evaluate(task, model))] if rank == 0 else []
         tokens_per_step = 0
         ddp.train()
         for t in range(1, steps + 1):
-            batch = batch_to(next(data), device)
-            inner_step(ddp, opt, sched, task.loss(ddp, batch))
-            tokens_per_step = int(batch.tokens) * world
+            batch = next(data)
+            tokens_per_step = count_tokens(task, batch) * world
+            inner_step(ddp, opt, sched, scalar_loss(task, ddp, batch_to(batch, device)))
             if rank == 0 and t in marks:
-                curve.append((tokens_per_step * t, task.eval_loss(model)))
+                curve.append((tokens_per_step * t, evaluate(task, model)))
         wall = time.perf_counter() - t0
         if rank == 0:
             n = sum(p.numel() for p in model.parameters())

@@ -71,15 +71,20 @@ def parse_set(items: Sequence[str]) -> dict[str, dict[str, Any]]:
 
 
 def apply_sets(run: RunConfig, sets: dict[str, dict[str, Any]]) -> RunConfig:
-    """``run`` with the ``parse_set`` overrides applied (validated like a TOML file)."""
+    """``run`` with the ``parse_set`` overrides applied (validated like a TOML file); ``task.KEY``
+    other than spec and seed is a task arg."""
     d = run.to_dict()
-    return run_config_from_dict({s: {**d[s], **sets.get(s, {})} for s in ("task", "algo")})
+    task_sets = dict(sets.get("task", {}))
+    task = {**d["task"], **{k: task_sets.pop(k) for k in ("spec", "seed") if k in task_sets}}
+    task["args"] = {**task["args"], **task_sets}
+    task["name"], task["config"] = "", {}  # re-bound by every process from spec and args
+    return run_config_from_dict({"task": task, "algo": {**d["algo"], **sets.get("algo", {})}})
 
 
 def tokens_per_batch(run: RunConfig) -> int:
-    from common.tasks import make_task
-    task = make_task(run.task)
-    return int(next(task.train_batches(stream=0, seed=run.task.seed)).tokens)
+    from tasks.contract import bind_task, count_tokens
+    task, run = bind_task(run)
+    return count_tokens(task, next(iter(task.batches(0, run.task.seed, 0))))
 
 
 def system_run(system: str, run: RunConfig, learners: int) -> RunConfig:
@@ -96,10 +101,9 @@ def _in_process(system: str, run_dict: dict[str, Any], learners: int, steps: int
                 eval_points: int, delay_steps: int) -> dict[str, Any]:
     """Worker-process entry: one in-process system at one seed."""
     from common.config import run_config_from_dict
-    from common.tasks import make_task
     from ddloco.compare import systems
-    run = run_config_from_dict(run_dict)
-    task = make_task(run.task)
+    from tasks.contract import bind_task
+    task, run = bind_task(run_config_from_dict(run_dict))
     kw = dict(steps=steps, seed=seed, eval_points=eval_points, threads=1)
     if system == "single":
         res = systems.run_single(task, run.algo, **kw)
@@ -332,7 +336,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
     if not seeds:
         raise ConfigError("--seeds must be >= 1")
     cfg = load_config(args.config)
-    run = apply_sets(cfg.run, {"task": {"name": args.task}, "algo": {}})
+    run = apply_sets(cfg.run, {"task": {"spec": args.task}, "algo": {}})
     run = apply_sets(run, parse_set(args.set))
     per_batch = tokens_per_batch(run)
     steps = args.tokens // (args.learners * per_batch)
@@ -432,7 +436,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
                 failures.append(f"{s} seed {seed}: {e}")
                 print(f"FAILED     {s} seed {seed}: {e}", file=sys.stderr, flush=True)
     summary = summarise({s: sorted(v, key=lambda r: r["seed"]) for s, v in results.items()}, args.eval_points)
-    meta = {"task": run.task.name, "learners": args.learners, "tokens": steps * args.learners * per_batch,
+    meta = {"task": run.task.spec, "learners": args.learners, "tokens": steps * args.learners * per_batch,
             "steps_per_learner": steps, "seeds": seeds, "algo": asdict(run.algo), "task_config": asdict(run.task),
             "command": "ddloco compare " + " ".join(argv), "wall_s": round(time.time() - t_start, 1),
             "failures": failures}

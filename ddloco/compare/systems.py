@@ -26,9 +26,9 @@ import torch
 
 from common import quant
 from common.config import AlgoConfig
-from common.fragments import Fragment, gather, plan_fragments, scatter, tensor_specs
+from common.fragments import Fragment, gather, model_plan, scatter, state_tensors
 from common.merge import Contribution, contribution_weights, outer_update, receive_merged
-from common.tasks import Task
+from tasks.contract import Task, build_model, count_tokens, evaluate, scalar_loss
 from learner.inner import inner_step, make_inner_optimizer
 
 
@@ -61,8 +61,6 @@ def eval_steps(steps: int, points: int) -> list[int]:
     return sorted({max(1, round(steps * k / points)) for k in range(1, points + 1)} | {steps})
 
 
-def _batch_tokens(batch: Any) -> int:
-    return int(batch.tokens)
 
 
 def _set_threads(threads: int) -> None:
@@ -70,21 +68,21 @@ def _set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _train_alone(task: Task, algo: AlgoConfig, data: Iterator[Any], *, steps: int,
+def _train_alone(task: Task, algo: AlgoConfig, data: Iterator[Any], *, seed: int, steps: int,
                  eval_points: int) -> tuple[int, list[tuple[int, float]]]:
     """One model, ``steps`` AdamW steps on ``data``, evaluated at ``eval_steps``."""
-    model = task.build_model()
+    model = build_model(task, seed)
     opt, sched = make_inner_optimizer(model.parameters(), algo)
     marks = set(eval_steps(steps, eval_points))
-    curve = [(0, task.eval_loss(model))]
+    curve = [(0, evaluate(task, model))]
     tokens = 0
     model.train()
     for t in range(1, steps + 1):
         batch = next(data)
-        inner_step(model, opt, sched, task.loss(model, batch))
-        tokens += _batch_tokens(batch)
+        inner_step(model, opt, sched, scalar_loss(task, model, batch))
+        tokens += count_tokens(task, batch)
         if t in marks:
-            curve.append((tokens, task.eval_loss(model)))
+            curve.append((tokens, evaluate(task, model)))
     return tokens, curve
 
 
@@ -93,7 +91,7 @@ def run_single(task: Task, algo: AlgoConfig, *, steps: int, seed: int, eval_poin
     """One learner alone: ``steps`` AdamW steps on data stream ``stream``."""
     _set_threads(threads)
     t0 = time.perf_counter()
-    tokens, curve = _train_alone(task, algo, task.train_batches(stream=stream, seed=seed), steps=steps,
+    tokens, curve = _train_alone(task, algo, task.batches(stream, seed, 0), seed=seed, steps=steps,
                                  eval_points=eval_points)
     return SystemResult("single", seed, 1, steps, tokens, time.perf_counter() - t0, curve[-1][1], curve)
 
@@ -120,8 +118,8 @@ def run_dp_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps: int, 
     (the mean loss over the concatenation equals the mean of M equal ranks' mean losses)."""
     _set_threads(threads)
     t0 = time.perf_counter()
-    data = _ConcatBatches([task.train_batches(stream=m, seed=seed) for m in range(learners)])
-    tokens, curve = _train_alone(task, algo, data, steps=steps, eval_points=eval_points)
+    data = _ConcatBatches([task.batches(m, seed, 0) for m in range(learners)])
+    tokens, curve = _train_alone(task, algo, data, seed=seed, steps=steps, eval_points=eval_points)
     return SystemResult("dp_emulated", seed, learners, steps, tokens, time.perf_counter() - t0, curve[-1][1], curve)
 
 
@@ -137,16 +135,16 @@ class _Replica:
 def _replicas(task: Task, algo: AlgoConfig, learners: int, seed: int) -> list[_Replica]:
     out = []
     for m in range(learners):
-        model = task.build_model()
+        model = build_model(task, seed)
         model.train()
         opt, sched = make_inner_optimizer(model.parameters(), algo)
-        out.append(_Replica(model, dict(model.named_parameters()), opt, sched,
-                            task.train_batches(stream=m, seed=seed)))
+        out.append(_Replica(model, state_tensors(model), opt, sched,
+                            task.batches(m, seed, 0)))
     return out
 
 
 def _plan(task: Task, model: torch.nn.Module, fragments: int) -> tuple[Fragment, ...]:
-    return plan_fragments(tensor_specs(model, task.embedding_names(model)), fragments)
+    return model_plan(model, task.embedding_names, fragments)
 
 
 def run_diloco_sync(task: Task, algo: AlgoConfig, *, learners: int, steps: int, seed: int,
@@ -157,13 +155,13 @@ def run_diloco_sync(task: Task, algo: AlgoConfig, *, learners: int, steps: int, 
     _set_threads(threads)
     t0 = time.perf_counter()
     reps = _replicas(task, algo, learners, seed)
-    glob = task.build_model()
+    glob = build_model(task, seed)
     whole = _plan(task, glob, 1)[0]
-    gparams = dict(glob.named_parameters())
+    gparams = state_tensors(glob)
     theta = gather(gparams, whole)
     momentum = torch.zeros_like(theta)
     marks = set(eval_steps(steps, eval_points))
-    curve = [(0, task.eval_loss(glob))]
+    curve = [(0, evaluate(task, glob))]
     H = algo.sync_every_steps
     tokens = 0
     syncs = 0
@@ -171,8 +169,8 @@ def run_diloco_sync(task: Task, algo: AlgoConfig, *, learners: int, steps: int, 
     for t in range(1, steps + 1):
         for r in reps:
             batch = next(r.data)
-            inner_step(r.model, r.opt, r.sched, task.loss(r.model, batch))
-            tokens += _batch_tokens(batch)
+            inner_step(r.model, r.opt, r.sched, scalar_loss(task, r.model, batch))
+            tokens += count_tokens(task, batch)
         pending_mark = pending_mark or t in marks
         if t % H == 0 or t == steps:
             outer = torch.stack([theta - gather(r.params, whole) for r in reps])        # [M, n]
@@ -184,7 +182,7 @@ def run_diloco_sync(task: Task, algo: AlgoConfig, *, learners: int, steps: int, 
                 scatter(r.params, whole, theta)
             if pending_mark:
                 scatter(gparams, whole, theta)
-                curve.append((tokens, task.eval_loss(glob)))
+                curve.append((tokens, evaluate(task, glob)))
                 pending_mark = False
     n = whole.numel
     bytes_per_token = syncs * learners * 2 * 4 * n / max(1, tokens)   # fp32 up and down
@@ -207,8 +205,8 @@ def run_decoupled_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps
         raise ValueError(f"delay_steps must be in [0, H={H}), got {delay_steps}")
     t0 = time.perf_counter()
     reps = _replicas(task, algo, learners, seed)
-    glob = task.build_model()
-    gparams = dict(glob.named_parameters())
+    glob = build_model(task, seed)
+    gparams = state_tensors(glob)
     plan = _plan(task, glob, P)
     theta = [gather(gparams, f) for f in plan]
     momentum = [torch.zeros_like(x) for x in theta]
@@ -221,7 +219,7 @@ def run_decoupled_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps
     in_flight: list[tuple[int, int]] = []                              # (deliver at boundary, fragment)
     offsets = [(p * H) // len(plan) for p in range(len(plan))]
     marks = set(eval_steps(steps, eval_points))
-    curve = [(0, task.eval_loss(glob))]
+    curve = [(0, evaluate(task, glob))]
     tokens = 0
     bytes_up = bytes_down = 0
     merges = 0
@@ -265,8 +263,8 @@ def run_decoupled_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps
     for t in range(1, steps + 1):
         for m, r in enumerate(reps):
             batch = next(r.data)
-            inner_step(r.model, r.opt, r.sched, task.loss(r.model, batch))
-            n_tok = _batch_tokens(batch)
+            inner_step(r.model, r.opt, r.sched, scalar_loss(task, r.model, batch))
+            n_tok = count_tokens(task, batch)
             tokens += n_tok
             for p in range(len(plan)):
                 c_steps[m][p] += 1
@@ -289,7 +287,7 @@ def run_decoupled_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps
         if t in marks:
             for p, f in enumerate(plan):
                 scatter(gparams, f, theta[p])
-            curve.append((tokens, task.eval_loss(glob)))
+            curve.append((tokens, evaluate(task, glob)))
     return SystemResult("decoupled_emulated", seed, learners, steps, tokens, time.perf_counter() - t0,
                         curve[-1][1], curve, (bytes_up + bytes_down) / max(1, tokens),
                         {"merges": merges, "delay_steps": delay_steps})

@@ -40,7 +40,10 @@ def _plain_training(algo: AlgoConfig, steps: int) -> TinyNet:
 
 def reference_sync_diloco(*, learners: int, rounds: int, algo: AlgoConfig) -> dict[str, torch.Tensor]:
     """Synchronous DiLoCo: M replicas, H AdamW steps each, per-tensor radial-directional average
-    of the outer gradients (equal token weights), outer SGD with Nesterov momentum."""
+    of the outer gradients (equal token weights; a tensor larger than 1/P of the model is cut in
+    slices, each averaged on its own), outer SGD with Nesterov momentum."""
+    from common.fragments import model_plan
+    pieces = [(q.name, q.start, q.stop) for f in model_plan(TinyNet(), (), algo.fragments) for q in f.pieces]
     global_model = TinyNet()
     theta = {n: p.detach().clone() for n, p in global_model.named_parameters()}
     buf = {n: torch.zeros_like(t) for n, t in theta.items()}
@@ -57,21 +60,22 @@ def reference_sync_diloco(*, learners: int, rounds: int, algo: AlgoConfig) -> di
                 _inner_step(model, *optims[m], next(data[m]))
             for n, p in model.named_parameters():
                 outer[n].append(theta[n] - p.detach())
-        for n in theta:
-            vs = outer[n]
+        for n, a, b in pieces:  # RDA per piece: a whole tensor, or a slice of a large one
+            vs = [v.reshape(-1)[a:b] for v in outer[n]]
             w = 1.0 / len(vs)
             norm = sum(w * v.norm() for v in vs)
             direction = sum(w * v / v.norm() for v in vs)
             g = norm * direction / direction.norm()
-            buf[n] = algo.outer_momentum * buf[n] + g
-            theta[n] = theta[n] - algo.outer_lr * (g + algo.outer_momentum * buf[n])
+            flat_buf, flat_theta = buf[n].view(-1), theta[n].view(-1)
+            flat_buf[a:b] = algo.outer_momentum * flat_buf[a:b] + g
+            flat_theta[a:b] = flat_theta[a:b] - algo.outer_lr * (g + algo.outer_momentum * flat_buf[a:b])
     return theta
 
 
 def _shard_theta(cluster, shards: int) -> dict[str, torch.Tensor]:
     model = TinyNet()
-    params = dict(model.named_parameters())
-    from common.fragments import scatter
+    from common.fragments import scatter, state_tensors
+    params = state_tensors(model)
     for k in range(shards):
         for p, f in cluster.shards[k].frags.items():
             scatter(params, f.spec, f.theta)

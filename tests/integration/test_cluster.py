@@ -12,7 +12,7 @@ from common import control, wire
 from common.config import AlgoConfig, RunConfig
 from common.keys import Keys
 from learner.core import LearnerRefused
-from tests.conftest import TinyNet, wait_until
+from tests.conftest import TinyNet, tiny_task, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,10 +52,9 @@ def test_learner_joining_mid_run_loads_current_fragments_and_contributes(make_cl
     wait_until(lambda: late.joined_versions, 30, what="late learner joined")
     assert all(late.joined_versions[p] >= before[p] for p in before), (late.joined_versions, before)
     # what it loaded is the shards' value of that version, not its own initialisation
-    init = dict(TinyNet().named_parameters())
-    assert any(not torch.equal(late.base_values[p], torch.cat([init[t.name].detach().reshape(-1)
-                                                                for t in late.plan[p].tensors]))
-               for p in range(4))
+    from common.fragments import gather, state_tensors
+    init = state_tensors(TinyNet())
+    assert any(not torch.equal(late.base_values[p], gather(init, late.plan[p])) for p in range(4))
     wait_until(lambda: "late" in _merge_contributors(cluster), 30, what="a merge including the late learner")
     assert not cluster.errors, cluster.errors
 
@@ -120,10 +119,10 @@ def test_learner_with_different_model_is_refused(make_cluster):
     class Wider(TinyNet):
         def __init__(self) -> None:
             super().__init__()
-            self.fc2 = torch.nn.Linear(16, 5)
+            self.fc1, self.fc2 = torch.nn.Linear(8, 17), torch.nn.Linear(17, 4)
     learner = cluster.learner("wide", 0)
-    learner.model_factory = Wider
-    with pytest.raises(LearnerRefused, match="fragment layout"):
+    learner.task = tiny_task(Wider)  # same task name and config, other model code
+    with pytest.raises(LearnerRefused, match=r"layout .* first differing tensor: ours fc1.bias \[17\], theirs fc1.bias \[16\]"):
         learner.run()
 
 
@@ -167,8 +166,8 @@ def test_learner_that_misses_broadcasts_detects_the_gap_and_fetches_full_fragmen
     cluster.start_shard(0, 1)
     cluster.start_learner(cluster.learner("steady", 0, step_time_floor_ms=5))
     base = cluster.learner("lossy", 1, step_time_floor_ms=5)
-    lossy = LossyLearner(endpoints=base.endpoints, options=base.options, model_factory=base.model_factory,
-                         data=base.data, loss_fn=base.loss_fn, run=base._run_arg, stop=base.stop)
+    lossy = LossyLearner(endpoints=base.endpoints, options=base.options, task=base.task, run=base._run_arg,
+                         stop=base.stop)
     cluster.start_learner(lossy)
     wait_until(lambda: lossy.lost >= 12, 30, what="broadcasts lost")
     wait_until(lambda: lossy.stats.fetches >= 1, 30, what="the lossy learner to request full fragments")
@@ -190,7 +189,7 @@ def test_redis_restarting_empty_is_rebuilt_without_losing_progress(make_cluster,
     redis_server.restart_empty()
     r = control.connect(redis_server.url)
     keys = Keys(cluster.endpoints.run_id)
-    wait_until(lambda: r.hget(keys.config, "blob") and control.fetch_run_config(r, keys).digest() == ASYNC.digest(),
+    wait_until(lambda: r.hget(keys.config, "blob") and control.fetch_run_config(r, keys).digest() == shard.run.digest(),
                20, what="run config rebuilt by the shard")
     wait_until(lambda: "l0" in control.live_learners(r, keys), 20, what="learner membership rebuilt")
     wait_until(lambda: control.shard_endpoints(r, keys)[0] == 1, 20, what="shard endpoint rebuilt")
@@ -236,7 +235,7 @@ def test_shard_started_with_another_shard_count_is_refused(make_cluster):
     cluster.start_shard(0, 2)
     with pytest.raises(control.ConfigMismatch, match="has 2 shards, this shard was started with --shards 3"):
         with Shard(endpoints=cluster.endpoints, options=SyncerOptions(shard=1, shards=3, checkpoint_dir=""),
-                   run=ASYNC, model_factory=TinyNet):
+                   run=ASYNC, task=tiny_task()):
             pass
 
 
@@ -247,10 +246,10 @@ def test_a_second_process_for_the_same_shard_is_refused_while_the_first_holds_th
     first = cluster.start_shard(0, 1)
     opts = SyncerOptions(shard=0, shards=1, checkpoint_dir="", lease_wait_s=0.5)
     with pytest.raises(control.LeaseHeld, match="is held by"):
-        with Shard(endpoints=cluster.endpoints, options=opts, run=ASYNC, model_factory=TinyNet):
+        with Shard(endpoints=cluster.endpoints, options=opts, run=ASYNC, task=tiny_task()):
             pass
     assert first._ctx is not None and not cluster.errors  # the holder keeps running
     cluster.stop_shard(0)  # a graceful stop releases the lease: a successor starts at once
     wait_until(lambda: first._ctx is None, 10, what="first shard closed")
-    with Shard(endpoints=cluster.endpoints, options=opts, run=ASYNC, model_factory=TinyNet) as successor:
+    with Shard(endpoints=cluster.endpoints, options=opts, run=ASYNC, task=tiny_task()) as successor:
         assert successor.lease_holder != first.lease_holder

@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from common.config import AlgoConfig, ConfigError, RunConfig, TaskConfig
-from common.tasks import make_task
+from common.config import AlgoConfig, ConfigError, RunConfig
 from ddloco.compare import runner, systems
 
-TINY = TaskConfig(n_layer=1, n_embd=16, n_head=2, seq_len=16, batch_size=4, eval_batches=2,
-                  corpus_max_bytes=300_000)
+from tasks.contract import load_task
+
+TINY = dict(n_layer=1, n_embd=16, n_head=2, seq_len=16, batch_size=4, eval_batches=2, corpus_max_bytes=300_000)
 
 
 def test_mean_ci_is_the_student_t_interval() -> None:
@@ -23,9 +23,10 @@ def test_mean_ci_is_the_student_t_interval() -> None:
 
 
 def test_set_overrides_parse_json_values_and_refuse_unknown_keys() -> None:
-    sets = runner.parse_set(["algo.outer_lr=1.5", "algo.carry_local_steps=true", "task.seed=3"])
+    sets = runner.parse_set(["algo.outer_lr=1.5", "algo.carry_local_steps=true", "task.seed=3", "task.n_layer=2"])
     run = runner.apply_sets(RunConfig(), sets)
     assert run.algo.outer_lr == 1.5 and run.algo.carry_local_steps is True and run.task.seed == 3
+    assert run.task.args == {"n_layer": 2}
     with pytest.raises(ConfigError, match="unknown key"):
         runner.apply_sets(RunConfig(), runner.parse_set(["algo.outer_lrr=1"]))
     with pytest.raises(ConfigError, match="--set wants"):
@@ -50,7 +51,7 @@ def test_summary_ratios_are_paired_by_seed() -> None:
 
 
 def test_dp_emulated_is_one_model_on_the_concatenated_streams() -> None:
-    task = make_task(TINY)
+    task = load_task("gpt", TINY)
     algo = AlgoConfig(fragments=4, sync_every_steps=4, inner_warmup_steps=2)
     res = systems.run_dp_emulated(task, algo, learners=2, steps=3, seed=0, eval_points=3)
     assert res.tokens == 3 * 2 * 64 and [t for t, _ in res.curve] == [0, 128, 256, 384]
@@ -58,7 +59,7 @@ def test_dp_emulated_is_one_model_on_the_concatenated_streams() -> None:
 
 def test_emulated_single_learner_with_unit_outer_step_and_carry_is_plain_training() -> None:
     """M = 1, η = 1, μ = 0, fp32, carry: every step reaches the global model, whatever the delay."""
-    task = make_task(TINY)
+    task = load_task("gpt", TINY)
     algo = AlgoConfig(fragments=4, sync_every_steps=4, inner_warmup_steps=2, uplink_codec="fp32",
                       outer_lr=1.0, outer_momentum=0.0, carry_local_steps=True)
     dec = systems.run_decoupled_emulated(task, algo, learners=1, steps=10, seed=0, eval_points=1, delay_steps=2)

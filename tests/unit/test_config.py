@@ -22,7 +22,7 @@ def test_toml_sections_load_and_round_trip(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text('[algo]\nquorum = 3\nuplink_codec = "int8"\n[task]\nn_layer = 2\n[up]\nlearners = 6\n')
     cfg = load_config(p)
-    assert (cfg.run.algo.quorum, cfg.run.algo.uplink_codec, cfg.run.task.n_layer, cfg.up.learners) == (3, "int8", 2, 6)
+    assert (cfg.run.algo.quorum, cfg.run.algo.uplink_codec, cfg.run.task.args["n_layer"], cfg.up.learners) == (3, "int8", 2, 6)
     q = tmp_path / "d.toml"
     q.write_text(dump_toml(cfg))
     assert load_config(q) == cfg
@@ -34,7 +34,9 @@ def test_toml_sections_load_and_round_trip(tmp_path):
     ("[algo]\nquorum = 0\n", "algo.quorum must be >= 1"),
     ("[algo]\nuplink_codec = \"int2\"\n", "algo.uplink_codec"),
     ("[algo\n", "not valid TOML"),
-    ("[algo]\nquorum = \"two\"\n", "[algo]: a value has the wrong type"),
+    ("[algo]\nquorum = \"two\"\n", "[algo] quorum must be an integer, got 'two'"),
+    ("[algo]\nfragments = 2.5\n", "[algo] fragments must be an integer, got 2.5"),
+    ("[algo]\ngrace_enabled = 1\n", "[algo] grace_enabled must be true or false"),
     ("[endpoints]\nrun_id = \"a|b\"\n", "endpoints.run_id must be"),
 ])
 def test_bad_config_files_give_clear_errors(tmp_path, text, needle):
@@ -64,3 +66,6 @@ def test_digest_changes_with_any_run_field_and_dict_round_trips():
     assert base.digest() != RunConfig(algo=AlgoConfig(quorum=2)).digest()
     assert base.digest() != RunConfig(task=TaskConfig(seed=1)).digest()
     assert run_config_from_dict(base.to_dict()) == base
+    # how the task is loaded (spec, args) is not the run's identity; its name and config are
+    assert base.digest() == RunConfig(task=TaskConfig(spec="pkg.mod:task", args={"path": "/x"})).digest()
+    assert base.digest() != RunConfig(task=TaskConfig(name="gpt", config={"n_layer": 2})).digest()

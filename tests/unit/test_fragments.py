@@ -10,7 +10,10 @@ from torch import nn
 from common.fragments import (
     Fragment,
     FragmentationError,
+    Piece,
     TensorSpec,
+    model_plan,
+    state_tensors,
     gather,
     imbalance,
     owned_fragments,
@@ -24,6 +27,10 @@ from common.fragments import (
 
 def _specs(sizes: dict[str, int]) -> list[TensorSpec]:
     return [TensorSpec(name, (n,)) for name, n in sizes.items()]
+
+
+def _whole(*specs: TensorSpec) -> tuple[Piece, ...]:
+    return tuple(Piece(s, 0, s.numel) for s in specs)
 
 
 def _assignment(fragments: tuple[Fragment, ...]) -> list[list[str]]:
@@ -41,18 +48,21 @@ class _Toy(nn.Module):
 
 
 def test_tensor_spec_numel_and_fragment_spans() -> None:
-    a, b, c = TensorSpec("a", (2, 3)), TensorSpec("b", ()), TensorSpec("c", (4,), embedding=True)
+    a, b, c = TensorSpec("a", (2, 3)), TensorSpec("b", ()), TensorSpec("c", (4,), "embedding")
     assert (a.numel, b.numel, c.numel) == (6, 1, 4)
-    frag = Fragment(index=0, tensors=(a, b, c))
+    frag = Fragment(index=0, pieces=_whole(a, b, c))
     assert frag.numel == 11
-    assert frag.spans == ((0, 6, False), (6, 7, False), (7, 11, True))
+    assert frag.spans == ((0, 6, "param"), (6, 7, "param"), (7, 11, "embedding"))
+    aligned = Fragment(index=0, pieces=_whole(a, b, c), align=4)   # every piece starts on a block
+    assert aligned.spans == ((0, 6, "param"), (8, 9, "param"), (12, 16, "embedding"))
+    assert (aligned.numel, aligned.values_numel) == (16, 11)
 
 
 def test_tensor_specs_tag_embeddings_and_reject_unknown_names() -> None:
     model = _Toy()
     specs = {s.name: s for s in tensor_specs(model, {"emb.weight"})}
     assert set(specs) == {n for n, _ in model.named_parameters()}
-    assert specs["emb.weight"] == TensorSpec("emb.weight", (11, 6), embedding=True)
+    assert specs["emb.weight"] == TensorSpec("emb.weight", (11, 6), "embedding")
     assert specs["scale"].shape == () and not specs["scale"].embedding
     with pytest.raises(FragmentationError, match="head.weight"):
         tensor_specs(model, {"emb.weight", "head.weight"})
@@ -75,11 +85,14 @@ def test_every_tensor_lands_in_exactly_one_fragment_sorted_by_name() -> None:
     specs = [TensorSpec(f"w{i}", (i % 9 + 1, 3)) for i in range(30)]
     plan = plan_fragments(specs, 7)
     assert [f.index for f in plan] == list(range(7))
-    names = [t.name for f in plan for t in f.tensors]
-    assert sorted(names) == sorted(s.name for s in specs)
-    assert len(names) == len(set(names))
+    names = [q.name for f in plan for q in f.pieces]
+    assert sorted(set(names)) == sorted(s.name for s in specs)
+    for spec in specs:   # the pieces of a tensor tile it exactly once
+        covered = sorted((q.start, q.stop) for f in plan for q in f.pieces if q.name == spec.name)
+        assert covered[0][0] == 0 and covered[-1][1] == spec.numel
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
     for f in plan:
-        assert [t.name for t in f.tensors] == sorted(t.name for t in f.tensors)
+        assert [(q.name, q.start) for q in f.pieces] == sorted((q.name, q.start) for q in f.pieces)
 
 
 def test_lpt_places_largest_first_into_the_smallest_fragment() -> None:
@@ -113,8 +126,9 @@ def test_single_fragment_holds_everything() -> None:
 
 
 def test_too_many_fragments_raise_a_clear_error() -> None:
-    specs = _specs({f"t{i}": 4 for i in range(10)})
-    with pytest.raises(FragmentationError, match="cannot split 10 tensors into 24 fragments"):
+    specs = _specs({f"t{i}": 2 for i in range(10)})
+    with pytest.raises(FragmentationError, match=r"model of 20 elements \(10 tensors\) into 24 fragments; "
+                                                 r"use --fragments 20 or fewer"):
         plan_fragments(specs, 24)
     with pytest.raises(FragmentationError, match=">= 1"):
         plan_fragments(specs, 0)
@@ -131,7 +145,7 @@ def test_plan_digest_changes_with_layout() -> None:
     assert isinstance(base, str) and len(base) >= 8
     assert plan_digest(plan_fragments(specs, 3)) != base
     assert plan_digest(plan_fragments(_specs({"a": 5, "b": 4, "c": 2}), 2)) != base
-    tagged = [TensorSpec("a", (5,), embedding=True)] + specs[1:]
+    tagged = [TensorSpec("a", (5,), "embedding")] + specs[1:]
     assert plan_digest(plan_fragments(tagged, 2)) != base
 
 
@@ -145,9 +159,9 @@ def test_gather_scatter_round_trip_on_a_module() -> None:
     flats = [gather(params, f) for f in plan]
     for f, flat in zip(plan, flats):
         assert flat.dtype == torch.float32 and flat.shape == (f.numel,)
-        for spec, (start, stop, emb) in zip(f.tensors, f.spans):
-            assert torch.equal(flat[start:stop], original[spec.name].reshape(-1))
-            assert emb == spec.embedding
+        for piece, (start, stop, kind) in zip(f.pieces, f.spans):
+            assert torch.equal(flat[start:stop], original[piece.name].reshape(-1)[piece.start:piece.stop])
+            assert kind == piece.kind
 
     flats[0].add_(1.0)                      # a copy: the model is untouched
     assert all(torch.equal(p, original[n]) for n, p in params.items())
@@ -155,9 +169,11 @@ def test_gather_scatter_round_trip_on_a_module() -> None:
     for f, flat in zip(plan, flats):
         scatter(params, f, flat)
     for n, p in params.items():
-        in_first = n in {t.name for t in plan[0].tensors}
-        expected = original[n] + 1.0 if in_first else original[n]
-        assert torch.equal(p.detach(), expected), n
+        expected = original[n].clone().reshape(-1)
+        for q in plan[0].pieces:
+            if q.name == n:
+                expected[q.start:q.stop] += 1.0
+        assert torch.equal(p.detach(), expected.view(original[n].shape)), n
         assert p.requires_grad
 
 
@@ -170,7 +186,7 @@ def test_scatter_rejects_a_vector_of_the_wrong_length() -> None:
 
 
 def test_gather_rejects_missing_or_reshaped_parameters() -> None:
-    frag = Fragment(index=0, tensors=(TensorSpec("w", (2, 3)),))
+    frag = Fragment(index=0, pieces=_whole(TensorSpec("w", (2, 3))))
     with pytest.raises(FragmentationError, match="missing"):
         gather({}, frag)
     with pytest.raises(FragmentationError, match="shape"):
@@ -199,17 +215,68 @@ def test_imbalance_is_largest_over_mean() -> None:
     plan = plan_fragments(_specs({"a": 6, "b": 3, "c": 3}), 2)
     assert [f.numel for f in plan] == [6, 6]
     assert imbalance(plan) == 1.0
-    plan = plan_fragments(_specs({"a": 9, "b": 1, "c": 2}), 2)
-    assert imbalance(plan) == pytest.approx(9 / 6)
+    plan = plan_fragments(_specs({"a": 9, "b": 1, "c": 2}), 2)   # "a" > 12/2 is cut in two slices
+    assert imbalance(plan) == 1.0 and [[(q.name, q.start, q.stop) for q in f.pieces] for f in plan] == [
+        [("a", 0, 5), ("b", 0, 1)], [("a", 5, 9), ("c", 0, 2)]]
 
 
 def test_builtin_model_is_balanced_into_24_fragments() -> None:
-    from common.config import TaskConfig
-    from common.tasks import make_task
+    from tasks.contract import build_model, load_task
 
-    task = make_task(TaskConfig())
-    model = task.build_model()
-    specs = tensor_specs(model, task.embedding_names(model))
-    frags = plan_fragments(specs, 24)
-    assert sorted(t.name for f in frags for t in f.tensors) == sorted(s.name for s in specs)
+    task = load_task("gpt")
+    model = build_model(task, 0)
+    specs = tensor_specs(model, task.embedding_names)
+    frags = model_plan(model, task.embedding_names, 24)
+    assert sorted({t.name for f in frags for t in f.tensors}) == sorted(s.name for s in specs)
     assert imbalance(frags) <= 4 / 3, [f.numel for f in frags]
+
+
+class _FiveTensorsWithBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)       # weight, bias
+        self.bn = nn.BatchNorm2d(4)          # weight, bias; running_mean, running_var, num_batches_tracked
+        self.head = nn.Linear(4, 10, bias=False)
+
+
+def test_a_model_with_fewer_tensors_than_fragments_is_sliced_into_balanced_fragments() -> None:
+    model = _FiveTensorsWithBatchNorm()
+    assert len(list(model.parameters())) == 5
+    plan = model_plan(model, (), 24)
+    assert len(plan) == 24 and all(f.pieces for f in plan)
+    sizes = [f.values_numel for f in plan]
+    assert sum(sizes) == sum(t.numel() for t in state_tensors(model).values())
+    assert max(sizes) <= 2 * sum(sizes) / 24, sizes
+    for f in plan:   # every piece starts on a quantisation block: no block mixes two tensors
+        assert all(start % 64 == 0 for start, _, _ in f.spans)
+
+
+def test_buffers_travel_with_their_kind_and_integer_buffers_are_rounded_back() -> None:
+    model = _FiveTensorsWithBatchNorm()
+    kinds = {s.name: s.kind for s in tensor_specs(model)}
+    assert kinds["bn.running_mean"] == kinds["bn.running_var"] == "buffer"
+    assert kinds["bn.num_batches_tracked"] == "int_buffer" and kinds["conv.weight"] == "param"
+    tensors = state_tensors(model)
+    plan = model_plan(model, (), 3)
+    flats = [gather(tensors, f) for f in plan]
+    for f, flat in zip(plan, flats):
+        for piece, (start, stop, _) in zip(f.pieces, f.spans):
+            if piece.name == "bn.num_batches_tracked":
+                flat[start:stop] = 41.6
+            if piece.name == "bn.running_var":
+                flat[start:stop] = 2.5
+        scatter(tensors, f, flat)
+    assert model.bn.num_batches_tracked.item() == 42 and model.bn.num_batches_tracked.dtype == torch.int64
+    assert torch.equal(model.bn.running_var, torch.full((4,), 2.5))
+
+
+def test_non_persistent_buffers_stay_out_and_tied_parameters_appear_once() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(5, 3)
+            self.head = nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight
+            self.register_buffer("mask", torch.ones(3), persistent=False)
+    names = set(state_tensors(Tied()))
+    assert names == {"emb.weight"}

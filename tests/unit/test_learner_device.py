@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from common.config import ConfigError
-from common.tasks import Batch
-from learner.core import batch_to, resolve_device
+from tasks.gpt import Batch
+from learner.core import resolve_device
+from tasks.contract import batch_to
 
 
 def test_batch_to_moves_every_tensor_field_and_keeps_the_rest():

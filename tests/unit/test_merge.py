@@ -115,12 +115,14 @@ def test_merge_of_a_single_contributor_is_its_outer_gradient() -> None:
     assert torch.allclose(merged, grad[0], rtol=1e-6, atol=1e-7)
 
 
-def test_merge_rejects_spans_that_do_not_tile_the_fragment() -> None:
-    grads, weights = torch.zeros(2, 10), torch.tensor([0.5, 0.5])
-    with pytest.raises(ValueError, match="cover 8"):
-        merge_outer_gradients(grads, weights, [(0, 8, False)])
-    with pytest.raises(ValueError, match="tile"):
-        merge_outer_gradients(grads, weights, [(0, 4, False), (5, 10, False)])
+def test_merge_rejects_overlapping_or_overlong_spans_and_keeps_gaps_zero() -> None:
+    grads, weights = torch.ones(2, 10), torch.tensor([0.5, 0.5])
+    with pytest.raises(ValueError, match="cover 12"):
+        merge_outer_gradients(grads, weights, [(0, 12, "param")])
+    with pytest.raises(ValueError, match="in order and disjoint"):
+        merge_outer_gradients(grads, weights, [(0, 6, "param"), (5, 10, "param")])
+    merged = merge_outer_gradients(grads, weights, [(0, 4, "param"), (8, 10, "param")])  # alignment gap
+    assert torch.equal(merged[4:8], torch.zeros(4)) and torch.allclose(merged[:4], torch.ones(4))
     with pytest.raises(ValueError, match=r"\[M\]"):
         merge_outer_gradients(grads, torch.tensor([1.0]), [(0, 10, False)])
 
@@ -196,3 +198,21 @@ def test_carry_keeps_the_steps_after_the_reference() -> None:
     merged, local, ref = torch.tensor([1.0, 1.0]), torch.tensor([0.3, 0.7]), torch.tensor([0.1, 0.2])
     assert torch.allclose(carry_local_steps(merged, local, ref), torch.tensor([1.2, 1.5]))
     assert torch.equal(carry_local_steps(merged, ref, ref), merged)   # nothing since: overwrite
+
+
+def test_buffers_take_the_learners_weighted_average_and_counters_the_largest_value() -> None:
+    from common.config import AlgoConfig
+    from common.merge import outer_update
+    theta = torch.tensor([1.0, 1.0, 5.0, 10.0])
+    momentum = torch.tensor([0.3, 0.3, 0.3, 0.3])
+    learners = torch.tensor([[0.0, 2.0, 7.0, 14.0],     # each learner's value: base + delta
+                             [2.0, 4.0, 9.0, 12.0]])
+    outer = theta - learners                             # Δ_m = Θ − value_m
+    weights = torch.tensor([0.75, 0.25])
+    spans = [(0, 2, "param"), (2, 3, "buffer"), (3, 4, "int_buffer")]
+    algo = AlgoConfig(outer_lr=0.7, outer_momentum=0.9, merge_rule="mean")
+    new, mom = outer_update(theta, momentum, outer, weights, spans, algo)
+    assert new[2].item() == pytest.approx(0.75 * 7 + 0.25 * 9)      # no outer lr, no momentum
+    assert new[3].item() == 14.0                                     # the largest learner value
+    assert torch.equal(mom[2:], torch.zeros(2))
+    assert not torch.allclose(new[:2], weights @ learners[:, :2])   # parameters still take the outer step

@@ -12,14 +12,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from common.config import AlgoConfig, TaskConfig
-from common.tasks import make_task
+from common.config import AlgoConfig
+from tasks.contract import load_task
 from ddloco.compare.systems import run_decoupled_emulated, run_single
 
 pytestmark = pytest.mark.timeout(300)
 
-GUARD_TASK = TaskConfig(n_layer=2, n_embd=32, n_head=2, seq_len=32, batch_size=8, eval_batches=32,
-                        corpus_max_bytes=1_000_000)
+GUARD_TASK = dict(n_layer=2, n_embd=32, n_head=2, seq_len=32, batch_size=8, eval_batches=32,
+                  corpus_max_bytes=1_000_000)
 """Small enough for seconds per run, large enough that averaging learners pays off."""
 GUARD_STEPS = 240
 """Inner steps per learner: 10 rounds of every fragment at H = 24."""
@@ -34,9 +34,9 @@ def guard_gaps(algo: AlgoConfig) -> list[float]:
     """One learner's final eval loss minus the 4 merged learners', per seed (positive: better)."""
     threads = torch.get_num_threads()
     gaps = []
+    task = load_task("gpt", GUARD_TASK)
     try:
         for seed in GUARD_SEEDS:
-            task = make_task(replace(GUARD_TASK, seed=seed))
             merged = run_decoupled_emulated(task, algo, learners=4, steps=GUARD_STEPS, seed=seed, eval_points=1)
             alone = run_single(task, algo, steps=GUARD_STEPS, seed=seed, eval_points=1)
             gaps.append(alone.eval_loss_final - merged.eval_loss_final)

@@ -1,4 +1,4 @@
-"""Built-in GPT task: deterministic model, file-level split, batch streams, evaluation."""
+"""Built-in GPT tasks (gpt, text, gpt-moe) and the task contract: loading, checks, helpers."""
 from __future__ import annotations
 
 import math
@@ -7,8 +7,9 @@ import os
 import pytest
 import torch
 
-from common.config import TaskConfig
-from common.tasks import Batch, GPTTask, is_heldout, load_corpus, make_task
+from tasks.contract import (Task, TaskError, bind_task, build_model, check_task, count_tokens, evaluate, load_task,
+                            parse_task_args)
+from tasks.gpt import Batch, is_heldout, load_corpus, stdlib_root
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -16,98 +17,157 @@ SMALL = dict(n_layer=2, n_head=2, n_embd=32, seq_len=32, batch_size=4, eval_batc
 
 
 @pytest.fixture(scope="module")
-def task() -> GPTTask:
-    return make_task(TaskConfig(**SMALL))  # type: ignore[return-value]
+def task() -> Task:
+    return load_task("gpt", SMALL)
 
 
-def test_build_model_is_deterministic_per_seed(task: GPTTask) -> None:
-    a, b = task.build_model().state_dict(), task.build_model().state_dict()
+def test_build_model_is_deterministic_per_seed_and_leaves_the_global_rng(task: Task) -> None:
+    before = torch.get_rng_state()
+    a, b = build_model(task, 0).state_dict(), build_model(task, 0).state_dict()
+    assert torch.equal(before, torch.get_rng_state())
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), "same seed gave different weights"
-    other = make_task(TaskConfig(**SMALL, seed=1)).build_model().state_dict()
+    other = build_model(task, 1).state_dict()
     assert not torch.equal(a["wte.weight"], other["wte.weight"]), "seed 1 gave seed 0's weights"
 
 
-def test_build_model_leaves_global_rng_untouched(task: GPTTask) -> None:
-    before = torch.get_rng_state()
-    task.build_model()
-    assert torch.equal(before, torch.get_rng_state())
-
-
-def test_embedding_names_are_token_and_position_embeddings(task: GPTTask) -> None:
-    model = task.build_model()
-    assert task.embedding_names(model) == {"wte.weight", "wpe.weight"}
-    assert all(n in dict(model.named_parameters()) for n in task.embedding_names(model))
+def test_embedding_names_are_parameters(task: Task) -> None:
+    model = build_model(task, 0)
+    assert set(task.embedding_names) == {"wte.weight", "wpe.weight"}
+    assert all(n in dict(model.named_parameters()) for n in task.embedding_names)
 
 
 def test_split_is_disjoint_by_file_and_follows_the_seeded_hash() -> None:
-    cfg = TaskConfig(**SMALL)
-    corpus = load_corpus(cfg)
+    corpus = load_corpus(stdlib_root(), seq_len=32, max_bytes=4_000_000)
     assert corpus.train_files and corpus.heldout_files
     assert not set(corpus.train_files) & set(corpus.heldout_files)
     for rel in corpus.heldout_files:
-        assert is_heldout(rel, seed=cfg.seed, heldout_fraction=cfg.heldout_fraction)
+        assert is_heldout(rel, seed=0, heldout_fraction=0.1)
     for rel in corpus.train_files:
-        assert not is_heldout(rel, seed=cfg.seed, heldout_fraction=cfg.heldout_fraction)
+        assert not is_heldout(rel, seed=0, heldout_fraction=0.1)
     n = len(corpus.train_files) + len(corpus.heldout_files)
     assert 0.02 < len(corpus.heldout_files) / n < 0.3
-    # Every byte accounted for: files plus one separator each.
     size = sum(os.path.getsize(os.path.join(corpus.root, f)) + 1 for f in corpus.train_files)
-    assert size == len(corpus.train)
-    other = load_corpus(TaskConfig(**SMALL, seed=7))
+    assert size == len(corpus.train)  # every byte accounted for: files plus one separator each
+    other = load_corpus(stdlib_root(), seq_len=32, split_seed=7, max_bytes=4_000_000)
     assert set(other.heldout_files) != set(corpus.heldout_files)
 
 
-def test_same_stream_and_seed_repeat_and_other_streams_differ(task: GPTTask) -> None:
-    first = [next(task.train_batches(stream=0, seed=3)) for _ in range(2)]
-    a = task.train_batches(stream=0, seed=3)
-    again = [next(a), next(a)]
-    assert torch.equal(first[0].inputs, again[0].inputs)
-    assert not torch.equal(again[0].inputs, again[1].inputs), "stream repeats itself"
-    other_stream = next(task.train_batches(stream=1, seed=3))
-    other_seed = next(task.train_batches(stream=0, seed=4))
-    assert not torch.equal(first[0].inputs, other_stream.inputs)
-    assert not torch.equal(first[0].inputs, other_seed.inputs)
+def test_same_stream_and_seed_repeat_other_streams_differ_and_start_resumes(task: Task) -> None:
+    it = iter(task.batches(0, 3, 0))
+    first = [next(it) for _ in range(5)]
+    again = next(iter(task.batches(0, 3, 0)))
+    assert torch.equal(first[0].inputs, again.inputs)
+    assert not torch.equal(first[0].inputs, first[1].inputs), "stream repeats itself"
+    assert not torch.equal(first[0].inputs, next(iter(task.batches(1, 3, 0))).inputs)
+    assert not torch.equal(first[0].inputs, next(iter(task.batches(0, 4, 0))).inputs)
+    resumed = next(iter(task.batches(0, 3, 4)))
+    assert torch.equal(resumed.inputs, first[4].inputs) and torch.equal(resumed.targets, first[4].targets)
 
 
-def test_batch_shapes_and_token_count(task: GPTTask) -> None:
-    batch = next(task.train_batches(stream=2, seed=0))
+def test_batch_shapes_and_token_count(task: Task) -> None:
+    batch = next(iter(task.batches(2, 0, 0)))
     assert isinstance(batch, Batch)
     assert batch.inputs.shape == batch.targets.shape == (4, 32)
-    assert batch.inputs.dtype == torch.int64
-    assert batch.tokens == 4 * 32
+    assert count_tokens(task, batch) == 4 * 32
     assert torch.equal(batch.inputs[:, 1:], batch.targets[:, :-1]), "targets are not next bytes"
 
 
 def test_eval_loss_is_deterministic_and_uniform_at_init() -> None:
-    task = make_task(TaskConfig())  # the default model
-    model = task.build_model()
+    task = load_task("gpt")
+    model = build_model(task, 0)
     model.train()
-    first, second = task.eval_loss(model), task.eval_loss(model)
+    first, second = evaluate(task, model), evaluate(task, model)
     assert first == second
-    assert abs(first - math.log(256)) < 0.05, f"initial loss {first}, expected ~ln 256"
-    assert model.training, "eval_loss did not restore training mode"
+    assert abs(first - math.log(256)) < 0.1, f"initial loss {first}, expected ~ln 256"
+    assert model.training, "evaluate did not restore training mode"
 
 
-def test_adamw_steps_reduce_the_loss_of_a_fixed_batch(task: GPTTask) -> None:
-    model = task.build_model()
-    batch = next(task.train_batches(stream=0, seed=0))
+def test_adamw_steps_reduce_the_loss_of_a_fixed_batch(task: Task) -> None:
+    model = build_model(task, 0)
+    batch = next(iter(task.batches(0, 0, 0)))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     start = task.loss(model, batch).item()
     for _ in range(8):
         opt.zero_grad()
         task.loss(model, batch).backward()
         opt.step()
-    end = task.loss(model, batch).item()
-    assert end < start - 0.3, f"loss went from {start:.3f} to {end:.3f}"
+    assert task.loss(model, batch).item() < start - 0.3
 
 
-def test_train_batches_resume_exactly_at_a_data_position():
-    from common.config import TaskConfig
-    from common.tasks import make_task
-    task = make_task(TaskConfig(seq_len=16, batch_size=4, corpus_max_bytes=300_000))
-    it = task.train_batches(stream=3, seed=0)
-    first = [next(it) for _ in range(5)]
-    resumed = next(task.train_batches(stream=3, seed=0, start_step=4))
-    assert torch.equal(resumed.inputs, first[4].inputs) and torch.equal(resumed.targets, first[4].targets)
-    assert not torch.equal(first[3].inputs, first[4].inputs)
+def test_text_task_trains_on_a_directory_of_files_with_a_split_by_file(tmp_path) -> None:
+    for i in range(30):
+        (tmp_path / f"doc{i:02d}.txt").write_text(f"document {i}: " + "the quick brown fox jumps. " * 20)
+    task = load_task("text", {"path": str(tmp_path), "n_layer": 1, "seq_len": 16, "batch_size": 2})
+    assert task.name == "text" and task.config["files"][0] + task.config["files"][1] == 30
+    model = build_model(task, 0)
+    assert check_task(task, model, seed=0) == 32
+    assert math.isfinite(evaluate(task, model))
+    with pytest.raises(TaskError, match="needs --task-arg path"):
+        load_task("text")
+    with pytest.raises(TaskError, match="does not exist"):
+        load_task("text", {"path": str(tmp_path / "missing")})
+
+
+def test_gpt_moe_routes_tokens_through_experts_and_trains() -> None:
+    task = load_task("gpt-moe", dict(SMALL, n_experts=3, top_k=2))
+    model = build_model(task, 0)
+    names = {n for n, _ in model.named_parameters()}
+    assert {"blocks.0.mlp.router.weight", "blocks.0.mlp.experts.2.fc.weight"} <= names
+    batch = next(iter(task.batches(0, 0, 0)))
+    loss = task.loss(model, batch)
+    loss.backward()
+    assert model.blocks[0].mlp.router.weight.grad is not None, "router gets no gradient"
+    with pytest.raises(TaskError, match="top_k"):
+        load_task("gpt-moe", dict(SMALL, n_experts=2, top_k=3))
+
+
+def test_load_task_errors_name_the_problem(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mytask.py").write_text(
+        "import torch\nfrom tasks.contract import Task\n"
+        "def make(width=4):\n"
+        "    return Task(name='mine', model=lambda: torch.nn.Linear(width, 1),\n"
+        "                batches=lambda s, seed, start: iter([(torch.ones(2, width), torch.ones(2, 1))] * 9),\n"
+        "                loss=lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(), config={'width': width})\n"
+        "not_a_task = 3\n"
+        "def vector_loss():\n"
+        "    t = make()\n"
+        "    return Task(name='v', model=t.model, batches=t.batches, loss=lambda m, b: m(b[0]) - b[1])\n"
+        "def nan_loss():\n"
+        "    t = make()\n"
+        "    return Task(name='n', model=t.model, batches=t.batches, loss=lambda m, b: torch.tensor(float('nan')))\n"
+        "def uncountable():\n"
+        "    t = make()\n"
+        "    return Task(name='u', model=t.model, batches=lambda s, seed, start: iter([{'x': 1}]), loss=t.loss)\n")
+    task = load_task("mytask:make", {"width": 3})
+    assert task.name == "mine" and task.config == {"width": 3}
+    assert count_tokens(task, next(iter(task.batches(0, 0, 0)))) == 2
+    cases = [("nosuchmodule:task", {}, "cannot import task module 'nosuchmodule'"),
+             ("mytask:missing", {}, "has no attribute 'missing'"),
+             ("mytask:not_a_task", {}, "is a int, not a Task or a callable"),
+             ("mytask:make", {"depth": 2}, "takes no task arg(s) depth; it accepts: width"),
+             ("gpt", {"n_embd": 30, "n_head": 4}, "must be divisible"),
+             ("nocolon", {}, "neither a built-in")]
+    for spec, args, needle in cases:
+        with pytest.raises(TaskError) as e:
+            load_task(spec, args)
+        assert needle in str(e.value), (spec, str(e.value))
+    for attr, needle in [("vector_loss", "must return a scalar tensor, got a tensor of shape (2, 1)"),
+                         ("nan_loss", "is nan"), ("uncountable", "cannot count tokens of a dict batch")]:
+        t = load_task(f"mytask:{attr}")
+        with pytest.raises(TaskError) as e:
+            check_task(t, build_model(t, 0), seed=0)
+        assert needle in str(e.value), (attr, str(e.value))
+
+
+def test_bind_fills_name_and_config_and_refuses_a_different_config() -> None:
+    from common.config import RunConfig, TaskConfig
+    task, run = bind_task(RunConfig(task=TaskConfig(spec="gpt", args=dict(SMALL))))
+    assert run.task.name == "gpt" and run.task.config["n_layer"] == 2
+    with pytest.raises(TaskError, match=r"config differs from the run's: n_layer=3 \(run has 2\)"):
+        bind_task(run, load_task("gpt", dict(SMALL, n_layer=3)))
+    assert parse_task_args(["a=1", "b=0.5", "c=true", "path=data/x"]) == {"a": 1, "b": 0.5, "c": True,
+                                                                          "path": "data/x"}
+    with pytest.raises(TaskError, match="KEY=VALUE"):
+        parse_task_args(["novalue"])

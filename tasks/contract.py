@@ -1,0 +1,333 @@
+"""The task contract: what a user hands us to train their own model on their own data.
+
+    from ddloco import Task
+
+    def my_task(batch_size: int = 32) -> Task:
+        return Task(name="mnist-cnn", model=Net, batches=my_batches, loss=my_loss,
+                    eval_batches=my_heldout, config={"batch_size": batch_size})
+
+A ``Task`` is plain data: six callables and a dict. Everything else (devices, fragments,
+buffers, seeds, checkpoints, export) is ours. Every process of a run builds the task from the
+same ``--task MODULE:ATTR`` and ``--task-arg`` values; the run is refused when ``name`` or
+``config`` differ between processes.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import inspect
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Mapping
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from common.config import RunConfig
+
+
+class TaskError(ValueError):
+    """A task that cannot be loaded or does not honour the contract; the message says which."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """A model and its data, as every process of a run builds it."""
+
+    name: str
+    """Short name (logged, and part of the run config: processes with another name are refused)."""
+    model: Callable[[], nn.Module]
+    """Builds the model. Called with torch's global RNG seeded by the run seed, so plain
+    ``nn.Module`` initialisation is reproducible; learners then adopt the shards' values."""
+    batches: Callable[[int, int, int], Iterable[Any]]
+    """``batches(stream, seed, start)``: training batches of data stream ``stream`` from batch
+    index ``start``, deterministic for the three values (a restarted learner resumes exactly)."""
+    loss: Callable[[nn.Module, Any], torch.Tensor]
+    """``loss(model, batch)``: a differentiable scalar tensor."""
+    eval_batches: Callable[[], Iterable[Any]] | None = None
+    """Held-out batches; the global model's eval loss is their mean ``loss`` in ``eval()`` mode."""
+    embedding_names: Collection[str] = ()
+    """Parameter names (as in ``named_parameters``) merged by weighted average instead of RDA:
+    embeddings and output heads tied to them. Names that are not parameters are refused."""
+    tokens: Callable[[Any], int] | None = None
+    """Tokens in a batch (the merge weights count them). Default: ``batch.tokens`` (attribute or
+    key), else the first dimension of the first tensor in the batch."""
+    config: Mapping[str, Any] = field(default_factory=dict)
+    """The task's own settings, JSON-able; hashed into the run config with ``name``."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TaskError(f"Task.name must be a non-empty string, got {self.name!r}")
+        for attr in ("model", "batches", "loss"):
+            if not callable(getattr(self, attr)):
+                raise TaskError(f"Task.{attr} must be callable, got {type(getattr(self, attr)).__name__}")
+        for attr in ("eval_batches", "tokens"):
+            value = getattr(self, attr)
+            if value is not None and not callable(value):
+                raise TaskError(f"Task.{attr} must be callable or None, got {type(value).__name__}")
+        if isinstance(self.embedding_names, str):
+            raise TaskError("Task.embedding_names must be a collection of names, not one string")
+        try:
+            json_config(self.config)
+        except TypeError as e:
+            raise TaskError(f"Task.config must be a JSON-able dict: {e}") from None
+
+
+def json_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` as plain JSON types (what the run config hashes); TypeError if it is not."""
+    import json
+    if not isinstance(config, Mapping):
+        raise TypeError(f"expected a dict, got {type(config).__name__}")
+    return json.loads(json.dumps(dict(config), sort_keys=True))
+
+
+# ---------------------------------------------------------------------------- loading
+BUILTIN: dict[str, str] = {
+    "gpt": "tasks.gpt:gpt",
+    "gpt-moe": "tasks.gpt:gpt_moe",
+    "text": "tasks.gpt:text",
+    "digits": "tasks.digits:digits",
+}
+"""Short names of the built-in tasks and where they live."""
+
+
+def load_task(spec: str, args: Mapping[str, Any] | None = None) -> Task:
+    """The task named by ``spec``: a built-in short name or ``MODULE:ATTR``.
+
+    ATTR is a ``Task`` (then ``args`` must be empty) or a callable returning one, called with
+    ``args`` as keyword arguments. MODULE is imported from the current directory or PYTHONPATH.
+    """
+    args = dict(args or {})
+    target = BUILTIN.get(spec, spec)
+    if ":" not in target:
+        raise TaskError(f"task {spec!r} is neither a built-in ({', '.join(sorted(BUILTIN))}) nor MODULE:ATTR")
+    module_name, _, attr = target.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # any import-time error of the user's module
+        raise TaskError(f"cannot import task module {module_name!r}: {type(e).__name__}: {e}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise TaskError(f"task module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if isinstance(obj, Task):
+        if args:
+            raise TaskError(f"{target} is a Task, not a callable: it takes no task args (got {sorted(args)})")
+        return obj
+    if not callable(obj):
+        raise TaskError(f"{target} is a {type(obj).__name__}, not a Task or a callable returning one")
+    _check_args(obj, args, target)
+    try:
+        task = obj(**args)
+    except (TypeError, ValueError) as e:
+        raise TaskError(f"{target}({_fmt_args(args)}) failed: {e}") from None
+    if not isinstance(task, Task):
+        raise TaskError(f"{target}({_fmt_args(args)}) returned a {type(task).__name__}, not a Task")
+    return task
+
+
+def _fmt_args(args: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in args.items())
+
+
+def _check_args(fn: Callable[..., Any], args: Mapping[str, Any], target: str) -> None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    params = sig.parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    known = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise TaskError(f"{target} takes no task arg(s) {', '.join(unknown)}; it accepts: "
+                        f"{', '.join(sorted(known)) or 'none'}")
+
+
+def parse_task_args(items: Iterable[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings to a dict; VALUE is read as JSON/TOML-like (int, float, bool), else
+    kept as a string: ``n_layer=2`` -> 2, ``path=data/`` -> "data/"."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise TaskError(f"--task-arg wants KEY=VALUE with KEY an identifier, got {item!r}")
+        out[key] = parse_value(raw.strip())
+    return out
+
+
+def parse_value(raw: str) -> Any:
+    """A command-line value: true/false, an int, a float, else the string itself."""
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+# ---------------------------------------------------------------------------- using a task
+def build_model(task: Task, seed: int) -> nn.Module:
+    """``task.model()`` with torch's global RNG seeded by ``seed`` (and restored afterwards)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = task.model()
+    if not isinstance(model, nn.Module):
+        raise TaskError(f"task {task.name!r}: model() returned a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def count_tokens(task: Task, batch: Any) -> int:
+    """Tokens in ``batch``: ``task.tokens(batch)``, else a ``tokens`` attribute or key, else the
+    first dimension of the first tensor found. TaskError when none applies."""
+    if task.tokens is not None:
+        n = task.tokens(batch)
+    elif hasattr(batch, "tokens") and not callable(batch.tokens):
+        n = batch.tokens
+    elif isinstance(batch, Mapping) and "tokens" in batch:
+        n = batch["tokens"]
+    else:
+        first = _first_tensor(batch)
+        if first is None or first.dim() == 0:
+            raise TaskError(f"task {task.name!r}: cannot count tokens of a {type(batch).__name__} batch "
+                            "(give Task(tokens=...), or a batch with a 'tokens' field or a leading batch dimension)")
+        n = first.shape[0]
+    if isinstance(n, torch.Tensor):
+        n = n.item()
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or n < 0 or n != int(n):
+        raise TaskError(f"task {task.name!r}: token count must be a non-negative integer, got {n!r}")
+    return int(n)
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        batch = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
+    elif isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for x in batch:
+            found = _first_tensor(x)
+            if found is not None:
+                return found
+    return None
+
+
+def batch_to(batch: Any, device: torch.device) -> Any:
+    """Move a batch's tensors to ``device``: tensors, dataclasses, tuples, lists, dicts."""
+    if device.type == "cpu" and not _has_non_cpu(batch):
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: batch_to(getattr(batch, f.name), device)
+                                             for f in dataclasses.fields(batch) if f.init})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(batch_to(x, device) for x in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(batch_to(x, device) for x in batch)
+    if isinstance(batch, dict):
+        return {k: batch_to(v, device) for k, v in batch.items()}
+    if hasattr(batch, "to") and callable(batch.to):
+        return batch.to(device)
+    return batch
+
+
+def _has_non_cpu(batch: Any) -> bool:
+    t = _first_tensor(batch)
+    return t is not None and t.device.type != "cpu"
+
+
+def scalar_loss(task: Task, model: nn.Module, batch: Any) -> torch.Tensor:
+    """``task.loss(model, batch)``, checked to be a scalar tensor (TaskError otherwise)."""
+    loss = task.loss(model, batch)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TaskError(f"task {task.name!r}: loss(model, batch) must return a scalar tensor, got {what}")
+    return loss.reshape(())
+
+
+def evaluate(task: Task, model: nn.Module) -> float:
+    """Mean loss over ``task.eval_batches()`` in ``eval()`` mode, without gradients (the model's
+    mode is restored). TaskError when the task has no held-out batches."""
+    if task.eval_batches is None:
+        raise TaskError(f"task {task.name!r} has no eval_batches: the global model cannot be evaluated")
+    was_training = model.training
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    model.eval()
+    total, n = 0.0, 0
+    try:
+        with torch.no_grad():
+            for batch in task.eval_batches():
+                total += float(scalar_loss(task, model, batch_to(batch, device)))
+                n += 1
+    finally:
+        model.train(was_training)
+    if n == 0:
+        raise TaskError(f"task {task.name!r}: eval_batches() yielded nothing")
+    return total / n
+
+
+def check_task(task: Task, model: nn.Module, *, seed: int, stream: int = 0) -> int:
+    """Dry run of the contract on one batch, before anything is written anywhere: the batch has
+    a countable size and the loss is a finite scalar. Returns the batch's token count."""
+    try:
+        batch = next(iter(task.batches(stream, seed, 0)))
+    except StopIteration:
+        raise TaskError(f"task {task.name!r}: batches({stream}, {seed}, 0) yielded nothing") from None
+    except TaskError:
+        raise
+    except Exception as e:
+        raise TaskError(f"task {task.name!r}: batches({stream}, {seed}, 0) raised {type(e).__name__}: {e}") from None
+    tokens = count_tokens(task, batch)
+    if tokens <= 0:
+        raise TaskError(f"task {task.name!r}: a training batch counts {tokens} tokens (must be > 0)")
+    probe = copy.deepcopy(model)  # a forward in train() mode updates buffers (BatchNorm): not on ``model``
+    device = next(iter(probe.parameters()), torch.empty(0)).device
+    try:
+        with torch.no_grad():
+            value = float(scalar_loss(task, probe, batch_to(batch, device)))
+    except TaskError:
+        raise
+    except Exception as e:  # the user's forward or loss on the first batch
+        raise TaskError(f"task {task.name!r}: loss(model, first batch) raised {type(e).__name__}: {e}") from None
+    if not math.isfinite(value):
+        raise TaskError(f"task {task.name!r}: the loss of the initial model on the first batch is {value}")
+    return tokens
+
+
+def bind_task(run: "RunConfig", task: Task | None = None) -> tuple[Task, "RunConfig"]:
+    """The run's task, and ``run`` with the task's name and config filled in.
+
+    ``task`` None loads ``run.task.spec`` with ``run.task.args``. When ``run`` already names a
+    task (it came from Redis or a checkpoint), the loaded one must report the same name and
+    config: TaskError names what differs.
+    """
+    if task is None:
+        if not run.task.spec:
+            raise TaskError("the run's task was handed over as a Python object (no task spec in its config); "
+                            "give this process the same Task, or --task MODULE:ATTR")
+        task = load_task(run.task.spec, run.task.args)
+    config = json_config(task.config)
+    want = run.task
+    if want.name and want.name != task.name:
+        raise TaskError(f"task name {task.name!r} differs from the run's {want.name!r}")
+    if want.name and want.config != config:
+        keys = sorted(set(config) | set(want.config))
+        diff = [f"{k}={config.get(k)!r} (run has {want.config.get(k)!r})" for k in keys
+                if config.get(k) != want.config.get(k)]
+        raise TaskError(f"task {task.name!r} config differs from the run's: {', '.join(diff)}")
+    bound = dataclasses.replace(want, name=task.name, config=config)
+    return task, dataclasses.replace(run, task=bound)
