@@ -4,10 +4,11 @@
     ddloco status   live view of a run from Redis
     ddloco broker   the ZeroMQ forwarder daemon
     ddloco syncer   one syncer shard daemon
-    ddloco learner  one learner daemon (built-in task)
+    ddloco learner  one learner daemon (--task: a built-in or your MODULE:ATTR)
     ddloco sim      goodput simulator at paper scale
     ddloco bench    micro benchmarks of the hot paths
     ddloco compare  quality: DDP, one learner, sync DiLoCo, our cluster at equal tokens, seeds
+    ddloco export   the global model of a live or stopped run as a safetensors / torch file
 
 Exit codes: 0 success, 1 runtime failure, 2 bad usage or config, 3 refused by the run.
 """
@@ -168,7 +169,13 @@ def cmd_learner(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from ddloco.up import run_up
+    from ddloco.up import find_resumable, run_up
+    resume = None
+    if args.resume:
+        resume = find_resumable(args.resume)
+        if args.config is None:
+            args.config = str(resume / "config.toml")  # the stopped run's settings
+        args.run_id = args.resume
     cfg = _resolve(args)
     _setup_logging(args)  # library logs (embedded Redis) to stderr; progress lines go to stdout
     up = override(cfg.up, learners=args.learners, syncers=args.syncers, steps=args.steps, minutes=args.minutes,
@@ -185,7 +192,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise ConfigError("--slowdowns factors must be >= 1")
     cfg = override(cfg, learner=override(cfg.learner, device=args.device))
     return run_up(override(cfg, up=up), external_redis=args.redis_url is not None,
-                  step_time_floor_ms=args.step_time_floor_ms, slowdowns=slow, quiet=args.quiet)
+                  step_time_floor_ms=args.step_time_floor_ms, slowdowns=slow, quiet=args.quiet, resume=resume)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -202,6 +209,11 @@ def cmd_bench(argv: Sequence[str]) -> int:
 def cmd_compare(argv: Sequence[str]) -> int:
     from ddloco.compare.runner import cli_main
     return cli_main(list(argv))
+
+
+def cmd_export(argv: Sequence[str]) -> int:
+    from ddloco.export import main as export_main
+    return export_main(list(argv))
 
 
 def cmd_sim(argv: Sequence[str]) -> int:
@@ -230,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="emulated accelerator step time of every learner")
     p.add_argument("--slowdowns", default=None, help="comma list of per-learner slowdown factors, e.g. 1,1,1.18,1.18")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--resume", metavar="RUN_ID", help="continue a stopped run: its config, the shards' checkpoints "
+                   "(fragment versions, momentum) and the learners' data positions from runs/RUN_ID-*/")
     p.add_argument("--device", default=None, help="learners' device: auto (default), cpu, cuda, cuda:N")
     p.set_defaults(func=cmd_up)
 
@@ -261,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--join", action="store_true", help="take the run config from Redis instead of publishing one")
     p.set_defaults(func=cmd_syncer)
 
-    p = sub.add_parser("learner", help="run one learner daemon on the built-in task",
+    p = sub.add_parser("learner", help="run one learner daemon (--task: built-in or MODULE:ATTR)",
                        description="Joins the run named by --run-id through --redis-url and the broker; takes the "
                                    "run's config from Redis (with --config or algorithm flags it must match).")
     _add_common(p)
@@ -277,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("sim", help="goodput simulator at paper scale (ddloco sim --help)", add_help=False)
     sub.add_parser("bench", help="micro benchmarks: codec, wire, merge (ddloco bench --help)", add_help=False)
+    sub.add_parser("export", help="write the global model (live run or checkpoints) to a safetensors file "
+                   "(ddloco export --help)", add_help=False)
     sub.add_parser("compare", help="quality at equal tokens: DDP, one learner, sync DiLoCo, our cluster "
                    "(ddloco compare --help)", add_help=False)
     return ap
@@ -290,6 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_bench(argv[1:])
     if argv and argv[0] == "compare":
         return cmd_compare(argv[1:])
+    if argv and argv[0] == "export":
+        return cmd_export(argv[1:])
     args = build_parser().parse_args(argv)
     from common.fragments import FragmentationError
     from tasks.contract import TaskError

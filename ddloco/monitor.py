@@ -43,21 +43,32 @@ class Monitor:
         self.learners: dict[str, dict[str, str]] = {}
         self.last_print = 0.0
         self.last_eval = time.time()
+        self.final_versions: dict[int, int] | None = None
+        """Fragment versions the model holds after a successful final evaluation (None: none)."""
+
+    token_offset: int = 0
+    """Tokens of the earlier parts of a resumed run (``up --resume``)."""
+    resumed: bool = False
+    """The shards start from checkpoints: the initial evaluation fetches their fragments."""
 
     def tokens_total(self) -> int:
-        return int(sum(_f(h, "tokens") for h in self.learners.values()))
+        return self.token_offset + int(sum(_f(h, "tokens") for h in self.learners.values()))
 
     def evaluate(self, *, initial: bool = False, final: bool = False) -> float | None:
         versions: dict[int, int] = {}
-        if not initial:
+        if not initial or self.resumed:
             try:
-                frags = fetch_fragments(self.r, self.keys, len(self.plan), timeout_s=15.0)
+                frags = fetch_fragments(self.r, self.keys, len(self.plan), timeout_s=60.0 if initial else 15.0)
             except (TimeoutError, redis.RedisError) as e:
                 self.say(f"eval       skipped: {e}")
                 return None
             for p, (v, values) in frags.items():
                 scatter(self.params, self.plan[p], values)
                 versions[p] = v
+            if final:
+                self.final_versions = versions
+        if self.task.eval_batches is None:
+            return None  # a task without held-out batches: no evaluation, the model is still exported
         loss = evaluate(self.task, self.model)
         self.evals.append({"t": time.time() - self.t0, "tokens": self.tokens_total(), "loss": loss,
                            "versions_total": sum(versions.values())})

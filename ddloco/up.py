@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from common import control
-from common.config import ConfigFile, dump_toml, override
+import json
+
+from common.config import ConfigError, ConfigFile, dump_toml, override
 from common.keys import Keys
 from common.lifecycle import die_with_parent
 from ddloco.monitor import Monitor
@@ -71,6 +73,22 @@ class Child:
         return "\n".join(lines[-n:])
 
 
+def _write_state(workdir: Path, report: dict[str, Any], monitor: Monitor, syncers: int,
+                 previous: dict[str, Any]) -> None:
+    """What a later ``up --resume`` needs: learners' data positions, tokens, the eval curve."""
+    positions = dict(previous.get("data_positions", {}))
+    for lid, h in monitor.learners.items():
+        if "data_position" in h:
+            positions[lid] = int(float(h["data_position"]))
+    versions = monitor.final_versions or {}
+    state = {"run_id": report["run_id"], "syncers": syncers, "tokens_total": report["tokens_total"],
+             "data_positions": positions, "versions_total": sum(versions.values()),
+             "eval_curve": previous.get("eval_curve", []) + report["eval_curve"]}
+    tmp = workdir / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    tmp.replace(workdir / STATE_FILE)
+
+
 def _ddloco(*args: str) -> list[str]:
     return [sys.executable, "-m", "ddloco", *args]
 
@@ -85,8 +103,24 @@ def _stop_all(children: list[Child], timeout_s: float = 15.0) -> None:
         c.kill()
 
 
+STATE_FILE = "state.json"
+"""Written into a run's work directory at the end of ``up``: what ``up --resume`` continues from."""
+
+
+def find_resumable(run_id: str, runs_dir: Path = Path("runs")) -> Path:
+    """The newest work directory of ``run_id`` that has shard checkpoints and a state file."""
+    candidates = sorted((d for d in runs_dir.glob(f"{run_id}-*") if (d / STATE_FILE).exists()
+                         and any((d / "checkpoints").glob(f"{run_id}-shard*of*.pt"))), key=lambda d: d.name)
+    if not candidates:
+        raise ConfigError(f"--resume {run_id}: no stopped run {run_id!r} with checkpoints under {runs_dir}/ "
+                          f"(expected {runs_dir}/{run_id}-<time>/checkpoints and {STATE_FILE})")
+    return candidates[-1]
+
+
 def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float | None = None,
-           slowdowns: list[float] | None = None, quiet: bool = False) -> int:
+           slowdowns: list[float] | None = None, quiet: bool = False, resume: Path | None = None) -> int:
+    """A whole cluster until the learners' step budget or the time cap; ``resume`` is the work
+    directory of a stopped run to continue (same run id, shard checkpoints, learner positions)."""
     from common.redis_server import EmbeddedRedis, free_port
     from common.fragments import model_plan
     from tasks.contract import bind_task, build_model, check_task
@@ -114,7 +148,14 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         p_pub, p_sub = free_port(), free_port()
         endpoints = override(cfg.endpoints, redis_url=redis_url, broker_pub=f"tcp://127.0.0.1:{p_pub}",
                              broker_sub=f"tcp://127.0.0.1:{p_sub}")
-        syncer = override(cfg.syncer, checkpoint_dir=str(workdir / "checkpoints"), shards=up.syncers)
+        previous: dict[str, Any] = {}
+        if resume is not None:
+            previous = json.loads((resume / STATE_FILE).read_text())
+            if previous.get("syncers") != up.syncers:
+                raise ConfigError(f"--resume: the run had {previous.get('syncers')} syncers; shard ownership is "
+                                  f"p % S, so resume it with --syncers {previous.get('syncers')}")
+        ckpt_dir = (resume / "checkpoints") if resume is not None else (workdir / "checkpoints")
+        syncer = override(cfg.syncer, checkpoint_dir=str(ckpt_dir), shards=up.syncers)
         cfg = replace(cfg, endpoints=endpoints, syncer=syncer)
         cfg_path = workdir / "config.toml"
         cfg_path.write_text(dump_toml(cfg))
@@ -129,6 +170,11 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         except control.ConfigMismatch as e:
             print(f"ddloco up: {e}; choose another --run-id", file=sys.stderr)
             return 3
+        for lid, pos in previous.get("data_positions", {}).items():  # learners resume their data streams
+            r.hset(keys.learner(lid), "data_position", int(pos))
+        if resume is not None:
+            say(f"resume     {resume}: checkpoints of {up.syncers} shards, versions {previous.get('versions_total')}, "
+                f"{previous.get('tokens_total', 0):,} tokens so far")
         say(f"run        {endpoints.run_id}: {up.learners} learners, {up.syncers} shards, "
             f"P={cfg.run.algo.fragments} H={cfg.run.algo.sync_every_steps} tau={cfg.run.algo.tau} "
             f"K={cfg.run.algo.quorum} codec={cfg.run.algo.uplink_codec}; logs in {workdir}/logs")
@@ -156,6 +202,9 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             + " ".join(f"{c.name}={c.pid}" for c in children))
 
         monitor = Monitor(cfg, r, keys, task, learner_ids=learner_ids, say=say)
+        if resume is not None:
+            monitor.resumed = True
+            monitor.token_offset = int(previous.get("tokens_total", 0))
         monitor.evaluate(initial=True)
         learners = [c for c in children if c.name.startswith("learner")]
         daemons = [c for c in children if not c.name.startswith("learner")]
@@ -193,9 +242,18 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             redis_srv.stop()
             redis_srv = None
         report["processes_left"] = [c.name for c in children if c.alive()]
+        report["checkpoint_dir"] = syncer.checkpoint_dir
+        if resume is not None:
+            report["resumed_from"] = str(resume)
+            report["eval_curve_before"] = previous.get("eval_curve", [])
+        _write_state(workdir, report, monitor, up.syncers, previous)
         if up.report_dir:
             write_report(Path(up.report_dir), report, monitor)
             say(f"report     {Path(up.report_dir) / 'report.json'} (+ eval_loss.png, merges.png, timeline.png)")
+            if monitor.final_versions is not None:
+                from ddloco.export import save_state
+                path = save_state(monitor.model, Path(up.report_dir) / "model.safetensors")
+                say(f"model      {path}: the final global model (load_state_dict into task.model(), strict)")
         say(monitor.summary_line(report))
         if failure:
             print(f"ddloco up: {failure}", file=sys.stderr)

@@ -203,6 +203,8 @@ class Learner:
             except LearnerRefused as e:
                 control.add_event(self.redis, self.keys, "refuse", learner=self.id, reason=str(e))
                 raise
+        # a restarted learner resumes its data stream (read before the heartbeat first writes it)
+        self.data_position = control.data_position(self.redis, self.keys, self.id)
         n = len(self.plan)
         self.base_version = np.full(n, -1, dtype=np.int64)
         self.base_epoch = np.full(n, -1, dtype=np.int64)    # life of the owning shard the base came from
@@ -289,7 +291,6 @@ class Learner:
     def _train_steps(self) -> bool:
         """The inner loop; True when it ended on its own (step budget, data), not on ``stop``."""
         opt, sched = make_inner_optimizer(self.model.parameters(), self.algo)
-        self.data_position = control.data_position(self.redis, self.keys, self.id)  # a restarted learner resumes
         batches: Iterator[Any] = iter(self.task.batches(self.stream, self.run_cfg.task.seed, self.data_position))
         H = self.algo.sync_every_steps
         min_steps = H if self.algo.lockstep else 1

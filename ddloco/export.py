@@ -1,0 +1,183 @@
+"""The trained global model out of a run: from the live shards or from their checkpoints.
+
+    ddloco export --redis-url redis://host:6379/0 --run-id exp1 --out model.safetensors
+    ddloco export --checkpoint-dir runs/exp1-20261122-101500/checkpoints --out model.safetensors
+
+    model = ddloco.load_global_model(redis_url=..., run_id="exp1")       # an nn.Module
+    model = ddloco.load_global_model(checkpoint_dir="...")
+
+The file holds the model's full ``state_dict`` (parameters and buffers, tied tensors under every
+name), loadable with ``strict=True`` into a fresh ``task.model()``. safetensors is the default
+format (no pickle: safe to load from anyone); ``pt`` is ``torch.save`` of the state dict.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from common import control
+from common.config import RunConfig, run_config_from_dict
+from common.fragments import Fragment, model_plan, scatter, state_tensors
+from common.keys import Keys
+from tasks.contract import Task, TaskError, bind_task, build_model
+
+FORMATS = ("safetensors", "pt")
+
+
+class ExportError(RuntimeError):
+    """The global model cannot be assembled (no shards, missing checkpoints); says why."""
+
+
+def _assemble(run: RunConfig, task: Task | None, values: dict[int, torch.Tensor]) -> torch.nn.Module:
+    task, run = bind_task(run, task)
+    model = build_model(task, run.task.seed)
+    plan: tuple[Fragment, ...] = model_plan(model, task.embedding_names, run.algo.fragments)
+    missing = sorted(set(range(len(plan))) - set(values))
+    if missing:
+        raise ExportError(f"fragments {missing[:10]}{' ...' if len(missing) > 10 else ''} of {len(plan)} are missing")
+    tensors = state_tensors(model)
+    for p, frag in enumerate(plan):
+        scatter(tensors, frag, values[p])
+    return model.eval()
+
+
+def from_live_run(redis_url: str, run_id: str, *, task: Task | None = None,
+                  timeout_s: float = 30.0) -> tuple[torch.nn.Module, dict[int, int]]:
+    """The global model as the running shards hold it now, and each fragment's version."""
+    from common.rpc import fetch_fragments
+    r = control.connect(redis_url)
+    keys = Keys(run_id)
+    try:
+        run = control.fetch_run_config(r, keys)
+        task, run = bind_task(run, task)
+        n = run.algo.fragments
+        try:
+            frags = fetch_fragments(r, keys, n, timeout_s=timeout_s, sender="export")
+        except TimeoutError as e:
+            raise ExportError(f"{e} (are the run's syncers up?)") from None
+    finally:
+        r.close()
+    return _assemble(run, task, {p: v for p, (_, v) in frags.items()}), {p: v for p, (v, _) in frags.items()}
+
+
+def checkpoint_files(checkpoint_dir: str | Path, run_id: str | None = None) -> tuple[str, list[Path]]:
+    """The run id and its shard checkpoints ``<run>-shard<k>of<S>.pt`` in ``checkpoint_dir``,
+    ordered by k; ExportError when shards are missing or several runs are there."""
+    d = Path(checkpoint_dir)
+    if not d.is_dir():
+        raise ExportError(f"checkpoint directory {d} does not exist")
+    found: dict[str, dict[int, tuple[int, Path]]] = {}
+    for path in d.glob("*-shard*of*.pt"):
+        stem = path.name[:-3]
+        run, _, tail = stem.rpartition("-shard")
+        k, _, s = tail.partition("of")
+        if k.isdigit() and s.isdigit():
+            found.setdefault(run, {})[int(k)] = (int(s), path)
+    if run_id is not None:
+        found = {run_id: found[run_id]} if run_id in found else {}
+    if not found:
+        raise ExportError(f"no shard checkpoints{f' of run {run_id!r}' if run_id else ''} in {d}")
+    if len(found) > 1:
+        raise ExportError(f"checkpoints of several runs in {d}: {sorted(found)}; pass --run-id")
+    (run, shards), = found.items()
+    total = {s for s, _ in shards.values()}
+    if len(total) != 1:
+        raise ExportError(f"run {run!r} has checkpoints of different shard counts {sorted(total)} in {d}")
+    (count,) = total
+    missing = sorted(set(range(count)) - set(shards))
+    if missing:
+        raise ExportError(f"run {run!r}: checkpoints of shard(s) {missing} of {count} are missing in {d}")
+    return run, [shards[k][1] for k in range(count)]
+
+
+def from_checkpoints(checkpoint_dir: str | Path, run_id: str | None = None, *,
+                     task: Task | None = None) -> tuple[torch.nn.Module, dict[int, int]]:
+    """The global model as the shards' last checkpoints hold it, and each fragment's version."""
+    _, paths = checkpoint_files(checkpoint_dir, run_id)
+    values: dict[int, torch.Tensor] = {}
+    versions: dict[int, int] = {}
+    run: RunConfig | None = None
+    for path in paths:
+        state = torch.load(path, weights_only=True)
+        this = run_config_from_dict(state["run_config"])
+        if run is not None and this.digest() != run.digest():
+            raise ExportError(f"{path} belongs to another run config than {paths[0]}")
+        run = this
+        for p, fs in state["fragments"].items():
+            values[int(p)] = fs["theta"]
+            versions[int(p)] = int(fs["version"])
+    assert run is not None
+    return _assemble(run, task, values), versions
+
+
+def save_state(model: torch.nn.Module, path: str | Path, fmt: str = "safetensors") -> Path:
+    """Write ``model.state_dict()`` atomically (temp file, then rename)."""
+    if fmt not in FORMATS:
+        raise ExportError(f"--format must be one of {FORMATS}, got {fmt!r}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # one contiguous CPU copy per name: tied tensors appear under each of their names
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
+    tmp = path.with_name(path.name + ".tmp")
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+        save_file(state, str(tmp))
+    else:
+        torch.save(state, tmp)
+    tmp.replace(path)
+    return path
+
+
+def load_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """A state dict written by ``save_state`` (either format, by suffix)."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        return load_file(str(path))
+    return torch.load(path, weights_only=True)
+
+
+def load_global_model(*, redis_url: str | None = None, run_id: str | None = None,
+                      checkpoint_dir: str | Path | None = None, task: Task | None = None) -> torch.nn.Module:
+    """The run's global model as an ``nn.Module`` (``eval()`` mode): from the live shards
+    (``redis_url`` + ``run_id``) or from the shards' checkpoints (``checkpoint_dir``)."""
+    if checkpoint_dir is not None:
+        return from_checkpoints(checkpoint_dir, run_id, task=task)[0]
+    if redis_url is None or run_id is None:
+        raise ExportError("give redis_url and run_id (a live run) or checkpoint_dir (a stopped one)")
+    return from_live_run(redis_url, run_id, task=task)[0]
+
+
+def main(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(prog="ddloco export", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="output file, e.g. model.safetensors")
+    ap.add_argument("--format", choices=FORMATS, default=None,
+                    help="safetensors (default; .pt files default to pt) or pt (torch.save of the state dict)")
+    src = ap.add_argument_group("source: a live run, or a stopped one's checkpoints")
+    src.add_argument("--redis-url", help="the live run's Redis")
+    src.add_argument("--run-id", help="the run (required with --redis-url; picks one run in --checkpoint-dir)")
+    src.add_argument("--checkpoint-dir", help="the shards' checkpoint directory (runs/<run>-<time>/checkpoints "
+                     "for `ddloco up`)")
+    args = ap.parse_args(list(argv))
+    fmt = args.format or ("pt" if args.out.endswith(".pt") else "safetensors")
+    try:
+        if args.checkpoint_dir:
+            model, versions = from_checkpoints(args.checkpoint_dir, args.run_id)
+        elif args.redis_url and args.run_id:
+            model, versions = from_live_run(args.redis_url, args.run_id)
+        else:
+            print("ddloco export: give --checkpoint-dir, or --redis-url and --run-id", file=sys.stderr)
+            return 2
+        path = save_state(model, args.out, fmt)
+    except (ExportError, TaskError, control.RunConfigMissing) as e:
+        print(f"ddloco export: {e}", file=sys.stderr)
+        return 1
+    n = sum(t.numel() for t in state_tensors(model).values())
+    print(f"exported   {path} ({fmt}): {len(model.state_dict())} tensors, {n:,} values, fragment versions "
+          f"{min(versions.values())}-{max(versions.values())} (sum {sum(versions.values())})")
+    return 0
