@@ -173,10 +173,7 @@ class Learner:
     def _prepare(self, run: RunConfig) -> None:
         """Bind the task to ``run``, build the model and its plan, dry-run one batch: every check
         that can refuse this learner, before it writes anything to Redis."""
-        try:
-            self.task, self.run_cfg = bind_task(run, self.task)
-        except TaskError as e:
-            raise LearnerRefused(f"refused: {e}") from None
+        self.task, self.run_cfg = bind_task(run, self.task)
         self.algo = self.run_cfg.algo
         self.device = resolve_device(self.options.device)
         self.model = build_model(self.task, self.run_cfg.task.seed).to(self.device)
@@ -200,9 +197,9 @@ class Learner:
             run = control.fetch_run_config(self.redis, self.keys, wait_s=self.options.join_timeout_s, stop=self.stop)
             try:
                 self._prepare(run)
-            except LearnerRefused as e:
+            except TaskError as e:  # this machine's task differs from the run's
                 control.add_event(self.redis, self.keys, "refuse", learner=self.id, reason=str(e))
-                raise
+                raise LearnerRefused(f"refused: {e}") from None
         # a restarted learner resumes its data stream (read before the heartbeat first writes it)
         self.data_position = control.data_position(self.redis, self.keys, self.id)
         n = len(self.plan)

@@ -134,10 +134,7 @@ class Shard:
     # ---------------------------------------------------------------- set-up / tear-down
     def _prepare(self, run: RunConfig) -> torch.nn.Module:
         """Bind the task and plan the fragments: every refusal before anything is written."""
-        try:
-            self.task, self.run = bind_task(run, self.task)
-        except TaskError as e:
-            raise control.ConfigMismatch(f"refused: {e}") from None
+        self.task, self.run = bind_task(run, self.task)
         model, self.plan = initial_state(self.run, self.task)
         self.plan_digest = plan_digest(self.plan)
         return model
@@ -149,7 +146,10 @@ class Shard:
             control.publish_run_config(self.redis, self.keys, self.run)
         else:
             self.redis = control.connect(self.endpoints.redis_url)
-            model = self._prepare(control.fetch_run_config(self.redis, self.keys, wait_s=30.0))
+            try:
+                model = self._prepare(control.fetch_run_config(self.redis, self.keys, wait_s=30.0))
+            except TaskError as e:  # this machine's task differs from the run's
+                raise control.ConfigMismatch(f"refused: {e}") from None
         control.claim_shard_count(self.redis, self.keys, self.options.shards)
         control.record_layout(self.redis, self.keys, plan_layout(self.plan))
         self.epoch = secrets.randbits(31)  # this life of the shard: versions compare only within it

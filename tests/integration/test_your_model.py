@@ -1,0 +1,168 @@
+"""Your model, your data: user tasks through `ddloco up`, by hand, the Python API; buffers,
+slices, export, resume, and refusals before anything is written."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from common import control
+from common.config import AlgoConfig, Endpoints, LearnerOptions, RunConfig
+from common.keys import Keys
+from common.redis_server import free_port
+from tasks.contract import Task, evaluate
+from tests.conftest import TINY_TOML, tiny_batches, tiny_loss, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def ddloco(*args: str, cwd: Path = REPO, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddloco", *args], capture_output=True, text=True, cwd=cwd, **kw)
+
+
+def test_up_trains_the_example_cnn_and_its_exported_model_scores_the_reported_loss(tmp_path):
+    report = tmp_path / "report"
+    res = ddloco("up", "--task", "examples.cnn:task", "--learners", "3", "--syncers", "2", "--steps", "150",
+                 "--minutes", "4", "--report", str(report), "--run-id", "cnn-e2e", timeout=280)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rep = json.loads((report / "report.json").read_text())
+    from ddloco.export import load_state
+    from examples.cnn import task
+    t = task()
+    model = t.model()
+    model.load_state_dict(load_state(report / "model.safetensors"), strict=True)
+    loss = evaluate(t, model)   # eval() mode: BatchNorm uses the merged running statistics
+    assert abs(loss - rep["eval_loss_final"]) < 1e-4, (loss, rep["eval_loss_final"])
+    assert loss <= 0.5 * rep["eval_loss_initial"], (loss, rep["eval_loss_initial"])
+    assert rep["every_learner_contributed"] and rep["processes_left"] == []
+
+
+def test_up_resume_continues_from_the_stopped_versions_and_eval_loss(tmp_path):
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY_TOML)
+    first = ddloco("up", "--config", str(cfg), "--run-id", "again", "--learners", "2", "--syncers", "2",
+                   "--steps", "24", "--report", "r1", cwd=tmp_path, timeout=200)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    second = ddloco("up", "--resume", "again", "--learners", "2", "--syncers", "2", "--steps", "24",
+                    "--report", "r2", cwd=tmp_path, timeout=200)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    r1 = json.loads((tmp_path / "r1" / "report.json").read_text())
+    r2 = json.loads((tmp_path / "r2" / "report.json").read_text())
+    stopped_at = r1["eval_curve"][-1]
+    resumed_at = r2["eval_curve"][0]
+    assert stopped_at["versions_total"] > 0
+    assert resumed_at["versions_total"] == stopped_at["versions_total"], "versions went back"
+    assert resumed_at["loss"] == pytest.approx(stopped_at["loss"], abs=1e-6)
+    assert resumed_at["tokens"] == r1["tokens_total"]
+    assert r2["eval_curve"][-1]["versions_total"] > stopped_at["versions_total"]
+    assert r2["eval_curve_before"] == r1["eval_curve"]
+    # the learners went on with their data streams instead of replaying them
+    states = sorted((tmp_path / "runs").glob("again-*/state.json"))
+    assert len(states) == 2
+    positions = json.loads(states[-1].read_text())["data_positions"]
+    assert positions == {"learner-0": 48, "learner-1": 48}
+
+
+class BatchNormNet(torch.nn.Module):
+    """5 parameter tensors (+3 BatchNorm buffers): fewer tensors than P = 24 fragments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.bn = torch.nn.BatchNorm1d(16)
+        self.fc2 = torch.nn.Linear(16, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.bn(self.fc1(x) * 3.0 + 2.0)))   # stats far from (0, 1)
+
+
+def _bn_task() -> Task:
+    def batches(stream: int, seed: int, start: int):
+        it = tiny_batches(stream)
+        for _ in range(start):
+            next(it)
+        return it
+    held = [next(tiny_batches(999)) for _ in range(4)]
+    return Task(name="bn-net", model=BatchNormNet, batches=batches, loss=tiny_loss, eval_batches=lambda: iter(held))
+
+
+def test_python_api_trains_a_batchnorm_model_with_more_fragments_than_tensors(redis_server):
+    import ddloco
+    task = _bn_task()
+    ep = Endpoints(run_id="api", redis_url=redis_server.url, broker_pub=f"tcp://127.0.0.1:{free_port()}",
+                   broker_sub=f"tcp://127.0.0.1:{free_port()}")
+    run = RunConfig(algo=AlgoConfig(fragments=24, sync_every_steps=4, inner_warmup_steps=2, uplink_codec="int8"))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def guarded(fn, *a, **kw):
+        def body():
+            try:
+                fn(*a, **kw)
+            except BaseException as e:  # surfaced below
+                errors.append(e)
+        t = threading.Thread(target=body, daemon=True)
+        t.start()
+        return t
+
+    threads = [guarded(ddloco.run_broker, endpoints=ep, stop=stop)]
+    threads += [guarded(ddloco.run_shard, task, endpoints=ep, run=run, stop=stop, shard=k, shards=2,
+                        options=ddloco.SyncerOptions(checkpoint_dir="", initial_step_time_s=0.02)) for k in range(2)]
+    r = control.connect(ep.redis_url)
+    keys = Keys("api")
+    wait_until(lambda: len(control.shard_table(r, keys)) == 2 or errors, 30, what="two shards up")
+    initial = evaluate(task, ddloco.load_global_model(redis_url=ep.redis_url, run_id="api", task=task))
+    opts = dict(max_steps=120, step_time_floor_ms=3, heartbeat_interval_s=0.1)
+    learners = [guarded(ddloco.train, task, endpoints=ep, run=run,
+                        options=LearnerOptions(learner_id=f"l{m}", data_shard=m, **opts)) for m in range(3)]
+    wait_until(lambda: int(r.hget(keys.learner("l0"), "steps") or 0) >= 40 or errors, 60, what="mid-run")
+    late = guarded(ddloco.train, task, endpoints=ep, run=None,   # a 4th learner joins with the run's config
+                   options=LearnerOptions(learner_id="late", data_shard=3, **opts))
+    for t in learners + [late]:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert int(r.hget(keys.learner("late"), "merged_contributions") or 0) >= 1
+    model = ddloco.load_global_model(redis_url=ep.redis_url, run_id="api", task=task)
+    stop.set()
+    bn = model.bn
+    assert not torch.allclose(bn.running_mean, torch.zeros(16), atol=0.3), "running mean never merged"
+    assert not torch.allclose(bn.running_var, torch.ones(16), atol=0.3), "running var never merged"
+    final = evaluate(task, model)
+    assert final <= 0.5 * initial, (initial, final)
+    # eval() mode with the merged statistics is as good as train() mode's batch statistics
+    model.train()
+    with torch.no_grad():
+        batch_stats = sum(float(tiny_loss(model, b)) for b in _bn_task().eval_batches()) / 4
+    assert final <= 1.5 * batch_stats + 0.05, (final, batch_stats)
+
+
+def test_bad_tasks_exit_2_with_one_line_and_write_nothing_to_redis(tmp_path, redis_server):
+    (tmp_path / "badtask.py").write_text(
+        "import torch\nfrom ddloco import Task\n"
+        "def nan(width: int = 4):\n"
+        "    return Task(name='nan', model=lambda: torch.nn.Linear(width, 1),\n"
+        "                batches=lambda s, seed, start: iter([torch.ones(2, width)] * 3),\n"
+        "                loss=lambda m, b: m(b).sum() * float('nan'))\n"
+        "def tiny():\n"
+        "    return Task(name='tiny', model=lambda: torch.nn.Linear(2, 1),\n"
+        "                batches=lambda s, seed, start: iter([torch.ones(2, 2)] * 3), loss=lambda m, b: m(b).mean())\n"
+        "not_a_task = 3\n")
+    net = ["--redis-url", redis_server.url, "--run-id", "bad", "--broker-pub", f"tcp://127.0.0.1:{free_port()}",
+           "--broker-sub", f"tcp://127.0.0.1:{free_port()}"]
+    cases = [("learner", ["--task", "nosuchmodule:task"], "cannot import task module 'nosuchmodule'"),
+             ("learner", ["--task", "badtask:not_a_task"], "is a int, not a Task"),
+             ("learner", ["--task", "badtask:nan", "--fragments", "2"], "loss of the initial model on the first batch is nan"),
+             ("syncer", ["--task", "badtask:tiny"], "cannot split a model of 3 elements (2 tensors) into 24 fragments"),
+             ("learner", ["--task", "badtask:nan", "--task-arg", "depth=2"], "takes no task arg(s) depth")]
+    for command, extra, needle in cases:
+        res = ddloco(command, *net, *extra, cwd=tmp_path, timeout=60)
+        assert res.returncode == 2, (command, extra, res.stderr[-1500:])
+        assert needle in res.stderr and "Traceback" not in res.stderr, res.stderr[-1500:]
+        assert control.connect(redis_server.url).keys("*") == [], f"{extra} wrote to Redis"
