@@ -32,6 +32,9 @@ CODECS = ("fp32", "bf16", "int8", "int4")
 MERGE_RULES = ("rda", "mean")
 """How a round's outer gradients combine (common.merge)."""
 
+LR_SCHEDULES = ("constant", "cosine", "linear")
+"""Inner learning-rate schedules on the run's global token count (learner.inner)."""
+
 
 class ConfigError(ValueError):
     """A configuration value is out of range or unknown."""
@@ -111,7 +114,25 @@ class AlgoConfig:
     inner_weight_decay: float = 0.0
     """AdamW weight decay of the inner loop."""
     inner_warmup_steps: int = 20
-    """Linear learning-rate warm-up of the inner loop, in steps."""
+    """Per-life ramp of the inner learning rate, in a learner's own steps: protects the freshly
+    zeroed AdamW moments of a learner that (re)starts [ours; 0 or 1 = none]. The run's schedule
+    is the lr_* fields, on the global token count."""
+    inner_beta1: float = 0.9
+    """AdamW beta1 of the inner loop (nanoGPT's)."""
+    inner_beta2: float = 0.95
+    """AdamW beta2 of the inner loop (nanoGPT's)."""
+    inner_grad_clip: float = 0.0
+    """Clip the inner gradient's global norm to this (0 = no clipping)."""
+    inner_grad_accum: int = 1
+    """Micro-batches accumulated per inner step (their tokens all count)."""
+    lr_schedule: str = "constant"
+    """Inner learning-rate schedule on the run's global token count: constant, cosine or linear."""
+    lr_warmup_tokens: int = 0
+    """Linear warm-up of the schedule over the run's first N tokens (all learners together)."""
+    lr_decay_tokens: int = 0
+    """cosine / linear: the global token count at which the decay reaches lr_min_ratio."""
+    lr_min_ratio: float = 0.1
+    """cosine / linear: the final learning rate as a fraction of inner_lr."""
     uplink_codec: str = "int4"
     """Codec of learners' fragment deltas: fp32, bf16, int8, int4."""
     downlink_codec: str = "fp32"
@@ -152,6 +173,14 @@ class AlgoConfig:
         _check(not (self.carry_local_steps and self.mix_alpha > 0),
                "algo.carry_local_steps and algo.mix_alpha > 0 are exclusive (two rules for the same receipt)")
         _check(self.history_versions >= 1, "algo.history_versions must be >= 1")
+        _check(0.0 <= self.inner_beta1 < 1.0 and 0.0 <= self.inner_beta2 < 1.0, "algo.inner_beta1/2 must be in [0, 1)")
+        _check(self.inner_grad_clip >= 0, "algo.inner_grad_clip must be >= 0")
+        _check(self.inner_grad_accum >= 1, "algo.inner_grad_accum must be >= 1")
+        _check(self.lr_schedule in LR_SCHEDULES, f"algo.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        _check(self.lr_warmup_tokens >= 0, "algo.lr_warmup_tokens must be >= 0")
+        _check(self.lr_schedule == "constant" or self.lr_decay_tokens > self.lr_warmup_tokens,
+               "algo.lr_decay_tokens must exceed algo.lr_warmup_tokens for a cosine or linear schedule")
+        _check(0.0 <= self.lr_min_ratio <= 1.0, "algo.lr_min_ratio must be in [0, 1]")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,6 +241,8 @@ class LearnerOptions:
     """torch intra-op threads (share the cores between co-located learners)."""
     device: str = "auto"
     """Where the inner steps run: "auto" (cuda when available, else cpu), "cpu", "cuda", "cuda:1"..."""
+    autocast: str = "auto"
+    """Mixed precision of the forward pass: "auto" (bf16 autocast on CUDA, none on CPU), "bf16", "off"."""
     heartbeat_interval_s: float = 0.5
     """How often the learner refreshes its heartbeat and counters in Redis."""
     heartbeat_ttl_s: float = 3.0
@@ -230,6 +261,7 @@ class LearnerOptions:
         _check(bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device)),
                f"learner.device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         _check(self.max_steps >= 0, "learner.max_steps must be >= 0")
+        _check(self.autocast in ("auto", "bf16", "off"), f"learner.autocast must be auto, bf16 or off, got {self.autocast!r}")
         _check(self.flush_timeout_s >= 0, "learner.flush_timeout_s must be >= 0")
         _check(self.data_shard >= -1, "learner.data_shard must be >= 0 (or -1: derived from the id)")
         _check(self.heartbeat_ttl_s > self.heartbeat_interval_s > 0,

@@ -209,3 +209,13 @@ def run_layout(r: redis.Redis, keys: Keys) -> list[tuple[str, tuple[int, ...]]] 
 def data_position(r: redis.Redis, keys: Keys, learner_id: str) -> int:
     """Batches this learner id consumed in earlier lives (0 if unknown: a new id)."""
     return int(float(r.hget(keys.learner(learner_id), "data_position") or 0))
+
+
+_RAISE = "local v = tonumber(redis.call('GET', KEYS[1]) or '0') if v < tonumber(ARGV[1]) then " \
+         "redis.call('SET', KEYS[1], ARGV[1]) return tonumber(ARGV[1]) end return v"
+
+
+def raise_counter(r: Any, key: str, value: int) -> int:
+    """Atomically set ``key`` to ``value`` if it holds less (a restarted shard restores the run's
+    token count after Redis lost it, never moving it back). Returns the value now held."""
+    return int(r.eval(_RAISE, 1, key, int(value)))

@@ -14,6 +14,8 @@ hash slot). Redis holds coordination state only, never the model.
 | shard:<k>:lease              | string | holder of shard k (one live process per shard), with TTL |
 | frag:<p>                     | hash   | version, round, shard, merged_at, contributors           |
 | events                       | stream | join, leave, merge, drop, refuse, failure (capped)       |
+| tokens                       | string | the run's global token count (learners INCRBY; shards    |
+|                              |        | checkpoint it and raise it back after a restart)         |
 """
 from __future__ import annotations
 
@@ -57,3 +59,7 @@ class Keys:
     @property
     def events(self) -> str:
         return self.prefix + "events"
+
+    @property
+    def tokens(self) -> str:
+        return self.prefix + "tokens"

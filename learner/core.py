@@ -33,7 +33,7 @@ from common.merge import Contribution, receive_merged
 from common.lifecycle import process_start_time
 from common.log import get_logger
 from common.rpc import FragmentClient
-from learner.inner import inner_step, make_inner_optimizer
+from learner.inner import apply_step, make_inner_optimizer
 from tasks.contract import Task, TaskError, batch_to, bind_task, build_model, check_task, count_tokens, scalar_loss
 
 
@@ -105,6 +105,8 @@ class LearnerStats:
     boot_s: float = 0.0
     step_ema_s: float = 0.0
     loss_ema: float = 0.0
+    lr: float = 0.0
+    batches: int = 0
     last_contrib_fragment: int = -1
     last_contrib_at: float = 0.0
 
@@ -202,6 +204,8 @@ class Learner:
                 raise LearnerRefused(f"refused: {e}") from None
         # a restarted learner resumes its data stream (read before the heartbeat first writes it)
         self.data_position = control.data_position(self.redis, self.keys, self.id)
+        self._global_tokens = (int(self.redis.get(self.keys.tokens) or 0), 0)  # (run's count, our tokens then)
+        self._tokens_reported = 0
         n = len(self.plan)
         self.base_version = np.full(n, -1, dtype=np.int64)
         self.base_epoch = np.full(n, -1, dtype=np.int64)    # life of the owning shard the base came from
@@ -287,7 +291,9 @@ class Learner:
 
     def _train_steps(self) -> bool:
         """The inner loop; True when it ended on its own (step budget, data), not on ``stop``."""
-        opt, sched = make_inner_optimizer(self.model.parameters(), self.algo)
+        opt, sched = make_inner_optimizer(self.model.parameters(), self.algo, tokens=self.run_tokens)
+        accum = self.algo.inner_grad_accum
+        autocast = self._autocast()
         batches: Iterator[Any] = iter(self.task.batches(self.stream, self.run_cfg.task.seed, self.data_position))
         H = self.algo.sync_every_steps
         min_steps = H if self.algo.lockstep else 1
@@ -304,15 +310,21 @@ class Learner:
                 self._wait_blocked(min_steps)
                 continue
             t0 = time.perf_counter()
-            try:
-                batch = next(batches)
-            except StopIteration:
-                self.log.info("learner.data_exhausted", steps=self.stats.steps)
-                return True
-            tokens = count_tokens(self.task, batch)
-            batch = batch_to(batch, self.device)
-            loss = scalar_loss(self.task, self.model, batch)
-            inner_step(self.model, opt, sched, loss)         # θ ← AdamW(θ, ∇L(θ; next batch))
+            opt.zero_grad(set_to_none=True)
+            tokens, loss_sum = 0, 0.0
+            for _ in range(accum):                           # ∇L over inner_grad_accum micro-batches
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    self.log.info("learner.data_exhausted", steps=self.stats.steps)
+                    return True
+                tokens += count_tokens(self.task, batch)
+                self.stats.batches += 1
+                with autocast:
+                    loss = scalar_loss(self.task, self.model, batch_to(batch, self.device)) / accum
+                loss.backward()
+                loss_sum += float(loss.detach())
+            self.stats.lr = apply_step(self.model, opt, sched, self.algo)   # θ ← AdamW(θ, ∇L(θ; batch))
             self.c_steps += 1                                # for every p: c_steps[p] += 1
             self.c_tokens += tokens                          #              c_tokens[p] += tokens
             self.stats.steps += 1
@@ -325,9 +337,22 @@ class Learner:
             self.stats.train_s += step_s
             ema = self.stats.step_ema_s
             self.stats.step_ema_s = step_s if ema == 0 else 0.9 * ema + 0.1 * step_s
-            lv = float(loss.detach())
+            lv = loss_sum
             self.stats.loss_ema = lv if self.stats.steps == 1 else 0.95 * self.stats.loss_ema + 0.05 * lv
         return False
+
+    def run_tokens(self) -> float:
+        """The run's global token count now: the last value read from Redis plus our tokens since."""
+        seen, ours_then = self._global_tokens
+        return seen + (self.stats.tokens - ours_then)
+
+    def _autocast(self) -> Any:
+        """bf16 autocast of the forward pass (``learner.autocast``), or a no-op context."""
+        import contextlib
+        mode = self.options.autocast
+        if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
     def _flush(self) -> None:
         """After the last step: answer each fragment's next round once more so that no step this
@@ -579,7 +604,11 @@ class Learner:
                     self._shard_endpoints = (shards, eps)
                 pipe = self.redis.pipeline(transaction=False)
                 control.beat(pipe, self.keys, self.id, self._counters(), self.options.heartbeat_ttl_s)
-                pipe.execute()
+                ours = self.stats.tokens
+                pipe.incrby(self.keys.tokens, ours - self._tokens_reported)   # the run's global token count
+                total = pipe.execute()[-1]
+                self._tokens_reported = ours
+                self._global_tokens = (int(total), ours)
                 if not redis_ok:
                     self.log.info("learner.redis_back")
                 redis_ok = True
@@ -592,7 +621,7 @@ class Learner:
     def _counters(self) -> dict[str, Any]:
         s = self.stats
         return {"status": self.status, "steps": s.steps, "tokens": s.tokens, "step_ema_s": round(s.step_ema_s, 6),
-                "loss_ema": round(s.loss_ema, 5), "answers": s.answers, "merges_applied": s.merges_applied,
+                "loss_ema": round(s.loss_ema, 5), "lr": s.lr, "answers": s.answers, "merges_applied": s.merges_applied,
                 "version_gaps": s.version_gaps, "stale_opens": s.stale_opens, "flushed": s.flushed,
                 "unflushed": s.unflushed, "fetches": s.fetches, "malformed": s.malformed,
                 "bytes_up": s.bytes_up, "bytes_down": s.bytes_down, "train_s": round(s.train_s, 3),
@@ -600,7 +629,7 @@ class Learner:
                 "started_at": self._process_started_at, "updated_at": time.time(),
                 "last_contrib_fragment": s.last_contrib_fragment, "last_contrib_at": s.last_contrib_at,
                 "data_shard": self.options.data_shard, "pid": os.getpid(),
-                "data_position": self.data_position + s.steps}
+                "data_position": self.data_position + s.batches}
 
     def _leave(self) -> None:
         try:
@@ -608,6 +637,7 @@ class Learner:
             pipe.hset(self.keys.learner(self.id), mapping={**self._counters(), "stopped_at": time.time()})
             control.leave(pipe, self.keys, self.id)
             control.add_event(pipe, self.keys, "leave", learner=self.id, steps=self.stats.steps)
+            pipe.incrby(self.keys.tokens, self.stats.tokens - self._tokens_reported)
             pipe.execute()
         except (redis.RedisError, AttributeError):
             pass

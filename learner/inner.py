@@ -1,31 +1,76 @@
 """The inner optimizer (ALGORITHM §3), one definition for the learner and every baseline
-(`ddloco compare` runs DDP, one learner alone and synchronous DiLoCo with this same AdamW)."""
+(`ddloco compare` runs DDP, one learner alone and synchronous DiLoCo with this same AdamW).
+
+Learning rate of an inner step (``lr_at``)::
+
+    lr = inner_lr · schedule(T) · min(1, (s + 1) / inner_warmup_steps)
+
+``T`` is the *run's* global token count (Redis counter, all learners together) and ``s`` the
+step within this learner's life. ``schedule`` warms up linearly over ``lr_warmup_tokens``, then
+stays constant or decays (cosine or linear) to ``lr_min_ratio`` at ``lr_decay_tokens``. A learner
+that joins late or restarts therefore lands at the run's point of the schedule; the short
+per-life ramp ``inner_warmup_steps`` only protects its freshly zeroed AdamW moments.
+"""
 from __future__ import annotations
 
-from typing import Iterable
+import math
+from typing import Callable, Iterable
 
 import torch
 
 from common.config import AlgoConfig
 
-ADAMW_BETAS = (0.9, 0.95)
-"""AdamW betas of the inner loop (nanoGPT's)."""
+
+def schedule_factor(algo: AlgoConfig, tokens: float) -> float:
+    """The run schedule's multiplier of ``inner_lr`` at global token count ``tokens``."""
+    warm = algo.lr_warmup_tokens
+    if warm > 0 and tokens < warm:
+        return max(tokens, 0.0) / warm
+    if algo.lr_schedule == "constant":
+        return 1.0
+    span = algo.lr_decay_tokens - warm
+    progress = min(1.0, max(0.0, (tokens - warm) / span)) if span > 0 else 1.0
+    low = algo.lr_min_ratio
+    if algo.lr_schedule == "cosine":
+        return low + (1.0 - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0 - (1.0 - low) * progress                                     # linear
 
 
-def make_inner_optimizer(params: Iterable[torch.nn.Parameter], algo: AlgoConfig
+def lr_at(algo: AlgoConfig, tokens: float, life_step: int) -> float:
+    """Learning rate of the inner step number ``life_step`` (0-based, this life) at global
+    token count ``tokens``."""
+    local = min(1.0, (life_step + 1) / max(1, algo.inner_warmup_steps))
+    return algo.inner_lr * schedule_factor(algo, tokens) * local
+
+
+def make_inner_optimizer(params: Iterable[torch.nn.Parameter], algo: AlgoConfig,
+                         tokens: Callable[[], float] | None = None
                          ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW at ``algo.inner_lr`` with a linear warm-up over ``algo.inner_warmup_steps`` steps."""
-    opt = torch.optim.AdamW(params, lr=algo.inner_lr, betas=ADAMW_BETAS,
+    """AdamW (``inner_beta1``, ``inner_beta2``, ``inner_weight_decay``) whose learning rate
+    follows ``lr_at`` with ``tokens()`` as the global token count (None: 0, i.e. the schedule's
+    start; only the per-life ramp then moves the learning rate)."""
+    opt = torch.optim.AdamW(params, lr=algo.inner_lr, betas=(algo.inner_beta1, algo.inner_beta2),
                             weight_decay=algo.inner_weight_decay)
-    warm = max(1, algo.inner_warmup_steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    count = tokens or (lambda: 0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(algo, count(), s) / algo.inner_lr)
     return opt, sched
 
 
+def apply_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
+               algo: AlgoConfig | None = None) -> float:
+    """After the (accumulated) backward passes: clip the gradient norm to ``inner_grad_clip``
+    (when > 0), step, advance the schedule. Returns the learning rate used."""
+    if algo is not None and algo.inner_grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), algo.inner_grad_clip)
+    lr = opt.param_groups[0]["lr"]
+    opt.step()
+    sched.step()
+    return lr
+
+
 def inner_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
-               loss: torch.Tensor) -> None:
+               loss: torch.Tensor, algo: AlgoConfig | None = None) -> float:
     """θ ← AdamW(θ, ∇L): backward of ``loss``, one optimizer step, one schedule step."""
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    opt.step()
-    sched.step()
+    return apply_step(model, opt, sched, algo)

@@ -165,7 +165,11 @@ class Shard:
             theta = self._as_broadcast(gather(params, self.plan[p]))
             self.frags[p] = FragmentState(spec=self.plan[p], theta=theta, momentum=torch.zeros_like(theta),
                                           history={0: theta.clone()})
+        self.run_tokens = 0
+        """The run's global token count as last seen in Redis (checkpointed; restored after a restart)."""
         self._load_checkpoint()
+        if self.run_tokens:  # Redis may have restarted empty: the learners' LR schedule must not go back
+            control.raise_counter(self.redis, self.keys.tokens, self.run_tokens)
         self._open_sockets()
         self.started_at = self.clock()
         self._refresh_control(force=True)
@@ -248,7 +252,7 @@ class Shard:
             "fragments": {p: {"theta": f.theta, "momentum": f.momentum, "version": f.version,
                               "history": f.history, "next_round": f.next_round}
                           for p, f in self.frags.items()},
-            "merges": self.stats.merges, "saved_at": time.time(),
+            "merges": self.stats.merges, "saved_at": time.time(), "run_tokens": self.run_tokens,
         }
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         try:
@@ -285,6 +289,7 @@ class Shard:
             f.history = {int(v): t for v, t in fs["history"].items()}
             f.next_round = int(fs["next_round"])
         self.stats.merges = int(state.get("merges", 0))
+        self.run_tokens = int(state.get("run_tokens", 0))
         self.log.info("syncer.resumed", path=str(path), versions={p: f.version for p, f in self.frags.items()})
 
     # ---------------------------------------------------------------- the loop
@@ -526,7 +531,8 @@ class Shard:
                                                           "round": -1 if f.round is None else f.round.round_id})
             control.publish_run_config(pipe, self.keys, self.run)  # rebuilds it after an empty restart
             pipe.hsetnx(self.keys.config, "shards", self.options.shards)
-            pipe.execute()
+            pipe.get(self.keys.tokens)
+            self.run_tokens = max(self.run_tokens, int(pipe.execute()[-1] or 0))
             if not self._redis_ok:
                 self.log.info("syncer.redis_back")
             self._redis_ok = True

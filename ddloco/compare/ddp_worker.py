@@ -58,7 +58,7 @@ def main() -> int:
         for t in range(1, steps + 1):
             batch = next(data)
             tokens_per_step = count_tokens(task, batch) * world
-            inner_step(ddp, opt, sched, scalar_loss(task, ddp, batch_to(batch, device)))
+            inner_step(ddp, opt, sched, scalar_loss(task, ddp, batch_to(batch, device)), run.algo)
             if rank == 0 and t in marks:
                 curve.append((tokens_per_step * t, evaluate(task, model)))
         wall = time.perf_counter() - t0

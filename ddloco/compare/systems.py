@@ -79,7 +79,7 @@ def _train_alone(task: Task, algo: AlgoConfig, data: Iterator[Any], *, seed: int
     model.train()
     for t in range(1, steps + 1):
         batch = next(data)
-        inner_step(model, opt, sched, scalar_loss(task, model, batch))
+        inner_step(model, opt, sched, scalar_loss(task, model, batch), algo)
         tokens += count_tokens(task, batch)
         if t in marks:
             curve.append((tokens, evaluate(task, model)))
@@ -169,7 +169,7 @@ def run_diloco_sync(task: Task, algo: AlgoConfig, *, learners: int, steps: int, 
     for t in range(1, steps + 1):
         for r in reps:
             batch = next(r.data)
-            inner_step(r.model, r.opt, r.sched, scalar_loss(task, r.model, batch))
+            inner_step(r.model, r.opt, r.sched, scalar_loss(task, r.model, batch), algo)
             tokens += count_tokens(task, batch)
         pending_mark = pending_mark or t in marks
         if t % H == 0 or t == steps:
@@ -263,7 +263,7 @@ def run_decoupled_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps
     for t in range(1, steps + 1):
         for m, r in enumerate(reps):
             batch = next(r.data)
-            inner_step(r.model, r.opt, r.sched, scalar_loss(task, r.model, batch))
+            inner_step(r.model, r.opt, r.sched, scalar_loss(task, r.model, batch), algo)
             n_tok = count_tokens(task, batch)
             tokens += n_tok
             for p in range(len(plan)):

@@ -166,3 +166,33 @@ def test_bad_tasks_exit_2_with_one_line_and_write_nothing_to_redis(tmp_path, red
         assert res.returncode == 2, (command, extra, res.stderr[-1500:])
         assert needle in res.stderr and "Traceback" not in res.stderr, res.stderr[-1500:]
         assert control.connect(redis_server.url).keys("*") == [], f"{extra} wrote to Redis"
+
+
+def test_a_learner_restarted_at_global_token_count_t_uses_the_scheduled_lr_for_t(make_cluster):
+    from learner.inner import lr_at
+    algo = AlgoConfig(fragments=2, sync_every_steps=4, inner_warmup_steps=1, lr_schedule="cosine",
+                      lr_warmup_tokens=64, lr_decay_tokens=3000, lr_min_ratio=0.1)
+    cluster = make_cluster(RunConfig(algo=algo))
+    cluster.start_shard(0, 1)
+    first = cluster.learner("a", 0, max_steps=60)
+    cluster.start_learner(first).join(timeout=60)
+    r = control.connect(cluster.endpoints.redis_url)
+    t_run = int(r.get(Keys(cluster.endpoints.run_id).tokens))
+    assert t_run == 60 * 16, "the run's token counter misses tokens"
+    again = cluster.learner("a", 0, max_steps=1)      # the same learner restarted: one step
+    cluster.start_learner(again).join(timeout=60)
+    assert not cluster.errors, cluster.errors
+    assert again.stats.lr == pytest.approx(lr_at(algo, t_run, 0)), (again.stats.lr, t_run)
+    assert again.stats.lr < 0.9 * lr_at(algo, 64, 0)     # decayed: not the start of the schedule
+    assert again.data_position == 60
+
+
+def test_gradient_accumulation_counts_every_micro_batch_and_its_data_position(make_cluster):
+    algo = AlgoConfig(fragments=2, sync_every_steps=4, inner_warmup_steps=1, inner_grad_accum=3, inner_grad_clip=1.0)
+    cluster = make_cluster(RunConfig(algo=algo))
+    cluster.start_shard(0, 1)
+    learner = cluster.learner("acc", 0, max_steps=2, flush_timeout_s=0)
+    cluster.start_learner(learner).join(timeout=60)
+    assert not cluster.errors, cluster.errors
+    assert learner.stats.steps == 2 and learner.stats.tokens == 2 * 3 * 16
+    assert learner.data_position == 0 and int(learner._counters()["data_position"]) == 6   # batches, not steps

@@ -216,3 +216,33 @@ def test_buffers_take_the_learners_weighted_average_and_counters_the_largest_val
     assert new[3].item() == 14.0                                     # the largest learner value
     assert torch.equal(mom[2:], torch.zeros(2))
     assert not torch.allclose(new[:2], weights @ learners[:, :2])   # parameters still take the outer step
+
+
+def test_inner_learning_rate_follows_the_run_schedule_on_global_tokens() -> None:
+    from common.config import AlgoConfig
+    from learner.inner import lr_at, schedule_factor
+    cos = AlgoConfig(inner_lr=1e-3, lr_schedule="cosine", lr_warmup_tokens=100, lr_decay_tokens=1100,
+                     lr_min_ratio=0.1, inner_warmup_steps=1)
+    assert schedule_factor(cos, 0) == 0.0 and schedule_factor(cos, 50) == pytest.approx(0.5)
+    assert schedule_factor(cos, 100) == pytest.approx(1.0)
+    assert schedule_factor(cos, 600) == pytest.approx(0.1 + 0.9 * 0.5)          # half-way: cos(pi/2) = 0
+    assert schedule_factor(cos, 1100) == pytest.approx(0.1) == schedule_factor(cos, 5000)
+    lin = AlgoConfig(lr_schedule="linear", lr_decay_tokens=1000, lr_min_ratio=0.0)
+    assert schedule_factor(lin, 250) == pytest.approx(0.75)
+    assert schedule_factor(AlgoConfig(), 10**9) == 1.0                           # constant by default
+    ramp = AlgoConfig(inner_lr=1e-3, inner_warmup_steps=4)                       # per-life ramp (fresh AdamW)
+    assert [lr_at(ramp, 10**6, s) for s in range(5)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+    from common.config import ConfigError
+    with pytest.raises(ConfigError, match="lr_decay_tokens must exceed"):
+        AlgoConfig(lr_schedule="cosine", lr_warmup_tokens=10, lr_decay_tokens=5)
+
+
+def test_apply_step_clips_the_gradient_norm() -> None:
+    from common.config import AlgoConfig
+    from learner.inner import apply_step, make_inner_optimizer
+    model = torch.nn.Linear(4, 4)
+    opt, sched = make_inner_optimizer(model.parameters(), AlgoConfig(inner_grad_clip=0.5, inner_warmup_steps=1))
+    (model(torch.ones(2, 4)) * 1000).sum().backward()
+    apply_step(model, opt, sched, AlgoConfig(inner_grad_clip=0.5))
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+    assert norm == pytest.approx(0.5, rel=1e-4)
