@@ -49,6 +49,14 @@ def _add_algo(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-grace", action="store_true", help="disable the adaptive grace window")
     g.add_argument("--lockstep", action="store_true", help="synchronous DiLoCo baseline (learners wait every H steps)")
     g.add_argument("--seed", type=int, help="seed of model init and data (default 0)")
+    g.add_argument("--inner-lr", type=float, help="AdamW learning rate of the inner loop (default 3e-3)")
+    g.add_argument("--weight-decay", type=float, help="AdamW weight decay of the inner loop (default 0)")
+    g.add_argument("--grad-clip", type=float, help="clip the inner gradient norm to this (default 0: off)")
+    g.add_argument("--grad-accum", type=int, help="micro-batches per inner step (default 1)")
+    g.add_argument("--lr-schedule", choices=["constant", "cosine", "linear"],
+                   help="inner LR schedule on the run's global token count (default constant)")
+    g.add_argument("--lr-warmup-tokens", type=int, help="schedule warm-up over the run's first N tokens")
+    g.add_argument("--lr-decay-tokens", type=int, help="cosine/linear: global token count where decay ends")
     g = p.add_argument_group("task (must match the run's)")
     g.add_argument("--task", metavar="TASK", help="built-in task (gpt, gpt-moe, text, digits) or MODULE:ATTR, a "
                    "ddloco.Task or a callable returning one, imported from the current directory or PYTHONPATH "
@@ -82,7 +90,10 @@ def _resolve(args: argparse.Namespace) -> ConfigFile:
         algo = override(run.algo, fragments=args.fragments, sync_every_steps=args.sync_every, tau=args.tau,
                         quorum=args.quorum, uplink_codec=args.codec,
                         grace_enabled=False if args.no_grace else None,
-                        lockstep=True if args.lockstep else None)
+                        lockstep=True if args.lockstep else None, inner_lr=args.inner_lr,
+                        inner_weight_decay=args.weight_decay, inner_grad_clip=args.grad_clip,
+                        inner_grad_accum=args.grad_accum, lr_schedule=args.lr_schedule,
+                        lr_warmup_tokens=args.lr_warmup_tokens, lr_decay_tokens=args.lr_decay_tokens)
         run = override(run, algo=algo, task=_task_from_args(args, override(run.task, seed=args.seed)))
     return override(cfg, run=run, endpoints=endpoints)
 
@@ -91,7 +102,8 @@ def _algo_given(args: argparse.Namespace) -> bool:
     return args.config is not None or any(
         getattr(args, k, None) not in (None, False)
         for k in ("fragments", "sync_every", "tau", "quorum", "codec", "no_grace", "lockstep", "seed", "task",
-                  "task_arg")) or bool(os.environ.get("DDLOCO_TASK"))
+                  "task_arg", "inner_lr", "weight_decay", "grad_clip", "grad_accum", "lr_schedule",
+                  "lr_warmup_tokens", "lr_decay_tokens")) or bool(os.environ.get("DDLOCO_TASK"))
 
 
 def _setup_logging(args: argparse.Namespace) -> None:
@@ -149,7 +161,7 @@ def cmd_learner(args: argparse.Namespace) -> int:
     cfg = _resolve(args)
     opts = override(cfg.learner, learner_id=args.learner_id, data_shard=args.data_shard, max_steps=args.steps,
                     slowdown=args.slowdown, step_time_floor_ms=args.step_time_floor_ms, threads=args.threads,
-                    device=args.device)
+                    device=args.device, autocast=args.autocast)
     _setup_logging(args)
     stop = threading.Event()
     install_stop_handlers(stop)
@@ -287,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-time-floor-ms", type=float, help="emulated accelerator step time")
     p.add_argument("--threads", type=int, help="torch threads (default 1)")
     p.add_argument("--device", help="auto (cuda if available), cpu, cuda, cuda:N (default auto)")
+    p.add_argument("--autocast", choices=["auto", "bf16", "off"], help="mixed precision of the forward pass "
+                   "(default auto: bf16 on CUDA, none on CPU)")
     p.set_defaults(func=cmd_learner)
 
     sub.add_parser("sim", help="goodput simulator at paper scale (ddloco sim --help)", add_help=False)
