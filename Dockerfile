@@ -11,6 +11,9 @@ COPY broker broker
 COPY ddloco ddloco
 COPY sim sim
 COPY bench bench
+COPY tasks tasks
+# your task module: put it next to examples/ (or mount it) and set DDLOCO_TASK=module:attr
+COPY examples examples
 RUN pip install --no-cache-dir .
 ENV PYTHONUNBUFFERED=1
 ENTRYPOINT ["ddloco"]

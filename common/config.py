@@ -238,7 +238,8 @@ class LearnerOptions:
     step_time_floor_ms: float = 0.0
     """Emulated accelerator step time: a step never takes less than this."""
     threads: int = 1
-    """torch intra-op threads (share the cores between co-located learners)."""
+    """torch intra-op threads of the `ddloco learner` daemon (share the cores between co-located
+    learners); the Python API leaves torch's setting to the caller."""
     device: str = "auto"
     """Where the inner steps run: "auto" (cuda when available, else cpu), "cpu", "cuda", "cuda:1"..."""
     autocast: str = "auto"

@@ -166,6 +166,8 @@ def cmd_learner(args: argparse.Namespace) -> int:
     stop = threading.Event()
     install_stop_handlers(stop)
     run = cfg.run if _algo_given(args) else None
+    import torch
+    torch.set_num_threads(opts.threads)  # the daemon's cores (`up` shares them between its learners)
     try:
         train(endpoints=cfg.endpoints, options=opts, run=run, stop=stop)
     except LearnerRefused as e:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import threading
 
-import torch
-
 from common.config import Endpoints, LearnerOptions, RunConfig
 from learner.core import Learner, LearnerSummary
 from tasks.contract import Task
@@ -26,5 +24,4 @@ def train(*, endpoints: Endpoints, task: Task | None = None, options: LearnerOpt
 
     ``run`` None joins with the run's config from Redis; a given ``run`` must equal it (or starts
     the run when there is none yet)."""
-    torch.set_num_threads(options.threads)
     return Learner(endpoints=endpoints, options=options, task=task, run=run, stop=stop).run()
