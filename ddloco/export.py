@@ -52,7 +52,7 @@ def from_live_run(redis_url: str, run_id: str, *, task: Task | None = None,
     r = control.connect(redis_url)
     keys = Keys(run_id)
     try:
-        run = control.fetch_run_config(r, keys)
+        run = control.fetch_run_config(r, keys, wait_s=timeout_s)
         task, run = bind_task(run, task)
         n = run.algo.fragments
         try:
@@ -161,6 +161,7 @@ def main(argv: Sequence[str]) -> int:
     src = ap.add_argument_group("source: a live run, or a stopped one's checkpoints")
     src.add_argument("--redis-url", help="the live run's Redis")
     src.add_argument("--run-id", help="the run (required with --redis-url; picks one run in --checkpoint-dir)")
+    src.add_argument("--broker-pub", "--broker-sub", dest="_broker", help=argparse.SUPPRESS)  # accepted, unused
     src.add_argument("--checkpoint-dir", help="the shards' checkpoint directory (runs/<run>-<time>/checkpoints "
                      "for `ddloco up`)")
     args = ap.parse_args(list(argv))

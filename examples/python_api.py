@@ -33,26 +33,34 @@ def main(steps: int = 150) -> dict[str, float]:
                     for k in range(2)]
         for t in daemons:
             t.start()
-        initial = evaluate(my_task, ddloco.load_global_model(redis_url=redis.url, run_id=ep.run_id, task=my_task))
+        try:
+            return _train(my_task, ep, run, steps, stop, redis.url)
+        finally:
+            stop.set()          # the broker and shards end (the shards checkpoint) whatever happened
+            for t in daemons:
+                t.join()
 
-        def learner(name: str, stream: int) -> threading.Thread:
-            opts = LearnerOptions(learner_id=name, data_shard=stream, max_steps=steps)
-            t = threading.Thread(target=ddloco.train, args=(my_task,), kwargs=dict(endpoints=ep, run=run, options=opts))
-            t.start()
-            return t
 
-        learners = [learner(f"learner-{m}", m) for m in range(3)]
-        r = control.connect(redis.url)
-        while int(r.hget(Keys(ep.run_id).learner("learner-0"), "steps") or 0) < steps // 3:
-            stop.wait(0.2)                                       # the run is under way: a 4th learner joins
-        learners.append(learner("learner-late", 3))
-        for t in learners:
-            t.join()
-        model = ddloco.load_global_model(redis_url=redis.url, run_id=ep.run_id, task=my_task)
-        final = evaluate(my_task, model)
-        stop.set()
-        for t in daemons:
-            t.join()
+def _train(my_task: ddloco.Task, ep: Endpoints, run: RunConfig, steps: int, stop: threading.Event,
+           redis_url: str) -> dict[str, float]:
+    # the shards' initial model (load_global_model waits for the run to appear in Redis)
+    initial = evaluate(my_task, ddloco.load_global_model(redis_url=redis_url, run_id=ep.run_id, task=my_task))
+
+    def learner(name: str, stream: int) -> threading.Thread:
+        opts = LearnerOptions(learner_id=name, data_shard=stream, max_steps=steps)
+        t = threading.Thread(target=ddloco.train, args=(my_task,), kwargs=dict(endpoints=ep, run=run, options=opts))
+        t.start()
+        return t
+
+    learners = [learner(f"learner-{m}", m) for m in range(3)]
+    r = control.connect(redis_url)
+    while int(r.hget(Keys(ep.run_id).learner("learner-0"), "steps") or 0) < steps // 3:
+        stop.wait(0.2)                                       # the run is under way: a 4th learner joins
+    learners.append(learner("learner-late", 3))
+    for t in learners:
+        t.join()
+    model = ddloco.load_global_model(redis_url=redis_url, run_id=ep.run_id, task=my_task)
+    final = evaluate(my_task, model)
     print(f"global model held-out loss {initial:.4f} -> {final:.4f} ({final / initial:.2f}x), "
           f"4 learners x {steps} steps, the 4th joined after a third of the run")
     return {"initial": initial, "final": final}

@@ -20,6 +20,7 @@ import inspect
 import math
 import os
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Mapping
 
@@ -178,9 +179,14 @@ def parse_value(raw: str) -> Any:
 
 
 # ---------------------------------------------------------------------------- using a task
+_BUILD_LOCK = threading.Lock()
+"""Builds seed torch's one global RNG: shards and learners running as threads of one process
+(the Python API) must not interleave their draws."""
+
+
 def build_model(task: Task, seed: int) -> nn.Module:
     """``task.model()`` with torch's global RNG seeded by ``seed`` (and restored afterwards)."""
-    with torch.random.fork_rng(devices=[]):
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = task.model()
     if not isinstance(model, nn.Module):
@@ -315,6 +321,7 @@ def bind_task(run: "RunConfig", task: Task | None = None) -> tuple[Task, "RunCon
     task (it came from Redis or a checkpoint), the loaded one must report the same name and
     config: TaskError names what differs.
     """
+    given = task is not None
     if task is None:
         if not run.task.spec:
             raise TaskError("the run's task was handed over as a Python object (no task spec in its config); "
@@ -330,4 +337,8 @@ def bind_task(run: "RunConfig", task: Task | None = None) -> tuple[Task, "RunCon
                 if config.get(k) != want.config.get(k)]
         raise TaskError(f"task {task.name!r} config differs from the run's: {', '.join(diff)}")
     bound = dataclasses.replace(want, name=task.name, config=config)
+    if given and not want.name and want.spec == "gpt" and task.name != "gpt":
+        # a Task object with the default spec: no spec says how to load it (a process joining
+        # without a task is told so); set run.task.spec to its MODULE:ATTR to let such processes in
+        bound = dataclasses.replace(bound, spec="")
     return task, dataclasses.replace(run, task=bound)

@@ -171,3 +171,18 @@ def test_bind_fills_name_and_config_and_refuses_a_different_config() -> None:
                                                                           "path": "data/x"}
     with pytest.raises(TaskError, match="KEY=VALUE"):
         parse_task_args(["novalue"])
+
+
+def test_models_built_by_concurrent_threads_are_identical() -> None:
+    """Shards and learners of the Python API are threads of one process: their builds share
+    torch's global RNG and must not interleave."""
+    import threading
+    task = load_task("gpt", dict(SMALL, n_layer=4))
+    built: list[dict] = []
+    threads = [threading.Thread(target=lambda: built.append(build_model(task, 0).state_dict())) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(built) == 6
+    assert all(torch.equal(b[k], built[0][k]) for b in built for k in b), "concurrent builds differ"
