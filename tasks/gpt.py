@@ -78,10 +78,14 @@ def list_source_files(root: str, *, suffix: str = ".py", skipped: frozenset[str]
     return found
 
 
+def _split_score(rel_path: str, seed: int) -> float:
+    digest = hashlib.blake2b(f"{seed}:{rel_path}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64
+
+
 def is_heldout(rel_path: str, *, seed: int, heldout_fraction: float) -> bool:
     """Seeded, platform-independent decision whether a file belongs to the held-out split."""
-    digest = hashlib.blake2b(f"{seed}:{rel_path}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2.0**64 < heldout_fraction
+    return _split_score(rel_path, seed) < heldout_fraction
 
 
 def _join(chunks: list[np.ndarray]) -> np.ndarray:
@@ -107,7 +111,11 @@ def _load_corpus(root: str, suffix: str, seed: int, heldout_fraction: float, max
     heldout_files: list[str] = []
     total = 0
     skipped = SKIPPED_DIRS if suffix == ".py" else frozenset({"__pycache__"})
-    for rel in list_source_files(root, suffix=suffix, skipped=skipped):
+    files = list_source_files(root, suffix=suffix, skipped=skipped)
+    # a few files may all hash into one split: then the file with the lowest score is held out
+    forced = (min(files, key=lambda f: _split_score(f, seed)) if len(files) >= 2 and not any(
+        is_heldout(f, seed=seed, heldout_fraction=heldout_fraction) for f in files) else None)
+    for rel in files:
         try:
             with open(os.path.join(root, rel), "rb") as fh:
                 data = fh.read()
@@ -117,7 +125,7 @@ def _load_corpus(root: str, suffix: str, seed: int, heldout_fraction: float, max
             break
         total += len(data)
         arr = np.frombuffer(data, dtype=np.uint8)
-        if is_heldout(rel, seed=seed, heldout_fraction=heldout_fraction):
+        if rel == forced or is_heldout(rel, seed=seed, heldout_fraction=heldout_fraction):
             heldout.append(arr)
             heldout_files.append(rel)
         else:

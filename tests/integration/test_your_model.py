@@ -196,3 +196,16 @@ def test_gradient_accumulation_counts_every_micro_batch_and_its_data_position(ma
     assert not cluster.errors, cluster.errors
     assert learner.stats.steps == 2 and learner.stats.tokens == 2 * 3 * 16
     assert learner.data_position == 0 and int(learner._counters()["data_position"]) == 6   # batches, not steps
+
+
+def test_digits_with_four_learners_exports_a_model_of_at_least_90_percent_accuracy(tmp_path):
+    report = tmp_path / "report"
+    res = ddloco("up", "--task", "digits", "--learners", "4", "--syncers", "2", "--steps", "150",
+                 "--report", str(report), "--run-id", "digits", cwd=tmp_path, timeout=280)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    from ddloco.export import load_state
+    from tasks.contract import load_task
+    from tasks.digits import heldout_accuracy
+    model = load_task("digits").model()
+    model.load_state_dict(load_state(report / "model.safetensors"), strict=True)
+    assert heldout_accuracy(model) >= 0.9

@@ -105,6 +105,12 @@ def test_text_task_trains_on_a_directory_of_files_with_a_split_by_file(tmp_path)
     assert math.isfinite(evaluate(task, model))
     with pytest.raises(TaskError, match="needs --task-arg path"):
         load_task("text")
+    few = tmp_path / "few"
+    few.mkdir()
+    for i in range(3):   # too few files for a 10 % hash split: one of them is held out all the same
+        (few / f"f{i}.txt").write_text("some words to model. " * 40)
+    small = load_task("text", {"path": str(few), "seq_len": 16, "n_layer": 1})
+    assert small.config["files"] == [2, 1]
     with pytest.raises(TaskError, match="does not exist"):
         load_task("text", {"path": str(tmp_path / "missing")})
 
