@@ -17,7 +17,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import redis
@@ -26,7 +26,7 @@ import zmq
 
 from common import control, wire
 from common.config import ConfigError, Endpoints, LearnerOptions, RunConfig
-from common.fragments import (Fragment, describe_plan_difference, gather, model_plan, plan_digest, plan_layout,
+from common.fragments import (Fragment, describe_plan_difference, gather, model_plan, plan_digest,
                               scatter, state_tensors)
 from common.keys import Keys
 from common.merge import Contribution, receive_merged

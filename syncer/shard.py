@@ -10,7 +10,6 @@ merge, how long the grace window is, the merge itself) is a pure function from
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import secrets

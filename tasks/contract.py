@@ -28,6 +28,8 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from common.config import RunConfig
 
 
@@ -176,6 +178,25 @@ def parse_value(raw: str) -> Any:
         except ValueError:
             pass
     return raw
+
+
+def indexed_batches(draw: Callable[["np.random.Generator"], Any], *, max_stream: int = 2**31 - 2
+                    ) -> Callable[[int, int, int], Iterable[Any]]:
+    """A ``Task.batches`` whose batch k of (stream, seed) is ``draw(rng)`` with ``rng`` seeded by
+    ``(seed, stream, k)`` alone, so starting at any ``start`` is exact (a restarted learner
+    resumes its stream). Streams above ``max_stream`` are refused (keep one for held-out data)."""
+    import numpy as np
+
+    def batches(stream: int, seed: int, start: int) -> Iterable[Any]:
+        if not 0 <= stream <= max_stream:
+            raise TaskError(f"stream must be in [0, {max_stream}], got {stream}")
+        if start < 0:
+            raise TaskError(f"start must be >= 0, got {start}")
+        step = start
+        while True:
+            yield draw(np.random.default_rng([seed, stream, step]))
+            step += 1
+    return batches
 
 
 # ---------------------------------------------------------------------------- using a task

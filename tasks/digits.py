@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.contract import Task, TaskError
+from tasks.contract import Task, TaskError, indexed_batches
 
 N_CLASSES = 10
 """Digits 0..9."""
@@ -139,17 +138,11 @@ def digits(*, batch_size: int = 32, width: int = 16, eval_fraction: float = 0.2,
     def model() -> DigitsCNN:
         return DigitsCNN(width)  # torch's default init, from the global RNG the run has seeded
 
-    def batches(stream: int, seed: int, start: int) -> Iterator[Batch]:
-        if stream < 0:
-            raise TaskError(f"stream must be >= 0, got {stream}")
-        if start < 0:
-            raise TaskError(f"start must be >= 0, got {start}")
-        step = start
-        while True:  # batch k depends on (seed, stream, k) only: resuming at any k is exact
-            rng = np.random.default_rng([seed, stream, step])
-            idx = torch.from_numpy(rng.choice(n_train, size=batch_size, replace=batch_size > n_train))
-            yield Batch(images=split.train_images[idx], labels=split.train_labels[idx], tokens=batch_size)
-            step += 1
+    def draw(rng: np.random.Generator) -> Batch:
+        idx = torch.from_numpy(rng.choice(n_train, size=batch_size, replace=batch_size > n_train))
+        return Batch(images=split.train_images[idx], labels=split.train_labels[idx], tokens=batch_size)
+
+    batches = indexed_batches(draw)   # batch k depends on (seed, stream, k) only: resuming is exact
 
     config = dict(batch_size=batch_size, width=width, eval_fraction=float(eval_fraction), split_seed=split_seed,
                   eval_batch_size=eval_batch_size, images=[n_train, n_heldout])

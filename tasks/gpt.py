@@ -23,14 +23,14 @@ import math
 import os
 import sysconfig
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.contract import Task, TaskError
+from tasks.contract import Task, TaskError, indexed_batches
 
 VOCAB_SIZE = 256
 """Byte-level vocabulary."""
@@ -326,17 +326,8 @@ def language_model_task(name: str, corpus: Corpus, *, seq_len: int, batch_size: 
         gpt.initialise()
         return gpt
 
-    def batches(stream: int, seed: int, start: int) -> Iterator[Batch]:
-        if stream < 0 or stream >= _EVAL_STREAM:
-            raise TaskError(f"stream must be in [0, {_EVAL_STREAM}), got {stream}")
-        if start < 0:
-            raise TaskError(f"start must be >= 0, got {start}")
-        step = start
-        while True:  # batch k depends on (seed, stream, k) only: resuming at any k is exact
-            rng = np.random.default_rng([seed, stream, step])
-            yield _windows(corpus.train, rng, batch_size, seq_len)
-            step += 1
-
+    batches = indexed_batches(lambda rng: _windows(corpus.train, rng, batch_size, seq_len),
+                              max_stream=_EVAL_STREAM - 1)
     return Task(name=name, model=model, batches=batches, loss=lm_loss, eval_batches=lambda: iter(eval_set),
                 embedding_names=("wte.weight", "wpe.weight"), config=config)
 
