@@ -122,7 +122,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
     """A whole cluster until the learners' step budget or the time cap; ``resume`` is the work
     directory of a stopped run to continue (same run id, shard checkpoints, learner positions)."""
     from common.redis_server import EmbeddedRedis, free_port
-    from common.fragments import model_plan
+    from common.fragments import model_plan, state_tensors
     from tasks.contract import bind_task, build_model, check_task
     up = cfg.up
     # every refusal (task cannot load, P does not fit, bad batch or loss) before anything starts
@@ -175,7 +175,9 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         if resume is not None:
             say(f"resume     {resume}: checkpoints of {up.syncers} shards, versions {previous.get('versions_total')}, "
                 f"{previous.get('tokens_total', 0):,} tokens so far")
-        say(f"run        {endpoints.run_id}: {up.learners} learners, {up.syncers} shards, "
+        n_values = sum(t.numel() for t in state_tensors(model).values())
+        say(f"run        {endpoints.run_id}: task {run.task.name} ({n_values:,} values), {up.learners} learners, "
+            f"{up.syncers} shards, "
             f"P={cfg.run.algo.fragments} H={cfg.run.algo.sync_every_steps} tau={cfg.run.algo.tau} "
             f"K={cfg.run.algo.quorum} codec={cfg.run.algo.uplink_codec}; logs in {workdir}/logs")
 

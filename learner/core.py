@@ -22,9 +22,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import redis
 import torch
-import zmq
 
-from common import control, wire
+from common import control
 from common.config import ConfigError, Endpoints, LearnerOptions, RunConfig
 from common.fragments import (Fragment, describe_plan_difference, gather, model_plan, plan_digest,
                               scatter, state_tensors)
@@ -32,7 +31,7 @@ from common.keys import Keys
 from common.merge import Contribution, receive_merged
 from common.lifecycle import process_start_time
 from common.log import get_logger
-from common.rpc import FragmentClient
+from learner.network import Answer, Fetch, FragmentArrived, NetworkThread, RoundOpened
 from learner.inner import apply_step, make_inner_optimizer
 from tasks.contract import Task, TaskError, batch_to, bind_task, build_model, check_task, count_tokens, scalar_loss
 
@@ -46,43 +45,6 @@ class LearnerRefused(RuntimeError):
 
 class JoinTimeout(RuntimeError):
     """The shards did not serve the current fragments in time."""
-
-
-@dataclass(frozen=True)
-class _Frag:
-    """Network -> training: a merged fragment (broadcast or reply to a request)."""
-
-    fragment: int
-    epoch: int
-    version: int
-    values: torch.Tensor
-    requested: bool
-
-
-@dataclass(frozen=True)
-class _Open:
-    """Network -> training: round ``round`` of ``fragment`` is open at ``version``."""
-
-    fragment: int
-    epoch: int
-    round: int
-    attempt: int
-    version: int
-
-
-@dataclass(frozen=True)
-class _Answer:
-    """Training -> network: a snapshot to answer a round with (delta computed off-thread)."""
-
-    fragment: int
-    epoch: int
-    round: int
-    attempt: int
-    base: int
-    base_values: torch.Tensor
-    snapshot: torch.Tensor
-    steps: int
-    tokens: int
 
 
 @dataclass
@@ -144,6 +106,9 @@ def resolve_learner_id(options: LearnerOptions) -> str:
 class Learner:
     """One learner. ``Learner(...).run()`` joins, trains until ``max_steps`` or ``stop``, leaves."""
 
+    network_class: type[NetworkThread] = NetworkThread
+    """The network thread (a test may wrap it to inject faults)."""
+
     def __init__(self, *, endpoints: Endpoints, options: LearnerOptions, task: Task | None = None,
                  run: RunConfig | None = None, stop: threading.Event | None = None) -> None:
         """``task``: the model and data (None: load the run's task from its config in Redis).
@@ -166,7 +131,6 @@ class Learner:
         self._endpoints_lock = threading.Lock()
         self._shard_endpoints: tuple[int, dict[int, str]] = (0, {})
         self._started_at = time.time()
-        self._sub_malformed = 0
         self.joined_versions: dict[int, int] = {}
         self._fatal: BaseException | None = None
         self._process_started_at = process_start_time() or self._started_at
@@ -212,7 +176,7 @@ class Learner:
         self.base_values: list[torch.Tensor | None] = [None] * n
         self.c_steps = np.zeros(n, dtype=np.int64)
         self.c_tokens = np.zeros(n, dtype=np.int64)
-        self._pending_open: dict[int, _Open] = {}
+        self._pending_open: dict[int, RoundOpened] = {}
         self._contributed: dict[int, Contribution] = {}
         self._answered: set[tuple[int, int, int, int]] = set()
         self._fetch_asked: dict[int, tuple[int, int, float]] = {}
@@ -235,7 +199,7 @@ class Learner:
         need = set(range(len(self.plan)))
         deadline = time.monotonic() + self.options.join_timeout_s
         last_log = 0.0
-        self._outbox.put(("fetch", tuple(sorted(need))))
+        self._outbox.put(Fetch(tuple(sorted(need))))
         asked = time.monotonic()
         while need and not self.stop.is_set():
             now = time.monotonic()
@@ -246,7 +210,7 @@ class Learner:
                 raise RuntimeError(f"learner helper thread failed: {self._fatal!r}") from self._fatal
             if now - asked > 2.0:  # lost request or shard not up yet: ask again
                 self._check_shard_plan()  # shards that registered since: refuse a layout mismatch now
-                self._outbox.put(("fetch", tuple(sorted(need))))
+                self._outbox.put(Fetch(tuple(sorted(need))))
                 asked = now
             if now - last_log > 5.0:
                 self.log.info("learner.join_waiting", have=len(self.plan) - len(need), of=len(self.plan))
@@ -255,16 +219,21 @@ class Learner:
                 item = self._inbox.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if isinstance(item, _Frag):
+            if isinstance(item, FragmentArrived):
                 self._apply(item, joining=True)
                 need.discard(item.fragment)
-            elif isinstance(item, _Open):
+            elif isinstance(item, RoundOpened):
                 self._pending_open[item.fragment] = item
 
     # ------------------------------------------------------------------ training thread
     def run(self) -> LearnerSummary:
         self._join_control()
-        threads = [threading.Thread(target=self._net_loop, name=f"{self.id}-net", daemon=True),
+        self.net = self.network_class(learner_id=self.id, endpoints=self.endpoints, codec=self.algo.uplink_codec,
+                                      numels=[f.numel for f in self.plan], inbox=self._inbox, outbox=self._outbox,
+                                      stats=self.stats, shard_endpoints=self._current_shard_endpoints,
+                                      stop=self._threads_stop)
+        threads = [threading.Thread(target=self._guarded, args=(self.net.run, "net"), name=f"{self.id}-net",
+                                    daemon=True),
                    threading.Thread(target=self._control_loop, name=f"{self.id}-control", daemon=True)]
         for t in threads:
             t.start()
@@ -403,9 +372,9 @@ class Learner:
             self._handle(item)
 
     def _handle(self, item: Any) -> None:
-        if isinstance(item, _Frag):
+        if isinstance(item, FragmentArrived):
             self._apply(item)
-        elif isinstance(item, _Open):
+        elif isinstance(item, RoundOpened):
             self._pending_open[item.fragment] = item
             p = item.fragment
             if item.epoch != self.base_epoch[p]:       # the shard restarted (maybe from an older
@@ -422,9 +391,9 @@ class Learner:
             return
         self._fetch_asked[p] = (epoch, version, now)
         self.stats.fetches += 1
-        self._outbox.put(("fetch", (p,)))
+        self._outbox.put(Fetch((p,)))
 
-    def _apply(self, item: _Frag, *, joining: bool = False) -> None:
+    def _apply(self, item: FragmentArrived, *, joining: bool = False) -> None:
         """Apply the merged Θ_p (§6): carry the unmerged steps, or overwrite / α-mix and reset counters.
 
         Versions order values within one epoch (one life of the owning shard); a value from
@@ -468,20 +437,16 @@ class Learner:
             self._answered.add(key)
             snapshot = gather(self.tensors, self.plan[p]).cpu()  # a copy; delta and quantization off-thread
             self._contributed[p] = Contribution(snapshot, int(self.c_steps[p]), int(self.c_tokens[p]))
-            self._outbox.put(("answer", _Answer(fragment=p, epoch=o.epoch, round=o.round, attempt=o.attempt,
-                                                base=int(self.base_version[p]), base_values=self.base_values[p],
-                                                snapshot=snapshot, steps=int(self.c_steps[p]),
-                                                tokens=int(self.c_tokens[p]))))
+            self._outbox.put(Answer(fragment=p, epoch=o.epoch, round=o.round, attempt=o.attempt,
+                                    base=int(self.base_version[p]), base_values=self.base_values[p],
+                                    snapshot=snapshot, steps=int(self.c_steps[p]), tokens=int(self.c_tokens[p])))
             self.stats.answers += 1
             self.stats.last_contrib_fragment = p
             self.stats.last_contrib_at = time.time()
         if len(self._answered) > 100_000:
             self._answered.clear()
 
-    # ------------------------------------------------------------------ network thread
-    def _net_loop(self) -> None:
-        self._guarded(self._net_loop_body, "net")
-
+    # ------------------------------------------------------------------ helper threads
     def _guarded(self, body: Callable[[], None], name: str) -> None:
         """A helper thread that dies must not leave a zombie learner (live in Redis, never
         syncing): record the error; the training thread raises it at its next step."""
@@ -491,107 +456,11 @@ class Learner:
             self.log.error("learner.thread_failed", thread=name, error=repr(e))
             self._fatal = e
 
-    def _net_loop_body(self) -> None:
-        ctx = zmq.Context()
-        run = self.endpoints.run_id
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, 10_000)
-        sub.connect(self.endpoints.broker_sub)
-        sub.setsockopt(zmq.SUBSCRIBE, wire.topic_prefix(run, wire.OPEN))
-        sub.setsockopt(zmq.SUBSCRIBE, wire.topic_prefix(run, wire.FRAG))
-        pub = ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.setsockopt(zmq.SNDHWM, 1_000)
-        pub.connect(self.endpoints.broker_pub)
-        client = FragmentClient(ctx, run_id=run, sender=self.id)
-        poller = zmq.Poller()
-        poller.register(sub, zmq.POLLIN)
-        registered: dict[int, zmq.Socket] = {}
-        unsent_fetch: set[int] = set()
-        try:
-            while not self._threads_stop.is_set():
-                with self._endpoints_lock:
-                    shards, eps = self._shard_endpoints
-                if eps != client.endpoints or shards != client.shards:
-                    for s in registered.values():
-                        poller.unregister(s)
-                    client.set_endpoints(shards, eps)
-                    registered = dict(client.sockets)
-                    for s in registered.values():
-                        poller.register(s, zmq.POLLIN)
-                self._net_send(pub, client, unsent_fetch)
-                for sock, _ in poller.poll(5):
-                    if sock is sub:
-                        self._net_receive_sub(sub)
-                    else:
-                        for msg in client.receive(sock):
-                            self._net_frag(msg, requested=True)
-                self.stats.malformed = self._sub_malformed + client.malformed
-        finally:
-            client.close()
-            ctx.destroy(linger=0)
-
-    def _net_send(self, pub: zmq.Socket, client: FragmentClient, unsent_fetch: set[int]) -> None:
-        for p in list(unsent_fetch):
-            if client.request(p):
-                unsent_fetch.discard(p)
-        while True:
-            try:
-                kind, item = self._outbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "fetch":
-                for p in item:
-                    if not client.request(p):
-                        unsent_fetch.add(p)
-                continue
-            a: _Answer = item
-            delta = a.snapshot - a.base_values                    # δ_m = θ_{m,p} − Θ_p^{base_m}
-            if not bool(torch.isfinite(delta).all()):
-                self.stats.nonfinite_answers += 1                  # diverged: never send NaN/inf
-                continue
-            frames = wire.encode(kind=wire.UPDATE, run=self.endpoints.run_id, sender=self.id, fragment=a.fragment,
-                                 values=delta, codec=self.algo.uplink_codec, epoch=a.epoch, round=a.round,
-                                 attempt=a.attempt,
-                                 base=a.base, steps=a.steps, tokens=a.tokens)
-            try:
-                pub.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                self.stats.bytes_up += wire.message_nbytes(frames)
-            except zmq.Again:
-                pass
-
-    def _net_receive_sub(self, sub: zmq.Socket) -> None:
-        for _ in range(256):
-            try:
-                frames = sub.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                msg = wire.decode(frames, expect_run=self.endpoints.run_id)
-            except wire.WireError:
-                self._sub_malformed += 1
-                continue
-            if msg.fragment >= len(self.plan):
-                self._sub_malformed += 1
-            elif msg.kind == wire.OPEN:
-                self._inbox.put(_Open(msg.fragment, msg.epoch, msg.round, msg.attempt, msg.version))
-            elif msg.kind == wire.FRAG:
-                self._net_frag(msg, requested=False)
-
-    def _net_frag(self, msg: wire.Message, *, requested: bool) -> None:
-        if msg.fragment >= len(self.plan) or msg.numel != self.plan[msg.fragment].numel:
-            self._sub_malformed += 1
-            return
-        try:
-            values = msg.values()
-        except wire.WireError:
-            self._sub_malformed += 1
-            return
-        self.stats.bytes_down += msg.payload_nbytes
-        self._inbox.put(_Frag(msg.fragment, msg.epoch, msg.version, values, requested))
-
     # ------------------------------------------------------------------ control thread
+    def _current_shard_endpoints(self) -> tuple[int, dict[int, str]]:
+        with self._endpoints_lock:
+            return self._shard_endpoints
+
     def _control_loop(self) -> None:
         self._guarded(self._control_loop_body, "control")
 

@@ -151,16 +151,20 @@ def test_shard_restarted_from_checkpoint_resumes_at_same_versions(make_cluster):
 
 def test_learner_that_misses_broadcasts_detects_the_gap_and_fetches_full_fragments(make_cluster):
     from learner.core import Learner
+    from learner.network import NetworkThread
+
+    class LossyNetwork(NetworkThread):
+        """Fault injection on a real learner: its network thread loses the first broadcasts."""
+
+        def on_fragment(self, msg, *, requested):
+            if not requested and LossyLearner.lost < 12:
+                LossyLearner.lost += 1
+                return
+            super().on_fragment(msg, requested=requested)
 
     class LossyLearner(Learner):
-        """Fault injection on a real learner: its network thread loses the first broadcasts."""
         lost = 0
-
-        def _net_frag(self, msg, *, requested):
-            if not requested and self.lost < 12:
-                self.lost += 1
-                return
-            super()._net_frag(msg, requested=requested)
+        network_class = LossyNetwork
 
     cluster = make_cluster(ASYNC)
     cluster.start_shard(0, 1)
