@@ -323,7 +323,9 @@ def language_model_task(name: str, corpus: Corpus, *, seq_len: int, batch_size: 
     def model() -> GPT:
         gpt = GPT(seq_len=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_experts=n_experts,
                   top_k=top_k)
-        gpt.initialise()
+        # every weight redrawn from a generator seeded by the run seed (build_model seeded torch
+        # with it): the same initial model as before the task contract, so published figures hold
+        gpt.initialise(torch.Generator().manual_seed(torch.initial_seed()))
         return gpt
 
     batches = indexed_batches(lambda rng: _windows(corpus.train, rng, batch_size, seq_len),
