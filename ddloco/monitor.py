@@ -71,11 +71,30 @@ class Monitor:
             return None  # a task without held-out batches: no evaluation, the model is still exported
         loss = evaluate(self.task, self.model)
         self.evals.append({"t": time.time() - self.t0, "tokens": self.tokens_total(), "loss": loss,
-                           "versions_total": sum(versions.values())})
+                           "versions_total": sum(versions.values()), **({"final": True} if final else {})})
         self.last_eval = time.time()
         tag = "initial" if initial else "final" if final else "eval"
         self.say(f"{tag:<10} global model eval loss {loss:.4f} at {self.tokens_total():,} tokens")
         return loss
+
+    def adopt_final(self, model: Any, versions: dict[int, int]) -> None:
+        """The shards' final model (from their checkpoints): it replaces the final evaluation when
+        merges landed after it (the report and model.safetensors then describe the same model)."""
+        if self.final_versions is not None and versions == self.final_versions:
+            return
+        self.model.load_state_dict(model.state_dict(), strict=True)
+        self.final_versions = versions
+        if self.task.eval_batches is None:
+            return
+        loss = evaluate(self.task, self.model)
+        entry = {"t": time.time() - self.t0, "tokens": self.tokens_total(), "loss": loss,
+                 "versions_total": sum(versions.values())}
+        if self.evals and self.evals[-1].get("final"):
+            self.evals[-1] = {**entry, "final": True}
+        else:
+            self.evals.append({**entry, "final": True})
+        self.say(f"{'final':<10} global model eval loss {loss:.4f} at {self.tokens_total():,} tokens "
+                 f"(the shards' checkpoints: {entry['versions_total']} merges)")
 
     def tick(self) -> None:
         now = time.time()

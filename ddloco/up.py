@@ -237,6 +237,14 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         if not failure and not interrupted:
             monitor.evaluate(final=True)
         _stop_all(daemons)
+        if not failure and not interrupted:
+            # merges of the learners' last answers may land after that evaluation: the shards'
+            # checkpoints (written when they stop) hold the run's true final model
+            from ddloco.export import ExportError, from_checkpoints
+            try:
+                monitor.adopt_final(*from_checkpoints(syncer.checkpoint_dir, endpoints.run_id, task=task))
+            except (ExportError, OSError) as e:
+                say(f"final      checkpoints unreadable ({e}); the report keeps the live evaluation")
         wall_s = time.time() - t_start
         report = monitor.report(wall_s=wall_s, interrupted=interrupted, timed_out=timed_out, failure=failure,
                                 learner_exit_codes={c.name: c.proc.returncode for c in learners})

@@ -50,6 +50,14 @@ def test_up_resume_continues_from_the_stopped_versions_and_eval_loss(tmp_path):
     first = ddloco("up", "--config", str(cfg), "--run-id", "again", "--learners", "2", "--syncers", "2",
                    "--steps", "24", "--report", "r1", cwd=tmp_path, timeout=200)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    # the stopped run's checkpoints hold the model its report ended with
+    ckpt = next((tmp_path / "runs").glob("again-*/checkpoints"))
+    exported = ddloco("export", "--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "offline.safetensors"),
+                      cwd=tmp_path, timeout=60)
+    assert exported.returncode == 0, exported.stderr[-1500:]
+    from ddloco.export import load_state
+    offline, final = load_state(tmp_path / "offline.safetensors"), load_state(tmp_path / "r1" / "model.safetensors")
+    assert offline.keys() == final.keys() and all(torch.equal(offline[k], final[k]) for k in final)
     second = ddloco("up", "--resume", "again", "--learners", "2", "--syncers", "2", "--steps", "24",
                     "--report", "r2", cwd=tmp_path, timeout=200)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
@@ -161,6 +169,9 @@ def test_bad_tasks_exit_2_with_one_line_and_write_nothing_to_redis(tmp_path, red
              ("learner", ["--task", "badtask:nan", "--fragments", "2"], "loss of the initial model on the first batch is nan"),
              ("syncer", ["--task", "badtask:tiny"], "cannot split a model of 3 elements (2 tensors) into 24 fragments"),
              ("learner", ["--task", "badtask:nan", "--task-arg", "depth=2"], "takes no task arg(s) depth")]
+    env = {**os.environ, "DDLOCO_TASK": "badtask:tiny"}   # compose's way of naming the task
+    res = ddloco("syncer", *net, cwd=tmp_path, timeout=60, env=env)
+    assert res.returncode == 2 and "cannot split a model of 3 elements" in res.stderr, res.stderr[-1500:]
     for command, extra, needle in cases:
         res = ddloco(command, *net, *extra, cwd=tmp_path, timeout=60)
         assert res.returncode == 2, (command, extra, res.stderr[-1500:])
