@@ -215,7 +215,9 @@ _RAISE = "local v = tonumber(redis.call('GET', KEYS[1]) or '0') if v < tonumber(
          "redis.call('SET', KEYS[1], ARGV[1]) return tonumber(ARGV[1]) end return v"
 
 
-def raise_counter(r: Any, key: str, value: int) -> int:
-    """Atomically set ``key`` to ``value`` if it holds less (a restarted shard restores the run's
-    token count after Redis lost it, never moving it back). Returns the value now held."""
-    return int(r.eval(_RAISE, 1, key, int(value)))
+def raise_counter(r: Any, key: str, value: int) -> Any:
+    """Atomically set ``key`` to ``value`` if it holds less (shards restore the run's token count
+    after Redis lost it, never moving it back). Returns the value now held (on a pipeline: its
+    entry in ``execute()``)."""
+    res = r.eval(_RAISE, 1, key, int(value))
+    return int(res) if isinstance(res, (int, str, bytes)) else res

@@ -251,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--syncers", type=int, help="S: syncer shards (default 2)")
     p.add_argument("--steps", type=int, help="inner steps per learner (default 400; 0 = until --minutes)")
     p.add_argument("--minutes", type=float, help="wall-clock cap (default 4)")
-    p.add_argument("--report", metavar="DIR", help="write DIR/report.json and PNG plots")
+    p.add_argument("--report", metavar="DIR", help="write DIR/report.json, PNG plots and DIR/model.safetensors "
+                   "(the final global model)")
     p.add_argument("--step-time-floor-ms", type=float, default=None,
                    help="emulated accelerator step time of every learner")
     p.add_argument("--slowdowns", default=None, help="comma list of per-learner slowdown factors, e.g. 1,1,1.18,1.18")

@@ -35,7 +35,8 @@ class Child:
         self.argv = argv
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        env = {**{k: v for k, v in os.environ.items() if k not in ("DDLOCO_TASK", "DDLOCO_TASK_ARGS")},
+               "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # the task comes with the config file
         # own session: Ctrl-C reaches `up` only, which then stops each child once (SIGTERM);
         # the parent-death signal still stops children if `up` itself is killed
         parent = os.getpid()
@@ -243,7 +244,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             from ddloco.export import ExportError, from_checkpoints
             try:
                 monitor.adopt_final(*from_checkpoints(syncer.checkpoint_dir, endpoints.run_id, task=task))
-            except (ExportError, OSError) as e:
+            except (ExportError, OSError, ValueError) as e:  # ValueError: TaskError, ConfigError
                 say(f"final      checkpoints unreadable ({e}); the report keeps the live evaluation")
         wall_s = time.time() - t_start
         report = monitor.report(wall_s=wall_s, interrupted=interrupted, timed_out=timed_out, failure=failure,
@@ -256,7 +257,9 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         if resume is not None:
             report["resumed_from"] = str(resume)
             report["eval_curve_before"] = previous.get("eval_curve", [])
-        _write_state(workdir, report, monitor, up.syncers, previous)
+        # the state lives next to the checkpoints it describes (a resumed run keeps the first
+        # part's directory), so the next --resume finds both, however many parts came before
+        _write_state(resume if resume is not None else workdir, report, monitor, up.syncers, previous)
         if up.report_dir:
             write_report(Path(up.report_dir), report, monitor)
             say(f"report     {Path(up.report_dir) / 'report.json'} (+ eval_loss.png, merges.png, timeline.png)")
@@ -264,6 +267,8 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
                 from ddloco.export import save_state
                 path = save_state(monitor.model, Path(up.report_dir) / "model.safetensors")
                 say(f"model      {path}: the final global model (load_state_dict into task.model(), strict)")
+        say(f"state      checkpoints in {syncer.checkpoint_dir}: `ddloco up --resume {endpoints.run_id}` continues "
+            f"this run, `ddloco export --checkpoint-dir {syncer.checkpoint_dir} --out model.safetensors` exports it")
         say(monitor.summary_line(report))
         if failure:
             print(f"ddloco up: {failure}", file=sys.stderr)

@@ -530,7 +530,8 @@ class Shard:
                                                           "round": -1 if f.round is None else f.round.round_id})
             control.publish_run_config(pipe, self.keys, self.run)  # rebuilds it after an empty restart
             pipe.hsetnx(self.keys.config, "shards", self.options.shards)
-            pipe.get(self.keys.tokens)
+            # the run's token count (the learners' LR schedule): read it, and put it back if Redis lost it
+            control.raise_counter(pipe, self.keys.tokens, self.run_tokens)
             self.run_tokens = max(self.run_tokens, int(pipe.execute()[-1] or 0))
             if not self._redis_ok:
                 self.log.info("syncer.redis_back")

@@ -190,9 +190,12 @@ def test_redis_restarting_empty_is_rebuilt_without_losing_progress(make_cluster,
     cluster.start_learner(learner)
     wait_until(lambda: min(_versions(cluster).values()) >= 2, 30, what="merges before the Redis restart")
     before = _versions(cluster)
+    tokens_before = wait_until(lambda: shard.run_tokens, 10, what="the run's token count seen by the shard")
     redis_server.restart_empty()
     r = control.connect(redis_server.url)
     keys = Keys(cluster.endpoints.run_id)
+    # the learners' LR schedule runs on this count: the shard puts it back, it never goes back
+    wait_until(lambda: int(r.get(keys.tokens) or 0) >= tokens_before, 20, what="the token count restored")
     wait_until(lambda: r.hget(keys.config, "blob") and control.fetch_run_config(r, keys).digest() == shard.run.digest(),
                20, what="run config rebuilt by the shard")
     wait_until(lambda: "l0" in control.live_learners(r, keys), 20, what="learner membership rebuilt")
