@@ -81,9 +81,13 @@ RESERVED_TASK_KEYS = ("spec", "seed")
 
 
 def task_config_from_table(table: Mapping[str, Any] | None) -> TaskConfig:
-    """``[task]`` TOML table -> TaskConfig: ``spec`` and ``seed``, every other key a task arg."""
+    """``[task]`` TOML table -> TaskConfig: ``spec`` and ``seed``, every other key a task arg;
+    a ``[task.args]`` sub-table holds args too (and the only way to pass an arg named spec or seed)."""
     table = dict(table or {})
-    args = {k: v for k, v in table.items() if k not in RESERVED_TASK_KEYS}
+    sub = table.pop("args", {})
+    if not isinstance(sub, Mapping):
+        raise ConfigError("[task] args must be a table ([task.args])")
+    args = {**{k: v for k, v in table.items() if k not in RESERVED_TASK_KEYS}, **sub}
     kept = {k: table[k] for k in RESERVED_TASK_KEYS if k in table}
     return TaskConfig(**kept, args=args)
 
@@ -417,7 +421,13 @@ def _toml_value(v: Any) -> str:
         return json.dumps(v)  # a JSON string is a valid TOML basic string
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, Mapping):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
     raise ConfigError(f"cannot write {type(v).__name__} to TOML")
+
+
+def _toml_key(k: str) -> str:
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k)
 
 
 def dump_toml(cfg: ConfigFile) -> str:
@@ -427,9 +437,9 @@ def dump_toml(cfg: ConfigFile) -> str:
     lines: list[str] = []
     for name, obj in sections.items():
         lines.append(f"[{name}]")
-        if isinstance(obj, TaskConfig):  # flat: name, seed, then the task args
-            items = {"spec": obj.spec, "seed": obj.seed, **obj.args}
-            lines += [f"{k} = {_toml_value(v)}" for k, v in items.items()]
+        if isinstance(obj, TaskConfig):  # spec and seed, then the task args in their own table
+            lines += [f"spec = {_toml_value(obj.spec)}", f"seed = {_toml_value(obj.seed)}", "", "[task.args]"]
+            lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in obj.args.items()]
         else:
             lines += [f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in fields(obj)]
         lines.append("")

@@ -99,11 +99,29 @@ def _resolve(args: argparse.Namespace) -> ConfigFile:
 
 
 def _algo_given(args: argparse.Namespace) -> bool:
+    """A config file or an algorithm flag: the process brings a whole run config (which must
+    equal the run's, or starts the run)."""
     return args.config is not None or any(
         getattr(args, k, None) not in (None, False)
-        for k in ("fragments", "sync_every", "tau", "quorum", "codec", "no_grace", "lockstep", "seed", "task",
-                  "task_arg", "inner_lr", "weight_decay", "grad_clip", "grad_accum", "lr_schedule",
-                  "lr_warmup_tokens", "lr_decay_tokens")) or bool(os.environ.get("DDLOCO_TASK"))
+        for k in ("fragments", "sync_every", "tau", "quorum", "codec", "no_grace", "lockstep", "seed",
+                  "inner_lr", "weight_decay", "grad_clip", "grad_accum", "lr_schedule",
+                  "lr_warmup_tokens", "lr_decay_tokens"))
+
+
+def _task_given(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "task", None) or getattr(args, "task_arg", None) or os.environ.get("DDLOCO_TASK"))
+
+
+def _run_and_task(cfg: ConfigFile, args: argparse.Namespace, *, starts_run: bool) -> tuple[Any, Any]:
+    """What a daemon brings to the run: the whole run config (``starts_run``, a config file or
+    algorithm flags), or only its task (``--task``: joins with the run's settings, checked to be
+    the same task), or nothing (the run's config and task, from Redis)."""
+    if starts_run or _algo_given(args):
+        return cfg.run, None
+    if _task_given(args):
+        from tasks.contract import load_task
+        return None, load_task(cfg.run.task.spec, cfg.run.task.args)
+    return None, None
 
 
 def _setup_logging(args: argparse.Namespace) -> None:
@@ -135,9 +153,9 @@ def cmd_syncer(args: argparse.Namespace) -> int:
     _setup_logging(args)
     stop = threading.Event()
     install_stop_handlers(stop)
-    run = cfg.run if (_algo_given(args) or not args.join) else None
+    run, task = _run_and_task(cfg, args, starts_run=not args.join)
     try:
-        with Shard(endpoints=cfg.endpoints, options=opts, run=run) as shard:
+        with Shard(endpoints=cfg.endpoints, options=opts, run=run, task=task) as shard:
             while not stop.is_set():
                 shard.poll_once(20)
     except (ConfigMismatch, CheckpointMismatch, LeaseHeld) as e:
@@ -165,11 +183,11 @@ def cmd_learner(args: argparse.Namespace) -> int:
     _setup_logging(args)
     stop = threading.Event()
     install_stop_handlers(stop)
-    run = cfg.run if _algo_given(args) else None
+    run, task = _run_and_task(cfg, args, starts_run=False)
     import torch
     torch.set_num_threads(opts.threads)  # the daemon's cores (`up` shares them between its learners)
     try:
-        train(endpoints=cfg.endpoints, options=opts, run=run, stop=stop)
+        train(endpoints=cfg.endpoints, task=task, options=opts, run=run, stop=stop)
     except LearnerRefused as e:
         print(f"ddloco learner: {e}", file=sys.stderr)
         return EXIT_REFUSED

@@ -102,12 +102,18 @@ def from_checkpoints(checkpoint_dir: str | Path, run_id: str | None = None, *,
     versions: dict[int, int] = {}
     run: RunConfig | None = None
     for path in paths:
-        state = torch.load(path, weights_only=True)
-        this = run_config_from_dict(state["run_config"])
+        try:
+            state = torch.load(path, weights_only=True)
+            this = run_config_from_dict(state["run_config"])
+            fragments = state["fragments"]
+        except Exception as e:  # a corrupt or foreign file: unpickling, missing keys, an older config
+            first = (str(e).splitlines() or [""])[0][:160]
+            raise ExportError(f"{path} is not a readable shard checkpoint of this version ({type(e).__name__}: "
+                              f"{first}); a checkpoint from before the task contract cannot be exported") from None
         if run is not None and this.digest() != run.digest():
             raise ExportError(f"{path} belongs to another run config than {paths[0]}")
         run = this
-        for p, fs in state["fragments"].items():
+        for p, fs in fragments.items():
             values[int(p)] = fs["theta"]
             versions[int(p)] = int(fs["version"])
     assert run is not None
@@ -162,21 +168,31 @@ def main(argv: Sequence[str]) -> int:
     src.add_argument("--redis-url", help="the live run's Redis")
     src.add_argument("--run-id", help="the run (required with --redis-url; picks one run in --checkpoint-dir)")
     src.add_argument("--broker-pub", "--broker-sub", dest="_broker", help=argparse.SUPPRESS)  # accepted, unused
+    src.add_argument("--task", help="the run's task as MODULE:ATTR, when its config has no spec (a run started "
+                     "from Python with a Task object); default: the spec in the run's config")
+    src.add_argument("--task-arg", action="append", default=[], metavar="KEY=VALUE", help="argument of --task")
     src.add_argument("--checkpoint-dir", help="the shards' checkpoint directory (runs/<run>-<time>/checkpoints "
                      "for `ddloco up`)")
     args = ap.parse_args(list(argv))
     fmt = args.format or ("pt" if args.out.endswith(".pt") else "safetensors")
+    import redis
+    from common.config import ConfigError
+    from tasks.contract import load_task, parse_task_args
     try:
+        task = load_task(args.task, parse_task_args(args.task_arg)) if args.task else None
         if args.checkpoint_dir:
-            model, versions = from_checkpoints(args.checkpoint_dir, args.run_id)
+            model, versions = from_checkpoints(args.checkpoint_dir, args.run_id, task=task)
         elif args.redis_url and args.run_id:
-            model, versions = from_live_run(args.redis_url, args.run_id)
+            model, versions = from_live_run(args.redis_url, args.run_id, task=task)
         else:
             print("ddloco export: give --checkpoint-dir, or --redis-url and --run-id", file=sys.stderr)
             return 2
         path = save_state(model, args.out, fmt)
     except (ExportError, TaskError, control.RunConfigMissing) as e:
         print(f"ddloco export: {e}", file=sys.stderr)
+        return 1
+    except redis.RedisError as e:
+        print(f"ddloco export: Redis at {args.redis_url} failed: {e}", file=sys.stderr)
         return 1
     n = sum(t.numel() for t in state_tensors(model).values())
     print(f"exported   {path} ({fmt}): {len(model.state_dict())} tensors, {n:,} values, fragment versions "

@@ -173,10 +173,26 @@ def test_bind_fills_name_and_config_and_refuses_a_different_config() -> None:
     assert run.task.name == "gpt" and run.task.config["n_layer"] == 2
     with pytest.raises(TaskError, match=r"config differs from the run's: n_layer=3 \(run has 2\)"):
         bind_task(run, load_task("gpt", dict(SMALL, n_layer=3)))
-    assert parse_task_args(["a=1", "b=0.5", "c=true", "path=data/x"]) == {"a": 1, "b": 0.5, "c": True,
-                                                                          "path": "data/x"}
     with pytest.raises(TaskError, match="KEY=VALUE"):
         parse_task_args(["novalue"])
+
+
+def test_task_args_from_the_command_line_take_the_type_the_callable_declares(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "typed.py").write_text(
+        "import torch\nfrom tasks.contract import Task\n"
+        "def make(path: str = '', width: int = 4, rate=0.5, flag: bool = False, other=None):\n"
+        "    return Task(name='typed', model=lambda: torch.nn.Linear(width, 1),\n"
+        "                batches=lambda s, seed, start: iter([torch.ones(2, width)]), loss=lambda m, b: m(b).mean(),\n"
+        "                config={'path': path, 'width': width, 'rate': rate, 'flag': flag, 'other': other})\n")
+    args = parse_task_args(["path=2024", "width=007", "rate=1e-3", "flag=true", "other=12"])
+    assert args == {"path": "2024", "width": "007", "rate": "1e-3", "flag": "true", "other": "12"}
+    assert load_task("typed:make", args).config == {"path": "2024", "width": 7, "rate": 1e-3, "flag": True,
+                                                     "other": 12}
+    for bad, needle in [("width=two", "task arg width='two'"), ("rate=nan", "expected a finite number"),
+                        ("flag=maybe", "expected true or false")]:
+        with pytest.raises(TaskError, match=needle):
+            load_task("typed:make", parse_task_args([bad]))
 
 
 def test_models_built_by_concurrent_threads_are_identical() -> None:
