@@ -228,3 +228,39 @@ def test_digits_with_four_learners_exports_a_model_of_at_least_90_percent_accura
     model = load_task("digits").model()
     model.load_state_dict(load_state(report / "model.safetensors"), strict=True)
     assert heldout_accuracy(model) >= 0.9
+
+
+def test_cli_learner_and_export_given_only_task_join_a_run_started_from_python(tmp_path, monkeypatch, make_cluster):
+    """A run started with a Task object and non-default settings: `ddloco learner --task` joins it
+    with the run's settings (checked to be the same task), `ddloco export --task` exports it."""
+    (tmp_path / "usertask.py").write_text(
+        "import torch\nfrom ddloco import Task\n"
+        "def task(width: int = 8):\n"
+        "    def batches(stream, seed, start):\n"
+        "        g = torch.Generator().manual_seed(1000 * stream + start)\n"
+        "        while True:\n"
+        "            x = torch.randn(16, width, generator=g)\n"
+        "            yield (x, x.sum(1, keepdim=True))\n"
+        "    return Task(name='user', model=lambda: torch.nn.Linear(width, 1), batches=batches,\n"
+        "                loss=lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(), config={'width': width})\n")
+    monkeypatch.chdir(tmp_path)
+    from tasks.contract import load_task
+    run = RunConfig(algo=AlgoConfig(fragments=3, sync_every_steps=4, inner_warmup_steps=1))
+    cluster = make_cluster(run, run_id="pyrun", task=load_task("usertask:task"))
+    cluster.start_shard(0, 1)
+    net = ["--redis-url", cluster.endpoints.redis_url, "--run-id", "pyrun", "--broker-pub",
+           cluster.endpoints.broker_pub, "--broker-sub", cluster.endpoints.broker_sub]
+    res = ddloco("learner", *net, "--task", "usertask:task", "--learner-id", "cli", "--steps", "12",
+                 cwd=tmp_path, timeout=120)
+    assert res.returncode == 0, res.stderr[-1500:]
+    r = control.connect(cluster.endpoints.redis_url)
+    assert int(r.hget(Keys("pyrun").learner("cli"), "merged_contributions") or 0) >= 1
+    other = ddloco("learner", *net, "--task", "usertask:task", "--task-arg", "width=9", "--steps", "2",
+                   cwd=tmp_path, timeout=120)
+    assert other.returncode == 3 and "width=9 (run has 8)" in other.stderr, other.stderr[-1500:]
+    out = tmp_path / "m.safetensors"
+    exp = ddloco("export", *net, "--task", "usertask:task", "--out", str(out), cwd=tmp_path, timeout=120)
+    assert exp.returncode == 0, exp.stderr[-1500:]
+    from ddloco.export import load_state
+    assert set(load_state(out)) == {"weight", "bias"}
+    assert not cluster.errors, cluster.errors
