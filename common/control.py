@@ -194,16 +194,16 @@ def shard_endpoints(r: redis.Redis, keys: Keys) -> tuple[int, dict[int, str]]:
     return n, {k: h["rpc"] for k, h in table.items() if h.get("rpc") and k < n}
 
 
-def record_layout(r: Any, keys: Keys, layout: list[tuple[str, tuple[int, ...]]]) -> None:
-    """Record the run's model state layout (name, shape) once, so that a refused process can be
-    told the first tensor that differs."""
-    r.hsetnx(keys.config, "layout", json.dumps([[n, list(s)] for n, s in layout]))
+def record_layout(r: Any, keys: Keys, layout: list[tuple[str, tuple[int, ...], str]]) -> None:
+    """Record the run's model state layout (name, shape, kind) once, so that a refused process
+    can be told the first tensor that differs."""
+    r.hsetnx(keys.config, "layout", json.dumps([[n, list(s), k] for n, s, k in layout]))
 
 
-def run_layout(r: redis.Redis, keys: Keys) -> list[tuple[str, tuple[int, ...]]] | None:
+def run_layout(r: redis.Redis, keys: Keys) -> list[tuple[str, tuple[int, ...], str]] | None:
     """The layout recorded by ``record_layout`` (None if none yet)."""
     blob = r.hget(keys.config, "layout")
-    return None if not blob else [(n, tuple(s)) for n, s in json.loads(blob)]
+    return None if not blob else [(n, tuple(s), k) for n, s, k in json.loads(blob)]
 
 
 def data_position(r: redis.Redis, keys: Keys, learner_id: str) -> int:

@@ -156,6 +156,12 @@ def tensor_specs(model: torch.nn.Module, embedding_names: Collection[str] = ()) 
     params = {name for name, _ in model.named_parameters()}
     unknown = sorted(set(embedding_names) - params)
     if unknown:
+        first = {id(p): n for n, p in model.named_parameters()}
+        aliases = {n: first[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if n in unknown}
+        if aliases:
+            raise FragmentationError("embedding names " + ", ".join(f"{a} (tied to {b}: name {b})"
+                                                                    for a, b in aliases.items())
+                                     + " are second names of tied parameters")
         raise FragmentationError(f"embedding names not among the model's parameters: {unknown} "
                                  f"(parameters: {sorted(params)[:8]}{' ...' if len(params) > 8 else ''})")
     embedding = set(embedding_names)
@@ -232,13 +238,16 @@ def plan_digest(fragments: Sequence[Fragment]) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def describe_plan_difference(ours: Sequence[Fragment], theirs_layout: Sequence[tuple[str, tuple[int, ...]]]) -> str:
-    """The first tensor (name, shape) where ``ours`` and a layout of (name, shape) pairs differ."""
-    mine = sorted({(q.name, tuple(q.tensor.shape)) for f in ours for q in f.pieces})
-    other = sorted((n, tuple(s)) for n, s in theirs_layout)
+def describe_plan_difference(ours: Sequence[Fragment],
+                             theirs_layout: Sequence[tuple[str, tuple[int, ...], str]]) -> str:
+    """The first tensor (name, shape, kind) where ``ours`` and a ``plan_layout`` differ."""
+    mine = plan_layout(ours)
+    other = sorted((n, tuple(s), k) for n, s, k in theirs_layout)
     for a, b in zip(mine, other):
-        if a != b:
+        if a[:2] != b[:2]:
             return f"first differing tensor: ours {a[0]} {list(a[1])}, theirs {b[0]} {list(b[1])}"
+        if a[2] != b[2]:
+            return f"tensor {a[0]} is merged as {a[2]} here and as {b[2]} by the run (embedding_names differ?)"
     if len(mine) != len(other):
         longer, who = (mine, "ours") if len(mine) > len(other) else (other, "theirs")
         extra = longer[min(len(mine), len(other))]
@@ -246,9 +255,9 @@ def describe_plan_difference(ours: Sequence[Fragment], theirs_layout: Sequence[t
     return "same tensors; the fragment assignment differs (fragment count or alignment)"
 
 
-def plan_layout(fragments: Sequence[Fragment]) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every tensor in a plan, sorted (what ``describe_plan_difference`` compares)."""
-    return sorted({(q.name, tuple(q.tensor.shape)) for f in fragments for q in f.pieces})
+def plan_layout(fragments: Sequence[Fragment]) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) of every tensor in a plan, sorted (what ``describe_plan_difference`` compares)."""
+    return sorted({(q.name, tuple(q.tensor.shape), q.kind) for f in fragments for q in f.pieces})
 
 
 def _tensor(tensors: Mapping[str, torch.Tensor], spec: TensorSpec) -> torch.Tensor:

@@ -5,7 +5,8 @@ hash slot). Redis holds coordination state only, never the model.
 
 | key                          | type   | content                                                  |
 |------------------------------|--------|----------------------------------------------------------|
-| config                       | hash   | digest, json (the RunConfig), created_at; set once (NX)  |
+| config                       | hash   | blob (digest, RunConfig, created_at), shards, layout     |
+|                              |        | (name, shape, kind of every tensor); each set once (NX)  |
 | learners                     | set    | ids of learners that joined and did not leave            |
 | learner:<id>                 | hash   | steps, tokens, step_ema_s, status, counters, timings     |
 | hb:<id>                      | string | heartbeat, expires after heartbeat_ttl_s                 |
