@@ -281,3 +281,12 @@ def test_the_readme_recipe_by_hand_trains_the_example_cnn_with_a_late_learner(tm
     assert float(scores[0]) <= 0.5 * initial, lines
     late = [ln for ln in res.stdout.splitlines() if ln.startswith("late ")]
     assert late and int(late[0].split()[6]) >= 1, res.stdout[-2000:]   # its answers were merged
+
+
+def test_the_python_api_example_runs_a_whole_cluster_in_one_script():
+    res = subprocess.run([sys.executable, "-m", "examples.python_api"], capture_output=True, text=True, cwd=REPO,
+                         timeout=200)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("global model held-out loss"))
+    initial, final = (float(x.split()[0]) for x in line.split("loss ")[1].split(" -> "))
+    assert final <= 0.5 * initial, line
