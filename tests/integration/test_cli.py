@@ -23,7 +23,7 @@ def ddloco(*args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ddloco", *args], capture_output=True, text=True, **kw)
 
 
-@pytest.mark.parametrize("command", ["up", "status", "broker", "syncer", "learner", "sim", "bench"])
+@pytest.mark.parametrize("command", ["up", "status", "broker", "syncer", "learner", "sim", "bench", "export", "compare"])
 def test_every_command_has_help(command):
     res = ddloco(command, "--help", timeout=60)
     assert res.returncode == 0, res.stderr
