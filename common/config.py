@@ -158,7 +158,9 @@ class AlgoConfig:
     history_versions: int = 8
     """Past versions kept per fragment to rebuild deltas against an older base."""
     lockstep: bool = False
-    """Learners stop every H steps until every fragment is merged (synchronous DiLoCo baseline)."""
+    """Lock-step baseline: learners stop every H steps until every fragment is merged, and each
+    round waits for every live learner (K = M whatever ``quorum`` says). This is Decoupled DiLoCo
+    with K = M (token weights, RDA, the outer step), not the plain-average synchronous DiLoCo."""
 
     def __post_init__(self) -> None:
         _check(self.fragments >= 1, "algo.fragments must be >= 1")

@@ -62,12 +62,13 @@ def weighted_average(vectors: torch.Tensor, weights: torch.Tensor) -> torch.Tens
 
 
 def radial_directional_average(
-    vectors: torch.Tensor, weights: torch.Tensor, eps: float = 1e-12
+    vectors: torch.Tensor, weights: torch.Tensor, eps: float = 1e-6
 ) -> torch.Tensor:
     """RDA: (Σ ŵ_m ‖v_m‖) · unit(Σ ŵ_m unit(v_m)); vectors [M, n], weights [M] -> [n].
 
-    unit(0) = 0. If the mean direction's norm is below ``eps`` (opposite or zero inputs), the
-    result falls back to the weighted average.
+    unit(0) = 0. If the mean direction's norm is below ``eps`` times its largest possible value
+    Σ ŵ_m (opposite or zero inputs: rescaling it would blow rounding noise up to the full
+    radius), the result falls back to the weighted average.
     """
     _check_matrix(vectors, weights)
     norms = torch.linalg.vector_norm(vectors, dim=1)                    # [M]
@@ -75,7 +76,7 @@ def radial_directional_average(
     units = vectors / safe.unsqueeze(1)                                 # [M, n], zero rows stay 0
     direction = weights @ units                                         # [n]
     direction_norm = torch.linalg.vector_norm(direction)
-    if not bool(direction_norm >= eps):
+    if not bool(direction_norm >= eps * weights.abs().sum()):
         return weighted_average(vectors, weights)
     radius = (weights * norms).sum()
     return direction * (radius / direction_norm)

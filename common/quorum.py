@@ -61,6 +61,8 @@ class QuorumPolicy:
     """γ: fraction of the slack spent in the grace window."""
     grace_enabled: bool = True
     """Off: merge as soon as the quorum is reached."""
+    all_live: bool = False
+    """Lock-step: a round waits for every live learner (K = M, at least ``quorum``)."""
 
     def __post_init__(self) -> None:
         if self.quorum < 1:
@@ -100,7 +102,7 @@ def decide_round(
     reaching it at ``now_s``).
     """
     _check_duration("grace_s", grace_s)
-    k = policy.quorum
+    k = max(policy.quorum, rnd.live_learners) if policy.all_live else policy.quorum
     if rnd.answers < k:
         return (
             Decision.WAIT_QUORUM,

@@ -47,6 +47,19 @@ class FragmentClient:
             self.sockets[k] = s
             self.endpoints[k] = ep
 
+    def sync_poller(self, poller: zmq.Poller, registered: dict[int, zmq.Socket]) -> None:
+        """Keep ``poller`` registered with exactly this client's current sockets: the closed socket
+        of a shard that moved leaves it (polling a closed socket fails), the new one joins.
+        ``registered`` is the caller's record of what it registered, by shard."""
+        for k, sock in list(registered.items()):
+            if self.sockets.get(k) is not sock:
+                poller.unregister(sock)
+                del registered[k]
+        for k, sock in self.sockets.items():
+            if k not in registered:
+                poller.register(sock, zmq.POLLIN)
+                registered[k] = sock
+
     def request(self, fragment: int) -> bool:
         """Ask the owner of ``fragment`` for its current value; False if the owner is unknown."""
         if self.shards <= 0:
@@ -96,17 +109,14 @@ def fetch_fragments(r: Any, keys: Keys, n_fragments: int, *, timeout_s: float = 
         deadline = time.monotonic() + timeout_s
         asked_at = -1e9
         poller = zmq.Poller()
-        registered: set[int] = set()
+        registered: dict[int, zmq.Socket] = {}
         while len(got) < n_fragments:
             now = time.monotonic()
             if now >= deadline:
                 raise TimeoutError(f"shards served {len(got)}/{n_fragments} fragments within {timeout_s}s")
             if now - asked_at > 1.0:
                 client.set_endpoints(*control.shard_endpoints(r, keys))
-                for s in client.sockets.values():
-                    if id(s) not in registered:
-                        poller.register(s, zmq.POLLIN)
-                        registered.add(id(s))
+                client.sync_poller(poller, registered)
                 for p in range(n_fragments):
                     if p not in got:
                         client.request(p)

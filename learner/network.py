@@ -109,12 +109,8 @@ class NetworkThread:
             while not self.stop.is_set():
                 shards, eps = self.shard_endpoints()
                 if eps != client.endpoints or shards != client.shards:
-                    for s in registered.values():
-                        poller.unregister(s)
                     client.set_endpoints(shards, eps)
-                    registered = dict(client.sockets)
-                    for s in registered.values():
-                        poller.register(s, zmq.POLLIN)
+                    client.sync_poller(poller, registered)
                 self.send(pub, client, unsent_fetch)
                 for sock, _ in poller.poll(5):
                     if sock is sub:

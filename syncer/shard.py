@@ -121,8 +121,8 @@ class Shard:
         self.log = get_logger("syncer", shard=options.shard, run=endpoints.run_id)
         self.stats = ShardStats()
         self.frags: dict[int, FragmentState] = {}
-        self.xi_quorum = Ema(alpha=0.2, initial=0.0)
-        self.xi_sync = Ema(alpha=0.2, initial=0.0)
+        self.xi_quorum = Ema(alpha=0.2)  # starts at its first sample (None before: counts as 0)
+        self.xi_sync = Ema(alpha=0.2)
         self.live: dict[str, dict[str, str]] = {}
         self._ctx: zmq.Context | None = None
         self._last_control = -1e9
@@ -157,7 +157,7 @@ class Shard:
                               ttl_s=self.options.lease_ttl_s, wait_s=self.options.lease_wait_s)
         algo = self.run.algo
         self.policy = QuorumPolicy(quorum=algo.quorum, tau=algo.tau, grace_gamma=algo.grace_gamma,
-                                   grace_enabled=algo.grace_enabled)
+                                   grace_enabled=algo.grace_enabled, all_live=algo.lockstep)
         params = state_tensors(model)
         owned = owned_fragments(self.options.shard, self.options.shards, algo.fragments)
         for p in owned:

@@ -274,3 +274,102 @@ def test_the_runs_token_count_survives_redis_restarting_empty(make_cluster, redi
     wait_until(lambda: int(r.get(Keys(cluster.endpoints.run_id).tokens) or 0) == total, 20,
                what="the token count put back by the shard")
     assert not cluster.errors, cluster.errors
+
+
+def test_lockstep_from_the_run_config_waits_for_every_live_learner(make_cluster):
+    """lockstep = true in the run config (TOML, compose, Python API; not only `ddloco up`) means
+    K = M: every round waits for every live learner, even with quorum = 1."""
+    run = RunConfig(algo=AlgoConfig(fragments=2, sync_every_steps=3, quorum=1, lockstep=True, inner_warmup_steps=1))
+    cluster = make_cluster(run)
+    cluster.start_shard(0, 1)
+    fast = cluster.learner("fast", 0, max_steps=12, step_time_floor_ms=2)
+    slow = cluster.learner("slow", 1, max_steps=12, step_time_floor_ms=30)
+    threads = [cluster.start_learner(fast), cluster.start_learner(slow)]
+    for t in threads:
+        t.join(timeout=60)
+    assert not cluster.errors, cluster.errors
+    import json
+    r = control.connect(cluster.endpoints.redis_url)
+    merges = control.read_events(r, Keys(cluster.endpoints.run_id), kind="merge")
+    assert len(merges) >= 4
+    assert all(sorted(json.loads(e["contributors"])) == ["fast", "slow"] for e in merges), \
+        [e["contributors"] for e in merges]
+
+
+def test_a_learner_with_a_stale_base_fetches_first_and_never_answers_against_it(make_cluster):
+    from learner.core import Learner
+    from learner.network import Answer, NetworkThread, RoundOpened
+
+    opens: dict[tuple[int, int], int] = {}
+    answers: list[Answer] = []
+
+    class Recording:
+        """The inbox and outbox as the lossy learner's network thread sees them."""
+
+        def __init__(self, q, record):
+            self.q, self.record = q, record
+
+        def put(self, item):
+            self.record(item)
+            self.q.put(item)
+
+        def get_nowait(self):
+            item = self.q.get_nowait()
+            self.record(item)
+            return item
+
+    class LossyNetwork(NetworkThread):
+        lost = 0
+
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.inbox = Recording(self.inbox, lambda m: isinstance(m, RoundOpened)
+                                   and opens.setdefault((m.fragment, m.round), m.version))
+            self.outbox = Recording(self.outbox, lambda m: isinstance(m, Answer) and answers.append(m))
+
+        def on_fragment(self, msg, *, requested):
+            if not requested and LossyNetwork.lost < 12:   # misses broadcasts: its base goes stale
+                LossyNetwork.lost += 1
+                return
+            super().on_fragment(msg, requested=requested)
+
+    class LossyLearner(Learner):
+        network_class = LossyNetwork
+
+    cluster = make_cluster(ASYNC)
+    cluster.start_shard(0, 1)
+    cluster.start_learner(cluster.learner("steady", 0, step_time_floor_ms=5))
+    base = cluster.learner("lossy", 1, step_time_floor_ms=5)
+    lossy = LossyLearner(endpoints=base.endpoints, options=base.options, task=base.task, run=base._run_arg,
+                         stop=base.stop)
+    cluster.start_learner(lossy)
+    wait_until(lambda: LossyNetwork.lost >= 12 and len(answers) >= 20, 60, what="answers after lost broadcasts")
+    assert lossy.stats.fetches >= 1
+    for a in list(answers):   # every answer is against the version its round was opened at
+        assert a.base == opens[(a.fragment, a.round)], (a.fragment, a.round, a.base, opens[(a.fragment, a.round)])
+    assert not cluster.errors, cluster.errors
+
+
+def test_fetch_fragments_survives_a_shard_endpoint_change_during_the_fetch(make_cluster):
+    from common.redis_server import free_port
+    from common.rpc import fetch_fragments
+    cluster = make_cluster(ASYNC)
+    r = control.connect(cluster.endpoints.redis_url)
+    keys = Keys(cluster.endpoints.run_id)
+    # shard 0 is first announced at an address where nobody listens (it moved, or is restarting)
+    control.register_shard(r, keys, 0, {"rpc": f"tcp://127.0.0.1:{free_port()}", "shards": 1})
+    result: dict = {}
+
+    def fetch():
+        try:
+            result["frags"] = fetch_fragments(r, keys, 4, timeout_s=30.0)
+        except BaseException as e:  # surfaced below
+            result["error"] = e
+    t = threading.Thread(target=fetch, daemon=True)
+    t.start()
+    wait_until(lambda: not t.is_alive() or r.exists(keys.shard(0)), 5, what="fetch under way")
+    cluster.start_shard(0, 1)          # the real shard registers its own endpoint: the client reconnects
+    t.join(timeout=40)
+    assert "error" not in result, repr(result.get("error"))
+    assert sorted(result["frags"]) == [0, 1, 2, 3]
+    assert not cluster.errors, cluster.errors

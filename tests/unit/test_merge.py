@@ -246,3 +246,14 @@ def test_apply_step_clips_the_gradient_norm() -> None:
     apply_step(model, opt, sched, AlgoConfig(inner_grad_clip=0.5))
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
     assert norm == pytest.approx(0.5, rel=1e-4)
+
+
+def test_rda_falls_back_to_the_average_when_the_directions_nearly_cancel() -> None:
+    v = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    noise = 1e-9 * torch.randn(1000, generator=torch.Generator().manual_seed(4))
+    vectors = torch.stack([v, -v + noise])            # opposite up to rounding-size noise
+    weights = torch.tensor([0.5, 0.5])
+    merged = radial_directional_average(vectors, weights)
+    # rescaling the tiny residual direction to the full radius would invent a step of norm ~|v|
+    assert torch.allclose(merged, weighted_average(vectors, weights), atol=1e-6)
+    assert torch.linalg.vector_norm(merged) < 1e-6

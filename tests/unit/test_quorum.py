@@ -186,3 +186,13 @@ def test_due_fragments_with_spacing_open_one_at_a_time_evenly() -> None:
     assert due_fragments(9.0, last_open_any_s=8.0, **kw) == []           # too soon after the last open
     assert due_fragments(10.0, last_open_any_s=8.0, **{**kw, "last_opened_s": {**last, 0: 8.0}}) == [2]
     assert due_fragments(8.0, last_open_any_s=None, **{**kw, "min_spacing_s": 0.0}) == [0, 2, 4, 6]
+
+
+def test_lockstep_policy_waits_for_every_live_learner_whatever_the_quorum() -> None:
+    lock = QuorumPolicy(quorum=1, tau=2, grace_gamma=0.8, all_live=True)
+    view = RoundView(opened_at_s=0.0, answers=2, quorum_reached_at_s=None, live_learners=3)
+    assert decide_round(5.0, view, lock, grace_s=0.0) == (Decision.WAIT_QUORUM,
+                                                          "waiting for quorum: 2/3 answers, 3 live")
+    assert decide_round(5.0, view, K1, grace_s=0.0)[0] is Decision.MERGE
+    done = RoundView(opened_at_s=0.0, answers=3, quorum_reached_at_s=1.0, live_learners=3)
+    assert decide_round(5.0, done, lock, grace_s=0.0) == (Decision.MERGE, "all 3 live learners answered")
