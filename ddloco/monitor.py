@@ -152,6 +152,14 @@ class Monitor:
         except redis.RedisError:
             return []
 
+    def replaced_incarnations(self) -> int:
+        """Learner processes that ended without leaving and were replaced under the same id."""
+        try:
+            leaves = control.read_events(self.r, self.keys, kind="leave")
+        except redis.RedisError:
+            return 0
+        return sum(1 for e in leaves if str(e.get("reason", "")).startswith("replaced"))
+
     def shard_table(self) -> dict[int, dict[str, str]]:
         try:
             return control.shard_table(self.r, self.keys)
@@ -206,6 +214,7 @@ class Monitor:
             "dropped_messages": int(sum(_f(h, "dropped") for h in shards.values())
                                     + sum(_f(h, "malformed") for h in self.learners.values())),
             "failures_injected": 0,
+            "learner_restarts": self.replaced_incarnations(),
             "contributors": sorted(contributors),
             "every_learner_contributed": set(self.learner_ids) <= contributors,
             "fragments_merged": len(fragments_merged),

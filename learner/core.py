@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import queue
+import secrets
 import socket
 import threading
 import time
@@ -134,6 +135,8 @@ class Learner:
         self.joined_versions: dict[int, int] = {}
         self._fatal: BaseException | None = None
         self._process_started_at = process_start_time() or self._started_at
+        self.incarnation = secrets.token_hex(4)
+        """This process's life under ``self.id``: a restart with the same id is a new incarnation."""
 
     # ------------------------------------------------------------------ join
     def _prepare(self, run: RunConfig) -> None:
@@ -168,6 +171,7 @@ class Learner:
                 raise LearnerRefused(f"refused: {e}") from None
         # a restarted learner resumes its data stream (read before the heartbeat first writes it)
         self.data_position = control.data_position(self.redis, self.keys, self.id)
+        self._previous_life = self.redis.hmget(self.keys.learner(self.id), "incarnation", "status", "updated_at")
         self._global_tokens = (int(self.redis.get(self.keys.tokens) or 0), 0)  # (run's count, our tokens then)
         self._tokens_reported = 0
         n = len(self.plan)
@@ -181,6 +185,19 @@ class Learner:
         self._answered: set[tuple[int, int, int, int]] = set()
         self._fetch_asked: dict[int, tuple[int, int, float]] = {}
         self._check_shard_plan()
+
+    def _announce_join(self) -> None:
+        """Join as a new incarnation of this learner id. A previous incarnation that never left
+        (killed, lost) is recorded as having left first, even when its heartbeat has not expired
+        yet: a same-id restart reads as leave + join in membership events and reports."""
+        prev, status, seen = self._previous_life
+        pipe = self.redis.pipeline(transaction=False)
+        if prev and status not in ("left", "stopped"):
+            control.add_event(pipe, self.keys, "leave", learner=self.id, incarnation=prev, last_seen=seen or "",
+                              reason="replaced: the previous incarnation ended without leaving")
+        control.add_event(pipe, self.keys, "join", learner=self.id, incarnation=self.incarnation)
+        pipe.hset(self.keys.learner(self.id), mapping={"incarnation": self.incarnation, "status": self.status})
+        pipe.execute()
 
     def _check_shard_plan(self) -> None:
         for k, h in control.shard_table(self.redis, self.keys).items():
@@ -238,7 +255,7 @@ class Learner:
         for t in threads:
             t.start()
         try:
-            control.add_event(self.redis, self.keys, "join", learner=self.id)
+            self._announce_join()
             self._load_current_fragments()
             self.stats.boot_s = time.time() - self._process_started_at
             self.joined_versions = {p: int(v) for p, v in enumerate(self.base_version)}
@@ -495,7 +512,7 @@ class Learner:
                 "unflushed": s.unflushed, "fetches": s.fetches, "malformed": s.malformed,
                 "bytes_up": s.bytes_up, "bytes_down": s.bytes_down, "train_s": round(s.train_s, 3),
                 "blocked_s": round(s.blocked_s, 3), "boot_s": round(s.boot_s, 3),
-                "started_at": self._process_started_at, "updated_at": time.time(),
+                "started_at": self._process_started_at, "updated_at": time.time(), "incarnation": self.incarnation,
                 "last_contrib_fragment": s.last_contrib_fragment, "last_contrib_at": s.last_contrib_at,
                 "data_shard": self.options.data_shard, "pid": os.getpid(),
                 "data_position": self.data_position + s.batches}

@@ -103,6 +103,11 @@ def test_merges_go_on_while_a_learner_is_frozen_or_killed_and_a_restarted_one_re
         wait_until(lambda: r.hget(keys.learner("b"), "pid") == str(new_b.pid), 120, interval_s=0.1,
                    what="restarted b registered")
         wait_until(lambda: contributions("b") > b_before, 120, interval_s=0.1, what="restarted b contributing")
+        # the same-id restart reads as leave + join of two incarnations, whatever the heartbeat TTL
+        b_events = [(e["kind"], e.get("incarnation")) for e in control.read_events(r, keys)
+                    if e.get("learner") == "b" and e["kind"] in ("join", "leave")]
+        assert [k for k, _ in b_events] == ["join", "leave", "join"], b_events
+        assert b_events[0][1] == b_events[1][1] != b_events[2][1], b_events
         assert all(d.procs[n].poll() is None for n in ("broker", "syncer", "a", "c")), "a daemon died"
     finally:
         d.stop_all()
