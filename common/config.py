@@ -299,6 +299,12 @@ class SyncerOptions:
     """The shard's lease in Redis expires this long after its holder stopped renewing it."""
     lease_wait_s: float = 10.0
     """At start, wait this long for another holder's lease to expire before refusing to run."""
+    recovery_timeout_s: float = 20.0
+    """At start, wait this long for live learners' copies of fragments whose recorded version is
+    newer than the checkpoint (or when there is none); a few seconds otherwise."""
+    fresh: bool = False
+    """Start over from the initial model (ignore the checkpoint and the learners' copies); versions
+    still go up, so learners adopt it."""
     downtime_gap_s: float = 5.0
     """(reporting) a gap between merges longer than this counts as global downtime."""
 

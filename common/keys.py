@@ -15,6 +15,7 @@ hash slot). Redis holds coordination state only, never the model.
 | shard:<k>:lease              | string | holder of shard k (one live process per shard), with TTL |
 | frag:<p>                     | hash   | version, round, shard, merged_at, contributors           |
 | events                       | stream | join, leave, merge, drop, refuse, failure (capped)       |
+| epochs                       | string | counter: every shard start takes the next epoch          |
 | tokens                       | string | the run's global token count (learners INCRBY; shards    |
 |                              |        | checkpoint it and raise it back after a restart)         |
 """
@@ -60,6 +61,10 @@ class Keys:
     @property
     def events(self) -> str:
         return self.prefix + "events"
+
+    @property
+    def epochs(self) -> str:
+        return self.prefix + "epochs"
 
     @property
     def tokens(self) -> str:

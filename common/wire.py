@@ -32,7 +32,9 @@ OPEN = "open"    # syncer -> learners: round r of fragment p is open (carries th
 UPDATE = "upd"   # learner -> syncer: quantized delta for an open round
 FRAG = "frag"    # syncer -> learners: full merged fragment (broadcast, or reply to GET)
 GET = "get"      # learner/monitor -> syncer (request path): send me fragment p
-KINDS = (OPEN, UPDATE, FRAG, GET)
+NEED = "need"    # syncer -> learners: a (re)started shard asks for the freshest copy of fragment p
+HAVE = "have"    # learner -> syncer: its base value of fragment p (version, epoch), fp32
+KINDS = (OPEN, UPDATE, FRAG, GET, NEED, HAVE)
 
 _HEADER_KEYS = ("v", "run", "from", "kind", "frag", "epoch", "round", "attempt", "ver", "base",
                 "steps", "tokens", "codec", "numel", "sizes", "crc", "t")
@@ -116,9 +118,9 @@ def encode(*, kind: str, run: str, sender: str, fragment: int, values: torch.Ten
            base: int = -1, steps: int = 0, tokens: int = 0) -> list[Any]:
     """Build the frames of one message; ``values`` (flat fp32) is quantized with ``codec``.
 
-    ``epoch`` identifies one life of the shard that owns the fragment (a new random value at
-    every shard start): versions are only comparable within an epoch, so a shard restarted from
-    an older checkpoint can never be confused with the one before it.
+    ``epoch`` identifies one life of the shard that owns the fragment (a run-wide counter
+    incremented at every shard start). Versions never go back across epochs: a restarted shard
+    continues from the freshest copy (its checkpoint, or a live learner's via NEED/HAVE).
     """
     if kind not in KINDS:
         raise ValueError(f"unknown message kind {kind!r}")

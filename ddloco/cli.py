@@ -149,7 +149,7 @@ def cmd_syncer(args: argparse.Namespace) -> int:
     cfg = _resolve(args)
     opts = override(cfg.syncer, shard=args.shard, shards=args.shards, checkpoint_dir=args.checkpoint_dir,
                     checkpoint_every_merges=args.checkpoint_every, rpc_bind=args.rpc_bind,
-                    advertise_host=args.advertise_host)
+                    advertise_host=args.advertise_host, fresh=True if args.fresh else None)
     _setup_logging(args)
     stop = threading.Event()
     install_stop_handlers(stop)
@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_broker)
 
     p = sub.add_parser("syncer", help="run one syncer shard daemon",
-                       description="Owns fragments p with p %% shards == shard. Publishes its run config to Redis "
+                       description="Owns fragments p with p % shards == shard. Publishes its run config to Redis "
                                    "(refused if the run has another one) unless --join takes the run's.")
     _add_common(p)
     _add_algo(p)
@@ -306,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rpc-bind", help="ROUTER endpoint serving full fragments (default tcp://127.0.0.1:0)")
     p.add_argument("--advertise-host", help="host learners use to reach --rpc-bind")
     p.add_argument("--join", action="store_true", help="take the run config from Redis instead of publishing one")
+    p.add_argument("--fresh", action="store_true", help="start over from the initial model: ignore the checkpoint "
+                   "and the learners' copies (versions still go up, so learners adopt it)")
     p.set_defaults(func=cmd_syncer)
 
     p = sub.add_parser("learner", help="run one learner daemon (--task: built-in or MODULE:ATTR)",

@@ -32,7 +32,7 @@ from common.keys import Keys
 from common.merge import Contribution, receive_merged
 from common.lifecycle import process_start_time
 from common.log import get_logger
-from learner.network import Answer, Fetch, FragmentArrived, NetworkThread, RoundOpened
+from learner.network import Answer, Fetch, FragmentArrived, Have, NetworkThread, RoundOpened, StateRequested
 from learner.inner import apply_step, make_inner_optimizer
 from tasks.contract import Task, TaskError, batch_to, bind_task, build_model, check_task, count_tokens, scalar_loss
 
@@ -55,6 +55,7 @@ class LearnerStats:
     answers: int = 0
     merges_applied: int = 0
     version_gaps: int = 0
+    versions_regressed: int = 0
     stale_opens: int = 0
     flushed: int = 0
     unflushed: int = 0
@@ -389,6 +390,11 @@ class Learner:
             self._handle(item)
 
     def _handle(self, item: Any) -> None:
+        if isinstance(item, StateRequested):
+            p = item.fragment
+            if self.base_values[p] is not None:   # our base: the merged value at base_version
+                self._outbox.put(Have(p, int(self.base_epoch[p]), int(self.base_version[p]), self.base_values[p]))
+            return
         if isinstance(item, FragmentArrived):
             self._apply(item)
         elif isinstance(item, RoundOpened):
@@ -413,20 +419,34 @@ class Learner:
     def _apply(self, item: FragmentArrived, *, joining: bool = False) -> None:
         """Apply the merged Θ_p (§6): carry the unmerged steps, or overwrite / α-mix and reset counters.
 
-        Versions order values within one epoch (one life of the owning shard); a value from
-        another epoch is the shard's state after a restart and is always adopted."""
+        Epochs (lives of the owning shard) and versions only go up: a restarted shard continues
+        from the freshest copy (ALGORITHM §8). A value from an older life is ignored; a new life
+        at our version or above is a continuation (our unmerged steps are carried); one below our
+        version moves us back: adopted so we stay in step with the shard, but counted and logged."""
         p = item.fragment
+        known = self.base_values[p] is not None
+        base_v = int(self.base_version[p])
+        if known and item.epoch < self.base_epoch[p]:
+            return                                    # a late message of a shard life that is gone
         same_epoch = item.epoch == self.base_epoch[p]
-        if same_epoch and item.version <= self.base_version[p]:
+        if same_epoch and item.version <= base_v:
             return
-        if same_epoch and not joining and not item.requested and item.version > self.base_version[p] + 1:
+        if same_epoch and not joining and not item.requested and item.version > base_v + 1:
             self.stats.version_gaps += 1              # a lost broadcast, repaired by this full value
+        continuing = same_epoch or item.version >= base_v
+        if known and not same_epoch:
+            if item.version == base_v:                # the new life starts where we are: nothing of
+                self._contributed.pop(p, None)        # what we answered since was merged
+            if not continuing:
+                self.stats.versions_regressed += 1
+                self.log.warning("learner.version_regressed", fragment=p, version=item.version, ours=base_v,
+                                 epoch=item.epoch)
         frag = self.plan[p]
         contributed = self._contributed.pop(p, None)
-        if joining or self.base_values[p] is None:    # the first value: adopt it
+        if joining or not known:                      # the first value: adopt it
             value, self.c_steps[p], self.c_tokens[p] = item.values, 0, 0
-        else:  # carry the steps not merged yet (not across a shard restart), or overwrite / α-mix
-            carry = self.algo.carry_local_steps and same_epoch
+        else:  # carry the steps not merged yet (not across a move back), or overwrite / α-mix
+            carry = self.algo.carry_local_steps and continuing
             local = gather(self.tensors, frag).cpu() if carry or self.algo.mix_alpha > 0 else None
             value, self.c_steps[p], self.c_tokens[p] = receive_merged(
                 item.values, local, self.base_values[p], contributed, int(self.c_steps[p]),
@@ -508,7 +528,7 @@ class Learner:
         s = self.stats
         return {"status": self.status, "steps": s.steps, "tokens": s.tokens, "step_ema_s": round(s.step_ema_s, 6),
                 "loss_ema": round(s.loss_ema, 5), "lr": s.lr, "answers": s.answers, "merges_applied": s.merges_applied,
-                "version_gaps": s.version_gaps, "stale_opens": s.stale_opens, "flushed": s.flushed,
+                "version_gaps": s.version_gaps, "versions_regressed": s.versions_regressed, "stale_opens": s.stale_opens, "flushed": s.flushed,
                 "unflushed": s.unflushed, "fetches": s.fetches, "malformed": s.malformed,
                 "bytes_up": s.bytes_up, "bytes_down": s.bytes_down, "train_s": round(s.train_s, 3),
                 "blocked_s": round(s.blocked_s, 3), "boot_s": round(s.boot_s, 3),

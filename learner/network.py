@@ -5,8 +5,8 @@ It subscribes to the run's ``open`` and ``frag`` topics through the broker, publ
 the owning shards for full fragments (join, version gaps). Everything it exchanges with the
 training thread is one of the typed messages below, through two queues:
 
-    inbox  (network -> training):  FragmentArrived, RoundOpened
-    outbox (training -> network):  Answer, Fetch
+    inbox  (network -> training):  FragmentArrived, RoundOpened, StateRequested
+    outbox (training -> network):  Answer, Fetch, Have
 """
 from __future__ import annotations
 
@@ -61,6 +61,23 @@ class Answer:
 
 
 @dataclass(frozen=True)
+class StateRequested:
+    """Network -> training: a (re)started shard asks for our copy of ``fragment``."""
+
+    fragment: int
+
+
+@dataclass(frozen=True)
+class Have:
+    """Training -> network: our base value of ``fragment`` (the merged value at ``version``)."""
+
+    fragment: int
+    epoch: int
+    version: int
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
 class Fetch:
     """Training -> network: ask the owning shards for the full current value of these fragments."""
 
@@ -96,6 +113,7 @@ class NetworkThread:
         sub.connect(self.endpoints.broker_sub)
         sub.setsockopt(zmq.SUBSCRIBE, wire.topic_prefix(run, wire.OPEN))
         sub.setsockopt(zmq.SUBSCRIBE, wire.topic_prefix(run, wire.FRAG))
+        sub.setsockopt(zmq.SUBSCRIBE, wire.topic_prefix(run, wire.NEED))
         pub = ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 1_000)
@@ -138,6 +156,16 @@ class NetworkThread:
                     if not client.request(p):
                         unsent_fetch.add(p)
                 continue
+            if isinstance(item, Have):  # exact (fp32): the shard continues from this value
+                frames = wire.encode(kind=wire.HAVE, run=self.endpoints.run_id, sender=self.id,
+                                     fragment=item.fragment, values=item.values, codec="fp32", epoch=item.epoch,
+                                     version=item.version)
+                try:
+                    pub.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                    self.stats.bytes_up += wire.message_nbytes(frames)
+                except zmq.Again:
+                    pass
+                continue
             a: Answer = item
             delta = a.snapshot - a.base_values                    # δ_m = θ_{m,p} − Θ_p^{base_m}
             if not bool(torch.isfinite(delta).all()):
@@ -170,6 +198,8 @@ class NetworkThread:
                 self.inbox.put(RoundOpened(msg.fragment, msg.epoch, msg.round, msg.attempt, msg.version))
             elif msg.kind == wire.FRAG:
                 self.on_fragment(msg, requested=False)
+            elif msg.kind == wire.NEED:
+                self.inbox.put(StateRequested(msg.fragment))
 
     def on_fragment(self, msg: wire.Message, *, requested: bool) -> None:
         """A merged fragment (broadcast or reply): decoded here, applied by the training thread."""

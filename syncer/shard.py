@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import secrets
 import socket
 import statistics
 import time
@@ -71,6 +70,21 @@ class FragmentState:
     round: OpenRound | None = None
     last_opened_at: float | None = None
     next_round: int = 0
+    recovery: "Recovery | None" = None
+    """Set while the shard collects live learners' copies at start (no rounds meanwhile)."""
+
+
+@dataclass
+class Recovery:
+    """A (re)started shard asking live learners for the freshest copy of one fragment."""
+
+    recorded: int
+    """The newest version the run recorded for the fragment (Redis)."""
+    deadline: float
+    asked_at: float = -1e9
+    answered: set[str] = field(default_factory=set)
+    best: tuple[int, str, torch.Tensor] | None = None
+    """(version, learner, value) of the freshest copy so far."""
 
 
 @dataclass
@@ -84,6 +98,8 @@ class ShardStats:
     reopens: int = 0
     nonfinite_rounds: int = 0
     checkpoint_errors: int = 0
+    versions_behind: int = 0
+    """Fragments that restarted below the run's recorded version (no live learner had it)."""
     bytes_in: int = 0
     bytes_out: int = 0
     requests: int = 0
@@ -151,7 +167,7 @@ class Shard:
                 raise control.ConfigMismatch(f"refused: {e}") from None
         control.claim_shard_count(self.redis, self.keys, self.options.shards)
         control.record_layout(self.redis, self.keys, plan_layout(self.plan))
-        self.epoch = secrets.randbits(31)  # this life of the shard: versions compare only within it
+        self.epoch = int(self.redis.incr(self.keys.epochs))  # this life of the shard (run-wide counter)
         self.lease_holder = f"{socket.gethostname()}:{os.getpid()}:{self.epoch}"
         control.acquire_lease(self.redis, self.keys.shard_lease(self.options.shard), self.lease_holder,
                               ttl_s=self.options.lease_ttl_s, wait_s=self.options.lease_wait_s)
@@ -166,7 +182,9 @@ class Shard:
                                           history={0: theta.clone()})
         self.run_tokens = 0
         """The run's global token count as last seen in Redis (checkpointed; restored after a restart)."""
-        self._load_checkpoint()
+        recorded = self._recorded_versions()
+        loaded = False if self.options.fresh else self._load_checkpoint()
+        self._start_recovery(recorded, loaded)
         if self.run_tokens:  # Redis may have restarted empty: the learners' LR schedule must not go back
             control.raise_counter(self.redis, self.keys.tokens, self.run_tokens)
         self._open_sockets()
@@ -186,6 +204,7 @@ class Shard:
         self.sub.connect(self.endpoints.broker_sub)
         for p in self.frags:
             self.sub.setsockopt(zmq.SUBSCRIBE, wire.topic(self.endpoints.run_id, wire.UPDATE, p))
+            self.sub.setsockopt(zmq.SUBSCRIBE, wire.topic(self.endpoints.run_id, wire.HAVE, p))
         self.pub = self._ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, 10_000)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -273,10 +292,83 @@ class Shard:
         self._merges_since_ckpt = 0
         self.log.info("syncer.checkpoint", path=str(path), versions={p: f.version for p, f in self.frags.items()})
 
-    def _load_checkpoint(self) -> None:
+    def _recorded_versions(self) -> dict[int, int]:
+        """The newest version the run recorded for each owned fragment (0 when none)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for p in self.frags:
+            pipe.hget(self.keys.fragment(p), "version")
+        return {p: int(v or 0) for p, v in zip(self.frags, pipe.execute())}
+
+    def _start_recovery(self, recorded: dict[int, int], loaded: bool) -> None:
+        """Versions never go back. ``--fresh``: the initial model, above every recorded version.
+        Otherwise each fragment asks the live learners for their copies before its first round,
+        for ``recovery_timeout_s`` when the run recorded a newer version than the checkpoint
+        holds (or there is no checkpoint), for a few seconds when there are live learners."""
+        now = self.clock()
+        live = control.live_learners(self.redis, self.keys)
+        for p, f in self.frags.items():
+            if self.options.fresh:
+                f.version = recorded[p] + 1 if recorded[p] else 0
+                f.history = {f.version: f.theta.clone()}
+                continue
+            behind = recorded[p] > f.version
+            if behind or live:
+                wait = self.options.recovery_timeout_s if behind else min(3.0, self.options.recovery_timeout_s)
+                f.recovery = Recovery(recorded=recorded[p], deadline=now + wait)
+        if self.options.fresh:
+            self.log.warning("syncer.fresh_start", versions={p: f.version for p, f in self.frags.items()})
+        self._momentum_source = "checkpoint" if loaded else "zero"
+
+    def _advance_recovery(self, now: float) -> None:
+        for p, f in self.frags.items():
+            rec = f.recovery
+            if rec is None:
+                continue
+            live = set(self.live)
+            done = now >= rec.deadline or (bool(live) and live <= rec.answered)  # every live learner answered
+            if not done:
+                if now - rec.asked_at >= 1.0:  # lost, or learners joining meanwhile: ask again
+                    self._publish(wire.encode(kind=wire.NEED, run=self.endpoints.run_id, sender=self.id,
+                                              fragment=p, epoch=self.epoch, version=f.version))
+                    rec.asked_at = now
+                continue
+            f.recovery = None
+            old = f.version
+            if rec.best is not None and rec.best[0] > f.version:
+                version, learner, value = rec.best
+                f.theta = self._as_broadcast(value)
+                f.version = version
+                f.history = {version: f.theta.clone()}
+                self.log.info("syncer.recovered", fragment=p, from_version=old, version=version, learner=learner,
+                              momentum=self._momentum_source)
+                control.add_event(self.redis, self.keys, "recover", shard=self.options.shard, fragment=p,
+                                  from_version=old, version=version, learner=learner, momentum=self._momentum_source)
+                self._publish(self._frag_frames(f))
+            if f.version < rec.recorded:
+                self.stats.versions_behind += 1
+                self.log.warning("syncer.recovery_incomplete", fragment=p, version=f.version, recorded=rec.recorded,
+                                 answered=sorted(rec.answered))
+                control.add_event(self.redis, self.keys, "recover_incomplete", shard=self.options.shard, fragment=p,
+                                  version=f.version, recorded=rec.recorded)
+
+    def _on_have(self, msg: wire.Message) -> None:
+        f = self.frags.get(msg.fragment)
+        rec = None if f is None else f.recovery
+        if rec is None or msg.numel != f.spec.numel:
+            return  # not recovering (late reply): nothing to do
+        try:
+            value = msg.values()
+        except wire.WireError as e:
+            self._count_malformed(e)
+            return
+        rec.answered.add(msg.sender)
+        if bool(torch.isfinite(value).all()) and (rec.best is None or msg.version > rec.best[0]):
+            rec.best = (msg.version, msg.sender, value)
+
+    def _load_checkpoint(self) -> bool:
         path = self.checkpoint_path
         if path is None or not path.exists():
-            return
+            return False
         state = torch.load(path, weights_only=True)
         if state.get("run_digest") != self.run.digest() or state.get("plan_digest") != self.plan_digest:
             raise CheckpointMismatch(f"checkpoint {path} belongs to another run config; move it away or use another --checkpoint-dir")
@@ -290,6 +382,7 @@ class Shard:
         self.stats.merges = int(state.get("merges", 0))
         self.run_tokens = int(state.get("run_tokens", 0))
         self.log.info("syncer.resumed", path=str(path), versions={p: f.version for p, f in self.frags.items()})
+        return True
 
     # ---------------------------------------------------------------- the loop
     def poll_once(self, timeout_ms: int = 20) -> None:
@@ -310,6 +403,7 @@ class Shard:
                 self._on_request(frames)
         now = self.clock()
         self._refresh_control(now=now)
+        self._advance_recovery(now)
         self._advance_rounds(now)
 
     def _xi_step(self, *, slowest: bool) -> float:
@@ -350,7 +444,8 @@ class Shard:
             period, tau = algo.sync_every_steps * self._xi_step(slowest=False), algo.tau
         last = {p: f.last_opened_at for p, f in self.frags.items() if f.last_opened_at is not None}
         spacing = period / len(self.frags)
-        for p in due_fragments(now, owned=list(self.frags), last_opened_s=last, in_flight=in_flight,
+        ready = [p for p, f in self.frags.items() if f.recovery is None]
+        for p in due_fragments(now, owned=ready, last_opened_s=last, in_flight=in_flight,
                                period_s=period, tau=tau, started_s=self.started_at, n_fragments=algo.fragments,
                                min_spacing_s=spacing, last_open_any_s=max(last.values(), default=None)):
             f = self.frags[p]
@@ -389,6 +484,9 @@ class Shard:
             self._count_malformed(e)
             return
         self.stats.bytes_in += msg.payload_nbytes
+        if msg.kind == wire.HAVE:
+            self._on_have(msg)
+            return
         f = self.frags.get(msg.fragment)
         if msg.kind != wire.UPDATE or f is None or msg.numel != f.spec.numel or msg.steps < 1:
             self._count_malformed(ValueError(f"unexpected {msg.kind} for fragment {msg.fragment} "
@@ -526,6 +624,8 @@ class Shard:
                 "stale_base": self.stats.stale_base, "bytes_out": self.stats.bytes_out,
                 "bytes_in": self.stats.bytes_in, "reopens": self.stats.reopens, "heartbeat_at": time.time()})
             for p, f in self.frags.items():
+                if f.recovery is not None:
+                    continue  # the recorded version stays until this fragment has caught up
                 pipe.hset(self.keys.fragment(p), mapping={"version": f.version, "shard": self.options.shard,
                                                           "round": -1 if f.round is None else f.round.round_id})
             control.publish_run_config(pipe, self.keys, self.run)  # rebuilds it after an empty restart
