@@ -145,10 +145,14 @@ def test_broker_and_shard_killed_and_restarted_training_resumes(tmp_path, redis_
         wait_until(lambda: merges(0) >= m0 + 6 and merges(1) >= m1 + 6, 60, interval_s=0.1,
                    what="merges on both shards after the broker restart")
 
-        # shard 1 is killed (no checkpoint on the way down) and restarted: it waits out its old
-        # lease, resumes from its last checkpoint in a new epoch, learners adopt it, merges go on
+        # shard 1 is killed (no checkpoint on the way down), its checkpoint is deleted (a reschedule
+        # on another host) and it is restarted: it waits out its old lease, recovers its fragments
+        # from the learners' copies in a new epoch (versions never go back), merges go on
         os.kill(d.procs["syncer-1"].pid, signal.SIGKILL)
         d.procs["syncer-1"].wait(timeout=10)
+        killed_at = {p: int(r.hget(keys.fragment(p), "version") or 0) for p in (1, 3)}
+        for f in (tmp_path / "ck").glob("*shard1of2*"):
+            f.unlink()
         m0 = merges(0)
         wait_until(lambda: merges(0) >= m0 + 6, 60, interval_s=0.1, what="shard 0 merging while shard 1 is down")
         d.start("syncer-1", *syncer, "--shard", "1")
@@ -156,6 +160,10 @@ def test_broker_and_shard_killed_and_restarted_training_resumes(tmp_path, redis_
                    what="restarted shard 1 registered")
         m1 = merges(1)
         wait_until(lambda: merges(1) >= m1 + 6, 60, interval_s=0.1, what="restarted shard 1 merging")
+        recovered = {int(e["fragment"]): int(e["version"]) for e in control.read_events(r, keys, kind="recover")}
+        assert all(recovered.get(p, -1) >= v for p, v in killed_at.items()), (recovered, killed_at)
+        assert not control.read_events(r, keys, kind="recover_incomplete")
+        assert all(int(h.get("versions_regressed", 0)) == 0 for h in control.all_learners(r, keys).values())
         assert all(p.poll() is None for p in d.procs.values()), "a daemon died"
         assert versions() > 0
     finally:
