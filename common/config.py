@@ -284,7 +284,10 @@ class SyncerOptions:
     shards: int = 1
     """S: number of shards."""
     checkpoint_dir: str = "runs/checkpoints"
-    """Directory of the shard's atomic checkpoint (empty: no checkpoints)."""
+    """Directory of the shard's atomic checkpoint (empty: no checkpoints); a relative path is
+    resolved against the working directory at start and logged absolute. On several hosts, give
+    storage that follows the shard (a volume); a shard that starts without it recovers its
+    fragments from the live learners (ALGORITHM §8)."""
     checkpoint_every_merges: int = 20
     """Checkpoint after this many merges (and always on SIGTERM)."""
     rpc_bind: str = "tcp://127.0.0.1:0"

@@ -193,6 +193,7 @@ class Shard:
         control.add_event(self.redis, self.keys, "shard_start", shard=self.options.shard,
                           versions={p: f.version for p, f in self.frags.items()})
         self.log.info("syncer.started", fragments=owned, rpc=self.rpc_endpoint, config=self.run.to_dict(),
+                      checkpoint=str(self.checkpoint_path) if self.checkpoint_path else "none",
                       versions={p: f.version for p, f in self.frags.items()})
         return self
 
@@ -256,7 +257,7 @@ class Shard:
         if not self.options.checkpoint_dir:
             return None
         name = f"{self.endpoints.run_id}-shard{self.options.shard}of{self.options.shards}.pt"
-        return Path(self.options.checkpoint_dir) / name
+        return Path(self.options.checkpoint_dir).absolute() / name
 
     def checkpoint(self) -> None:
         """Atomic: write a temp file, fsync, rename over the old one, fsync the directory."""
