@@ -10,6 +10,7 @@ Hand-over between them is by queues of whole fragments; the training thread neve
 """
 from __future__ import annotations
 
+import json
 import os
 import queue
 import secrets
@@ -67,6 +68,9 @@ class LearnerStats:
     train_s: float = 0.0
     blocked_s: float = 0.0
     boot_s: float = 0.0
+    boot_phases: dict[str, float] = field(default_factory=dict)
+    """Seconds from the process start to: init (interpreter, imports), prepared (run config, task,
+    model, checks), joined (every fragment fetched), first_answer."""
     step_ema_s: float = 0.0
     loss_ema: float = 0.0
     lr: float = 0.0
@@ -136,6 +140,7 @@ class Learner:
         self.joined_versions: dict[int, int] = {}
         self._fatal: BaseException | None = None
         self._process_started_at = process_start_time() or self._started_at
+        self.stats.boot_phases["init"] = round(time.time() - self._process_started_at, 3)
         self.incarnation = secrets.token_hex(4)
         """This process's life under ``self.id``: a restart with the same id is a new incarnation."""
 
@@ -152,6 +157,7 @@ class Learner:
         self.plan_digest = plan_digest(self.plan)
         self.stream = data_stream(self.options, self.id)
         check_task(self.task, self.model, seed=self.run_cfg.task.seed, stream=self.stream)
+        self.stats.boot_phases["prepared"] = round(time.time() - self._process_started_at, 3)
 
     def _join_control(self) -> None:
         if self._run_arg is not None:
@@ -259,8 +265,10 @@ class Learner:
             self._announce_join()
             self._load_current_fragments()
             self.stats.boot_s = time.time() - self._process_started_at
+            self.stats.boot_phases["joined"] = round(self.stats.boot_s, 3)
             self.joined_versions = {p: int(v) for p, v in enumerate(self.base_version)}
             self.log.info("learner.joined", fragments=len(self.plan), boot_s=round(self.stats.boot_s, 2),
+                          boot_phases=self.stats.boot_phases,
                           versions_max=int(self.base_version.max()), config=self.run_cfg.to_dict())
             self._train()
         finally:
@@ -478,6 +486,8 @@ class Learner:
                                     base=int(self.base_version[p]), base_values=self.base_values[p],
                                     snapshot=snapshot, steps=int(self.c_steps[p]), tokens=int(self.c_tokens[p])))
             self.stats.answers += 1
+            if self.stats.answers == 1:
+                self.stats.boot_phases["first_answer"] = round(time.time() - self._process_started_at, 3)
             self.stats.last_contrib_fragment = p
             self.stats.last_contrib_at = time.time()
         if len(self._answered) > 100_000:
@@ -532,7 +542,7 @@ class Learner:
                 "unflushed": s.unflushed, "fetches": s.fetches, "malformed": s.malformed,
                 "bytes_up": s.bytes_up, "bytes_down": s.bytes_down, "train_s": round(s.train_s, 3),
                 "blocked_s": round(s.blocked_s, 3), "boot_s": round(s.boot_s, 3),
-                "started_at": self._process_started_at, "updated_at": time.time(), "incarnation": self.incarnation,
+                "started_at": self._process_started_at, "boot_phases": json.dumps(s.boot_phases), "updated_at": time.time(), "incarnation": self.incarnation,
                 "last_contrib_fragment": s.last_contrib_fragment, "last_contrib_at": s.last_contrib_at,
                 "data_shard": self.options.data_shard, "pid": os.getpid(),
                 "data_position": self.data_position + s.batches}
