@@ -149,31 +149,41 @@ def test_shard_restarted_from_checkpoint_resumes_at_same_versions(make_cluster):
     assert not cluster.errors, cluster.errors
 
 
-def test_learner_that_misses_broadcasts_detects_the_gap_and_fetches_full_fragments(make_cluster):
-    from learner.core import Learner
+def _lossy_network(lose: int = 12) -> type:
+    """Fault injection on a real learner: its network thread loses the first ``lose`` broadcasts."""
     from learner.network import NetworkThread
 
     class LossyNetwork(NetworkThread):
-        """Fault injection on a real learner: its network thread loses the first broadcasts."""
+        lost = 0
 
         def on_fragment(self, msg, *, requested):
-            if not requested and LossyLearner.lost < 12:
-                LossyLearner.lost += 1
+            if not requested and type(self).lost < lose:
+                type(self).lost += 1
                 return
             super().on_fragment(msg, requested=requested)
+    return LossyNetwork
+
+
+def _start_lossy_learner(cluster, network: type):
+    """One shard, a steady learner and a learner "lossy" whose network thread is ``network``."""
+    from learner.core import Learner
 
     class LossyLearner(Learner):
-        lost = 0
-        network_class = LossyNetwork
-
-    cluster = make_cluster(ASYNC)
+        network_class = network
     cluster.start_shard(0, 1)
     cluster.start_learner(cluster.learner("steady", 0, step_time_floor_ms=5))
     base = cluster.learner("lossy", 1, step_time_floor_ms=5)
     lossy = LossyLearner(endpoints=base.endpoints, options=base.options, task=base.task, run=base._run_arg,
                          stop=base.stop)
     cluster.start_learner(lossy)
-    wait_until(lambda: lossy.lost >= 12, 30, what="broadcasts lost")
+    return lossy
+
+
+def test_learner_that_misses_broadcasts_detects_the_gap_and_fetches_full_fragments(make_cluster):
+    network = _lossy_network(12)
+    cluster = make_cluster(ASYNC)
+    lossy = _start_lossy_learner(cluster, network)
+    wait_until(lambda: network.lost >= 12, 30, what="broadcasts lost")
     wait_until(lambda: lossy.stats.fetches >= 1, 30, what="the lossy learner to request full fragments")
     # repaired: it catches up with the shard's versions and keeps contributing
     shard = cluster.shards[0]
@@ -320,8 +330,7 @@ def test_lockstep_from_the_run_config_waits_for_every_live_learner(make_cluster)
 
 
 def test_a_learner_with_a_stale_base_fetches_first_and_never_answers_against_it(make_cluster):
-    from learner.core import Learner
-    from learner.network import Answer, NetworkThread, RoundOpened
+    from learner.network import Answer, RoundOpened
 
     opens: dict[tuple[int, int], int] = {}
     answers: list[Answer] = []
@@ -341,32 +350,16 @@ def test_a_learner_with_a_stale_base_fetches_first_and_never_answers_against_it(
             self.record(item)
             return item
 
-    class LossyNetwork(NetworkThread):
-        lost = 0
-
+    class RecordingLossyNetwork(_lossy_network(12)):
         def __init__(self, **kw):
             super().__init__(**kw)
             self.inbox = Recording(self.inbox, lambda m: isinstance(m, RoundOpened)
                                    and opens.setdefault((m.fragment, m.round), m.version))
             self.outbox = Recording(self.outbox, lambda m: isinstance(m, Answer) and answers.append(m))
 
-        def on_fragment(self, msg, *, requested):
-            if not requested and LossyNetwork.lost < 12:   # misses broadcasts: its base goes stale
-                LossyNetwork.lost += 1
-                return
-            super().on_fragment(msg, requested=requested)
-
-    class LossyLearner(Learner):
-        network_class = LossyNetwork
-
     cluster = make_cluster(ASYNC)
-    cluster.start_shard(0, 1)
-    cluster.start_learner(cluster.learner("steady", 0, step_time_floor_ms=5))
-    base = cluster.learner("lossy", 1, step_time_floor_ms=5)
-    lossy = LossyLearner(endpoints=base.endpoints, options=base.options, task=base.task, run=base._run_arg,
-                         stop=base.stop)
-    cluster.start_learner(lossy)
-    wait_until(lambda: LossyNetwork.lost >= 12 and len(answers) >= 20, 60, what="answers after lost broadcasts")
+    lossy = _start_lossy_learner(cluster, RecordingLossyNetwork)
+    wait_until(lambda: RecordingLossyNetwork.lost >= 12 and len(answers) >= 20, 60, what="answers after lost broadcasts")
     assert lossy.stats.fetches >= 1
     for a in list(answers):   # every answer is against the version its round was opened at
         assert a.base == opens[(a.fragment, a.round)], (a.fragment, a.round, a.base, opens[(a.fragment, a.round)])
