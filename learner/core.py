@@ -306,7 +306,7 @@ class Learner:
                 continue
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            tokens, loss_sum = 0, 0.0
+            tokens, loss_sum = 0, torch.zeros(())
             for _ in range(accum):                           # ∇L over inner_grad_accum micro-batches
                 try:
                     batch = next(batches)
@@ -318,7 +318,7 @@ class Learner:
                 with autocast:
                     loss = scalar_loss(self.task, self.model, batch_to(batch, self.device)) / accum
                 loss.backward()
-                loss_sum += float(loss.detach())
+                loss_sum = loss_sum + loss.detach().float().cpu()
             self.stats.lr = apply_step(self.model, opt, sched, self.algo)   # θ ← AdamW(θ, ∇L(θ; batch))
             self.c_steps += 1                                # for every p: c_steps[p] += 1
             self.c_tokens += tokens                          #              c_tokens[p] += tokens
@@ -332,7 +332,7 @@ class Learner:
             self.stats.train_s += step_s
             ema = self.stats.step_ema_s
             self.stats.step_ema_s = step_s if ema == 0 else 0.9 * ema + 0.1 * step_s
-            lv = loss_sum
+            lv = float(loss_sum)                             # one host sync per step
             self.stats.loss_ema = lv if self.stats.steps == 1 else 0.95 * self.stats.loss_ema + 0.05 * lv
         return False
 

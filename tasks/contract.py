@@ -13,7 +13,6 @@ same ``--task MODULE:ATTR`` and ``--task-arg`` values; the run is refused when `
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import importlib
 import inspect
@@ -362,15 +361,19 @@ def check_task(task: Task, model: nn.Module, *, seed: int, stream: int = 0) -> i
     tokens = count_tokens(task, batch)
     if tokens <= 0:
         raise TaskError(f"task {task.name!r}: a training batch counts {tokens} tokens (must be > 0)")
-    probe = copy.deepcopy(model)  # a forward in train() mode updates buffers (BatchNorm): not on ``model``
-    device = next(iter(probe.parameters()), torch.empty(0)).device
+    # eval() mode: a train() forward would update buffers (BatchNorm statistics); no copy of the model
+    was_training = model.training
+    device = next(iter(model.parameters()), torch.empty(0)).device
     try:
+        model.eval()
         with torch.no_grad():
-            value = float(scalar_loss(task, probe, batch_to(batch, device)))
+            value = float(scalar_loss(task, model, batch_to(batch, device)))
     except TaskError:
         raise
     except Exception as e:  # the user's forward or loss on the first batch
         raise TaskError(f"task {task.name!r}: loss(model, first batch) raised {type(e).__name__}: {e}") from None
+    finally:
+        model.train(was_training)
     if not math.isfinite(value):
         raise TaskError(f"task {task.name!r}: the loss of the initial model on the first batch is {value}")
     return tokens
