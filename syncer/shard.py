@@ -14,6 +14,7 @@ import math
 import os
 import socket
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +99,7 @@ class ShardStats:
     reopens: int = 0
     nonfinite_rounds: int = 0
     checkpoint_errors: int = 0
+    checkpoints: int = 0
     versions_behind: int = 0
     """Fragments that restarted below the run's recorded version (no live learner had it)."""
     bytes_in: int = 0
@@ -107,6 +109,48 @@ class ShardStats:
     @property
     def dropped(self) -> int:
         return self.malformed + self.late_answers + self.stale_base + self.wrong_run + self.nonfinite_rounds
+
+
+class LatestWriter:
+    """One background thread that writes the newest submitted item; an item submitted while
+    another is being written replaces any item still waiting (intermediate ones are skipped)."""
+
+    def __init__(self, write: Callable[[Any], None], *, name: str) -> None:
+        self._write = write
+        self._name = name
+        self._cond = threading.Condition()
+        self._pending: Any = None
+        self._busy = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, item: Any) -> None:
+        with self._cond:
+            self._pending = item
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None:
+                    self._cond.wait()
+                item, self._pending, self._busy = self._pending, None, True
+            try:
+                self._write(item)
+            except Exception:  # the writer logs its own failures; the thread must outlive one
+                pass
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def close(self) -> None:
+        """Wait until nothing is pending or being written; submitted items are written, not lost."""
+        with self._cond:
+            while self._pending is not None or self._busy:
+                self._cond.wait()
 
 
 class CheckpointMismatch(RuntimeError):
@@ -145,6 +189,7 @@ class Shard:
         self._redis_ok = True
         self._merges_since_ckpt = 0
         self._lease_lost = False
+        self._ckpt_writer = LatestWriter(self._write_checkpoint, name=f"{self.id}-checkpoint")
 
     # ---------------------------------------------------------------- set-up / tear-down
     def _prepare(self, run: RunConfig) -> torch.nn.Module:
@@ -230,7 +275,7 @@ class Shard:
         try:
             if self._lease_lost:
                 return
-            self.checkpoint()
+            self.checkpoint(wait=True)
             control.add_event(self.redis, self.keys, "shard_stop", shard=self.options.shard,
                               versions={p: f.version for p, f in self.frags.items()})
             self.redis.hset(self.keys.shard(self.options.shard), "status", "stopped")
@@ -259,22 +304,38 @@ class Shard:
         name = f"{self.endpoints.run_id}-shard{self.options.shard}of{self.options.shards}.pt"
         return Path(self.options.checkpoint_dir).absolute() / name
 
-    def checkpoint(self) -> None:
-        """Atomic: write a temp file, fsync, rename over the old one, fsync the directory."""
-        path = self.checkpoint_path
-        if path is None:
+    def checkpoint(self, *, wait: bool = False) -> None:
+        """Snapshot {Θ, momentum, version, next_round} of every fragment (copies, on the event
+        loop: a memcpy) and hand it to the writer thread, which writes it atomically (temp file,
+        fsync, rename, fsync of the directory) off the loop. A snapshot taken while the previous one
+        is still being written replaces any snapshot still waiting (the newest one wins).
+        ``wait``: write synchronously after the writer finished (the final checkpoint at stop)."""
+        if self.checkpoint_path is None:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
         state = {
-            "format": 1, "run_digest": self.run.digest(), "run_config": self.run.to_dict(),
+            "format": 2, "run_digest": self.run.digest(), "run_config": self.run.to_dict(),
             "plan_digest": self.plan_digest, "shard": self.options.shard, "shards": self.options.shards,
-            "fragments": {p: {"theta": f.theta, "momentum": f.momentum, "version": f.version,
-                              "history": f.history, "next_round": f.next_round}
-                          for p, f in self.frags.items()},
+            "epoch": self.epoch,
+            "fragments": {p: {"theta": f.theta.clone(), "momentum": f.momentum.clone(), "version": f.version,
+                              "next_round": f.next_round} for p, f in self.frags.items()},
             "merges": self.stats.merges, "saved_at": time.time(), "run_tokens": self.run_tokens,
         }
+        self._merges_since_ckpt = 0
+        if wait:
+            self._ckpt_writer.close()
+            self._write_checkpoint(state)
+        else:
+            self._ckpt_writer.submit(state)
+
+    def _write_checkpoint(self, state: dict[str, Any]) -> None:
+        """Atomic: write a temp file, fsync, rename over the old one, fsync the directory. Runs on
+        the writer thread (or at stop): it reads nothing of the live shard state."""
+        path = self.checkpoint_path
+        assert path is not None
         tmp = path.with_suffix(f".tmp{os.getpid()}")
+        t0 = time.perf_counter()
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as fh:
                 torch.save(state, fh)
                 fh.flush()
@@ -285,13 +346,14 @@ class Shard:
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
-        except OSError as e:  # disk full, directory gone: keep merging, the old checkpoint stays intact
+        except (OSError, RuntimeError) as e:  # disk full, directory gone: keep merging, the old one stays intact
             self.stats.checkpoint_errors += 1
             self.log.error("syncer.checkpoint_failed", path=str(path), error=str(e))
             tmp.unlink(missing_ok=True)
             return
-        self._merges_since_ckpt = 0
-        self.log.info("syncer.checkpoint", path=str(path), versions={p: f.version for p, f in self.frags.items()})
+        self.stats.checkpoints += 1
+        self.log.info("syncer.checkpoint", path=str(path), write_s=round(time.perf_counter() - t0, 4),
+                      versions={p: fs["version"] for p, fs in state["fragments"].items()})
 
     def _recorded_versions(self) -> dict[int, int]:
         """The newest version the run recorded for each owned fragment (0 when none)."""
@@ -378,7 +440,7 @@ class Shard:
         for p, fs in state["fragments"].items():
             f = self.frags[int(p)]
             f.theta, f.momentum, f.version = fs["theta"], fs["momentum"], int(fs["version"])
-            f.history = {int(v): t for v, t in fs["history"].items()}
+            f.history = {f.version: f.theta.clone()}  # answers on older bases are refused as stale
             f.next_round = int(fs["next_round"])
         self.stats.merges = int(state.get("merges", 0))
         self.run_tokens = int(state.get("run_tokens", 0))

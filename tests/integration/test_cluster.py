@@ -138,6 +138,9 @@ def test_shard_restarted_from_checkpoint_resumes_at_same_versions(make_cluster):
     cluster.stop_shard(0)
     wait_until(lambda: shard._ctx is None, 10, what="shard closed (checkpoint on stop)")
     saved = {p: (f.version, f.theta.clone(), f.momentum.clone()) for p, f in shard.frags.items()}
+    on_disk = torch.load(shard.checkpoint_path, weights_only=True)
+    assert on_disk["epoch"] == shard.epoch
+    assert all(set(fs) == {"theta", "momentum", "version", "next_round"} for fs in on_disk["fragments"].values())
     restarted = cluster.start_shard(0, 1)
     assert {p: f.version for p, f in restarted.frags.items()} == {p: v for p, (v, _, _) in saved.items()}
     for p, (_, theta, momentum) in saved.items():
@@ -219,9 +222,9 @@ def _crash_shard_after_unsaved_merges(cluster, shard) -> dict[int, int]:
     calls = [0]
     real_checkpoint = shard.checkpoint
 
-    def two_checkpoints_then_none() -> None:  # decided on the shard's own thread: no race
+    def two_checkpoints_then_none(wait: bool = False) -> None:  # decided on the shard's own thread: no race
         if calls[0] < 2:
-            real_checkpoint()
+            real_checkpoint(wait=True)  # on disk before the "crash" (no write left in flight)
             calls[0] += 1
     shard.checkpoint = two_checkpoints_then_none
     wait_until(lambda: calls[0] >= 2 and shard._merges_since_ckpt >= 2, 30,
