@@ -521,6 +521,8 @@ class Learner:
                 pipe = self.redis.pipeline(transaction=False)
                 control.beat(pipe, self.keys, self.id, self._counters(), self.options.heartbeat_ttl_s)
                 ours = self.stats.tokens
+                # epochs never go back, even when Redis restarted empty: put back the newest we saw
+                control.raise_counter(pipe, self.keys.epochs, int(self.base_epoch.max()))
                 pipe.incrby(self.keys.tokens, ours - self._tokens_reported)   # the run's global token count
                 total = pipe.execute()[-1]
                 self._tokens_reported = ours

@@ -212,7 +212,10 @@ class Shard:
                 raise control.ConfigMismatch(f"refused: {e}") from None
         control.claim_shard_count(self.redis, self.keys, self.options.shards)
         control.record_layout(self.redis, self.keys, plan_layout(self.plan))
-        self.epoch = int(self.redis.incr(self.keys.epochs))  # this life of the shard (run-wide counter)
+        # this life of the shard: the run-wide counter, above any epoch this shard's checkpoint saw
+        # (Redis may have restarted empty; live shards and learners also put the counter back)
+        control.raise_counter(self.redis, self.keys.epochs, self._checkpoint_epoch())
+        self.epoch = int(self.redis.incr(self.keys.epochs))
         self.lease_holder = f"{socket.gethostname()}:{os.getpid()}:{self.epoch}"
         control.acquire_lease(self.redis, self.keys.shard_lease(self.options.shard), self.lease_holder,
                               ttl_s=self.options.lease_ttl_s, wait_s=self.options.lease_wait_s)
@@ -427,6 +430,16 @@ class Shard:
         rec.answered.add(msg.sender)
         if bool(torch.isfinite(value).all()) and (rec.best is None or msg.version > rec.best[0]):
             rec.best = (msg.version, msg.sender, value)
+
+    def _checkpoint_epoch(self) -> int:
+        """The epoch recorded in this shard's checkpoint (0: none, or unreadable)."""
+        path = self.checkpoint_path
+        if self.options.fresh or path is None or not path.exists():
+            return 0
+        try:
+            return int(torch.load(path, weights_only=True).get("epoch", 0))
+        except Exception:  # a damaged file is reported by _load_checkpoint
+            return 0
 
     def _load_checkpoint(self) -> bool:
         path = self.checkpoint_path
@@ -694,6 +707,7 @@ class Shard:
             control.publish_run_config(pipe, self.keys, self.run)  # rebuilds it after an empty restart
             pipe.hsetnx(self.keys.config, "shards", self.options.shards)
             # the run's token count (the learners' LR schedule): read it, and put it back if Redis lost it
+            control.raise_counter(pipe, self.keys.epochs, self.epoch)  # epochs never go back either
             control.raise_counter(pipe, self.keys.tokens, self.run_tokens)
             self.run_tokens = max(self.run_tokens, int(pipe.execute()[-1] or 0))
             if not self._redis_ok:

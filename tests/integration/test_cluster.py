@@ -392,3 +392,30 @@ def test_fetch_fragments_survives_a_shard_endpoint_change_during_the_fetch(make_
     assert "error" not in result, repr(result.get("error"))
     assert sorted(result["frags"]) == [0, 1, 2, 3]
     assert not cluster.errors, cluster.errors
+
+
+def test_a_shard_restarted_after_redis_restarted_empty_still_takes_a_newer_epoch(make_cluster, redis_server, tmp_path):
+    """Epochs never go back: Redis lost the epoch counter, the shard lost its checkpoint; the
+    live learner puts the counter back, so the new shard life is newer and the learner follows it."""
+    cluster = make_cluster(ASYNC)
+    shard = cluster.start_shard(0, 1)
+    learner = cluster.learner("l0", 0, step_time_floor_ms=5)
+    cluster.start_learner(learner)
+    wait_until(lambda: min(_versions(cluster).values()) >= 2, 30, what="merges before the Redis restart")
+    old_epoch = shard.epoch
+    redis_server.restart_empty()
+    r = control.connect(redis_server.url)
+    keys = Keys(cluster.endpoints.run_id)
+    wait_until(lambda: "l0" in control.live_learners(r, keys), 20, what="learner membership rebuilt")
+    cluster.stop_shard(0)
+    wait_until(lambda: shard._ctx is None, 10, what="shard gone")
+    for f in (tmp_path / "ckpt").glob("*.pt"):
+        f.unlink()
+    restarted = cluster.start_shard(0, 1)
+    assert restarted.epoch > old_epoch
+    wait_until(lambda: all(int(e) == restarted.epoch for e in learner.base_epoch), 30,
+               what="the learner follows the new shard life")
+    at = {p: f.version for p, f in restarted.frags.items()}
+    wait_until(lambda: all(f.version > at[p] for p, f in restarted.frags.items()), 30, what="merges go on")
+    assert learner.stats.versions_regressed == 0
+    assert not cluster.errors, cluster.errors
