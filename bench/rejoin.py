@@ -1,13 +1,16 @@
 """Where a restarted learner's time goes: SIGKILL a learner of a running cluster, restart it under
 the same id, and time each phase until its first merged contribution.
 
-    python -m bench.rejoin --learners 4 --restarts 5 --step-time-floor-ms 50
+    python -m bench.rejoin --learners 4 --restarts 5 --step-time-floor-ms 50            # cold restarts
+    python -m bench.rejoin --learners 4 --restarts 5 --step-time-floor-ms 50 --standby  # hot spare
 
 Real processes (embedded Redis, broker, syncers, learners: `ddloco` daemons) on the built-in gpt
 task with the run's defaults. Phases are read from the restarted learner's own counters
 (seconds from its process start): ``init`` (interpreter and imports), ``prepared`` (run config,
 task, model, dry run), ``joined`` (every fragment fetched from the shards), ``first_answer``; and
-``first_merge`` from the shards' record of its first merged contribution.
+``first_merge`` from the shards' record of its first merged contribution. With ``--standby`` the
+killed learner is replaced by a hot spare (``ddloco learner --standby``: imports, run config and
+model done ahead) as ``ddloco up --chaos`` does; the next kill waits until a new spare is ready.
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--syncers", type=int, default=2)
     ap.add_argument("--restarts", type=int, default=5)
     ap.add_argument("--step-time-floor-ms", type=float, default=50.0)
+    ap.add_argument("--standby", action="store_true", help="replace the killed learner by a hot spare")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(list(argv))
     work = Path(tempfile.mkdtemp(prefix="ddloco-rejoin-"))
@@ -58,12 +62,27 @@ def main(argv: Sequence[str]) -> int:
                "--broker-sub", f"tcp://127.0.0.1:{sub}", "--run-id", "rejoin", "--log-format", "json"]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
-        def start(name: str, *argv: str) -> None:
+        def start(name: str, *argv: str, stdin: bool = False) -> None:
             log = open(work / f"{name}.log", "ab")
             procs[name] = subprocess.Popen([sys.executable, "-m", "ddloco", *argv], stdout=log,
-                                           stderr=subprocess.STDOUT, env=env)
+                                           stderr=subprocess.STDOUT, env=env,
+                                           stdin=subprocess.PIPE if stdin else subprocess.DEVNULL)
+
+        spares = [0]
+
+        def start_spare() -> None:
+            spares[0] += 1
+            start(f"spare{spares[0]}", "learner", *net, "--standby", "--step-time-floor-ms",
+                  str(args.step_time_floor_ms), stdin=True)
 
         def learner(i: int) -> None:
+            if args.standby:
+                spare = procs.pop(f"spare{spares[0]}")
+                spare.stdin.write((json.dumps({"learner_id": f"l{i}", "data_shard": i}) + "\n").encode())
+                spare.stdin.flush()
+                procs[f"l{i}"] = spare
+                start_spare()
+                return
             start(f"l{i}", "learner", *net, "--learner-id", f"l{i}", "--data-shard", str(i),
                   "--step-time-floor-ms", str(args.step_time_floor_ms))
         r = control.connect(redis_srv.url)
@@ -74,12 +93,18 @@ def main(argv: Sequence[str]) -> int:
                 start(f"s{k}", "syncer", *net, "--shard", str(k), "--shards", str(args.syncers),
                       "--checkpoint-dir", str(work / "ck"))
             for i in range(args.learners):
-                learner(i)
+                start(f"l{i}", "learner", *net, "--learner-id", f"l{i}", "--data-shard", str(i),
+                      "--step-time-floor-ms", str(args.step_time_floor_ms))
+            if args.standby:
+                start_spare()
             _wait(lambda: all(int(r.hget(keys.learner(f"l{i}"), "merged_contributions") or 0) > 0
                               for i in range(args.learners)), 300, "every learner contributing")
             for n in range(args.restarts):
                 i = n % args.learners
                 lid = f"l{i}"
+                if args.standby:
+                    log = work / f"spare{spares[0]}.log"
+                    _wait(lambda: "learner.standby_ready" in log.read_text(errors="replace"), 120, "spare ready")
                 procs[lid].send_signal(signal.SIGKILL)
                 procs[lid].wait()
                 old = r.hget(keys.learner(lid), "incarnation")
@@ -88,6 +113,8 @@ def main(argv: Sequence[str]) -> int:
                 _wait(lambda: r.hget(keys.learner(lid), "incarnation") not in (None, old), 120, "new incarnation")
                 merged_at = _wait(lambda: (lambda v: v if v and float(v) > t_restart else None)(
                     r.hget(keys.learner(lid), "last_merged_at")), 120, "first merged contribution")
+                _wait(lambda: "first_answer" in json.loads(r.hget(keys.learner(lid), "boot_phases") or "{}"), 10,
+                      "the first answer in the counters (next heartbeat)")
                 h = r.hgetall(keys.learner(lid))
                 phases = json.loads(h.get("boot_phases") or "{}")
                 start_gap = float(h["started_at"]) - t_restart   # Popen -> process start

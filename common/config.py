@@ -260,8 +260,18 @@ class LearnerOptions:
     (0 = leave at once; a stopped learner never flushes)."""
     join_timeout_s: float = 120.0
     """Give up (exit non-zero) if the shards don't serve the current fragments within this."""
+    peer_bind: str = "tcp://127.0.0.1:0"
+    """ROUTER endpoint serving this learner's state to joining peers (port 0: any free port)."""
+    advertise_host: str = ""
+    """Host other learners use to reach ``peer_bind`` (empty: the bound address)."""
+    peer_bootstrap: bool = True
+    """A joining learner takes parameters, AdamW state and schedule position from a training
+    peer (ALGORITHM §8); it falls back to the shards when none answers."""
+    peer_timeout_s: float = 5.0
+    """How long a joining learner waits for a peer's whole state before asking the shards."""
 
     def __post_init__(self) -> None:
+        _check(self.peer_timeout_s > 0, "learner.peer_timeout_s must be > 0")
         _check(self.slowdown >= 1.0, "learner.slowdown must be >= 1")
         _check(self.step_time_floor_ms >= 0.0, "learner.step_time_floor_ms must be >= 0")
         _check(self.threads >= 1, "learner.threads must be >= 1")

@@ -408,6 +408,9 @@ def line_chart(path: str | os.PathLike[str], series: Sequence[Series], *, title:
     write_png(path, c.rgb)
 
 
+MARK_COLOR: Color = (200, 0, 0)
+
+
 def state_color(state: str) -> Color:
     """Colour of a timeline state."""
     return STATE_COLORS.get(state, OTHER_STATE_COLOR)
@@ -416,8 +419,10 @@ def state_color(state: str) -> Color:
 def timeline_chart(path: str | os.PathLike[str],
                    rows: Sequence[tuple[str, Sequence[tuple[float, float, str]]]], *,
                    title: str = "", xlabel: str = "seconds",
-                   size: tuple[int, int] = (800, 400)) -> None:
-    """Write a Gantt-style chart: one lane per row, a bar per (start, end, state) interval."""
+                   size: tuple[int, int] = (800, 400),
+                   marks: Sequence[tuple[float, str]] = ()) -> None:
+    """Write a Gantt-style chart: one lane per row, a bar per (start, end, state) interval;
+    ``marks`` (seconds, short label) are drawn as vertical lines with their label."""
     spans = [(a, b) for _, ivs in rows for a, b, _ in ivs if math.isfinite(a) and math.isfinite(b)]
     x_lo = min([min(a, b) for a, b in spans] + [0.0])
     x_hi = max([max(a, b) for a, b in spans] + [x_lo])
@@ -447,6 +452,12 @@ def timeline_chart(path: str | os.PathLike[str],
                 continue
             xa, xb = sorted(float(v) for v in ax.px(np.array([a, b])))
             c.fill_rect(xa, y0 + lane * 0.15, max(xb, xa + 1), y0 + lane * 0.85, state_color(state))
+    for i, (t, label) in enumerate(marks):
+        if not math.isfinite(t) or not x_lo <= t <= x_hi:
+            continue
+        xm = float(ax.px(np.array([t]))[0])
+        c.fill_rect(xm, top, xm + 1, bottom, MARK_COLOR)
+        c.text(xm + 2, top + 2 + (i % 4) * (GLYPH_H + 2), label, MARK_COLOR)
     c.outline_rect(ax.left, ax.top, ax.right, ax.bottom, INK)
     x = right
     for state in reversed(states):  # horizontal legend above the plot, right-aligned

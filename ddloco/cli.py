@@ -9,6 +9,7 @@
     ddloco bench    micro benchmarks of the hot paths
     ddloco compare  quality: DDP, one learner, sync DiLoCo, our cluster at equal tokens, seeds
     ddloco export   the global model of a live or stopped run as a safetensors / torch file
+    ddloco chaos    seeded failures injected into a running cluster, and what they cost
 
 Exit codes: 0 success, 1 runtime failure, 2 bad usage or config, 3 refused by the run.
 """
@@ -187,6 +188,8 @@ def cmd_learner(args: argparse.Namespace) -> int:
     import torch
     torch.set_num_threads(opts.threads)  # the daemon's cores (`up` shares them between its learners)
     try:
+        if args.standby:
+            return _standby(cfg, opts, task, run, stop)
         train(endpoints=cfg.endpoints, task=task, options=opts, run=run, stop=stop)
     except LearnerRefused as e:
         print(f"ddloco learner: {e}", file=sys.stderr)
@@ -200,6 +203,39 @@ def cmd_learner(args: argparse.Namespace) -> int:
     return 0
 
 
+def _standby(cfg: ConfigFile, opts: LearnerOptions, task: Any, run: Any, stop: threading.Event) -> int:
+    """``learner --standby``: prepare everything that does not depend on the learner id (imports,
+    run config, task, model, dry run), then wait for one JSON line on stdin naming the learner to
+    become: ``{"learner_id": ..., "data_shard": ..., "max_steps": ..., "slowdown": ...}``. A
+    supervisor keeps one standby process per machine so that a failed learner is replaced in well
+    under a second (end of input: exit 0)."""
+    import json
+    import select
+    from learner.core import Learner
+    learner = Learner(endpoints=cfg.endpoints, options=override(opts, learner_id=opts.learner_id or "standby"),
+                      task=task, run=run, stop=stop)
+    learner.prepare()
+    learner.warm_up()
+    print(json.dumps({"event": "learner.standby_ready", "pid": os.getpid()}), flush=True)
+    line = ""
+    while not stop.is_set() and not line:
+        ready, _, _ = select.select([sys.stdin], [], [], 0.2)
+        if ready:
+            line = sys.stdin.readline()
+            if not line:
+                return 0  # the supervisor went away
+    if stop.is_set():
+        return 0
+    try:
+        orders = json.loads(line)
+        learner.assign(learner_id=str(orders["learner_id"]), data_shard=orders.get("data_shard"),
+                       max_steps=orders.get("max_steps"), slowdown=orders.get("slowdown"))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--standby: expected one JSON line with learner_id, got {line[:200]!r} ({e})") from None
+    learner.run()
+    return 0
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from ddloco.up import find_resumable, run_up
     resume = None
@@ -210,8 +246,20 @@ def cmd_up(args: argparse.Namespace) -> int:
         args.run_id = args.resume
     cfg = _resolve(args)
     _setup_logging(args)  # library logs (embedded Redis) to stderr; progress lines go to stdout
-    up = override(cfg.up, learners=args.learners, syncers=args.syncers, steps=args.steps, minutes=args.minutes,
+    steps = args.steps
+    if steps is None and args.minutes is not None:
+        steps = 0  # --minutes alone: train for that long (no step budget)
+    up = override(cfg.up, learners=args.learners, syncers=args.syncers, steps=steps, minutes=args.minutes,
                   report_dir=args.report)
+    chaos = None
+    if args.chaos:
+        from ddloco.chaos import parse_chaos
+        chaos = parse_chaos(args.chaos)
+    extra = None
+    if args.extra_learners:
+        if args.extra_learners < 0 or args.extra_at is None or args.extra_for is None or args.extra_for <= 0:
+            raise ConfigError("--extra-learners N needs --extra-at SECONDS and --extra-for SECONDS (> 0)")
+        extra = (args.extra_learners, args.extra_at, args.extra_for)
     if cfg.run.algo.lockstep and args.quorum is None:  # the synchronous baseline waits for every learner
         cfg = override(cfg, run=override(cfg.run, algo=override(cfg.run.algo, quorum=up.learners)))
     slow = None
@@ -224,7 +272,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise ConfigError("--slowdowns factors must be >= 1")
     cfg = override(cfg, learner=override(cfg.learner, device=args.device))
     return run_up(override(cfg, up=up), external_redis=args.redis_url is not None,
-                  step_time_floor_ms=args.step_time_floor_ms, slowdowns=slow, quiet=args.quiet, resume=resume)
+                  step_time_floor_ms=args.step_time_floor_ms, slowdowns=slow, quiet=args.quiet, resume=resume,
+                  chaos=chaos, extra=extra)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -267,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_algo(p)
     p.add_argument("--learners", type=int, help="M: learner processes (default 4)")
     p.add_argument("--syncers", type=int, help="S: syncer shards (default 2)")
-    p.add_argument("--steps", type=int, help="inner steps per learner (default 400; 0 = until --minutes)")
+    p.add_argument("--steps", type=int, help="inner steps per learner (default 400, or none when --minutes is "
+                   "given; 0 = until --minutes)")
     p.add_argument("--minutes", type=float, help="wall-clock cap (default 4)")
     p.add_argument("--report", metavar="DIR", help="write DIR/report.json, PNG plots and DIR/model.safetensors "
                    "(the final global model)")
@@ -278,6 +328,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="RUN_ID", help="continue a stopped run: its config, the shards' checkpoints "
                    "(fragment versions, momentum) and the learners' data positions from runs/RUN_ID-*/")
     p.add_argument("--device", default=None, help="learners' device: auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--chaos", metavar="SPEC", help="inject seeded failures and restart what was killed, e.g. "
+                   "seed=7,learner_mtbf_s=60,stalls=3,stall_s=20,shard_kills=1,shard_wipes=1,broker_restarts=1,"
+                   "redis_restarts=1 (ddloco chaos --help); the report gains the failure figures")
+    p.add_argument("--extra-learners", type=int, default=0, metavar="N",
+                   help="temporary learners (scavenged capacity) started at --extra-at for --extra-for seconds")
+    p.add_argument("--extra-at", type=float, metavar="SECONDS", help="when the temporary learners start")
+    p.add_argument("--extra-for", type=float, metavar="SECONDS", help="how long they train")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("status", help="live view of a run from Redis",
@@ -324,12 +381,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="auto (cuda if available), cpu, cuda, cuda:N (default auto)")
     p.add_argument("--autocast", choices=["auto", "bf16", "off"], help="mixed precision of the forward pass "
                    "(default auto: bf16 on CUDA, none on CPU)")
+    p.add_argument("--standby", action="store_true", help="a hot spare: prepare (imports, run config, model, dry "
+                   "run), then wait for one JSON line on stdin, {\"learner_id\": ID, \"data_shard\": N, "
+                   "\"max_steps\": N, \"slowdown\": X}, and become that learner (how `ddloco up` replaces a "
+                   "failed learner fast)")
     p.set_defaults(func=cmd_learner)
 
     sub.add_parser("sim", help="goodput simulator at paper scale (ddloco sim --help)", add_help=False)
     sub.add_parser("bench", help="micro benchmarks: codec, wire, merge (ddloco bench --help)", add_help=False)
     sub.add_parser("export", help="write the global model (live run or checkpoints) to a safetensors file "
                    "(ddloco export --help)", add_help=False)
+    sub.add_parser("chaos", help="inject seeded failures into a running cluster on this machine and measure "
+                   "them (ddloco chaos --help)", add_help=False)
     sub.add_parser("compare", help="quality at equal tokens: DDP, one learner, sync DiLoCo, our cluster "
                    "(ddloco compare --help)", add_help=False)
     return ap
@@ -345,6 +408,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_compare(argv[1:])
     if argv and argv[0] == "export":
         return cmd_export(argv[1:])
+    if argv and argv[0] == "chaos":
+        from ddloco.chaos import main as chaos_main
+        return chaos_main(argv[1:])
     args = build_parser().parse_args(argv)
     from common.fragments import FragmentationError
     from tasks.contract import TaskError

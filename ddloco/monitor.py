@@ -45,6 +45,16 @@ class Monitor:
         self.last_eval = time.time()
         self.final_versions: dict[int, int] | None = None
         """Fragment versions the model holds after a successful final evaluation (None: none)."""
+        self.events: list[dict[str, Any]] = []
+        """Every event of the run, read as it happens (a Redis restart or the capped stream
+        would lose them otherwise)."""
+        self._last_event_id = "-"
+        self.marks: list[tuple[float, str, str]] = []
+        """(seconds, kind, target) of injected faults and temporary learners, for timeline.png."""
+        self.token_samples: list[tuple[float, int]] = []
+        self.lives: dict[tuple[str, str], dict[str, str]] = {}
+        """The last counters seen of each learner process (id, incarnation): a restarted learner
+        overwrites its hash in Redis, its earlier lives stay here."""
 
     token_offset: int = 0
     """Tokens of the earlier parts of a resumed run (``up --resume``)."""
@@ -52,7 +62,8 @@ class Monitor:
     """The shards start from checkpoints: the initial evaluation fetches their fragments."""
 
     def tokens_total(self) -> int:
-        return self.token_offset + int(sum(_f(h, "tokens") for h in self.learners.values()))
+        """Tokens trained by every learner process of the run (restarted ones included)."""
+        return self.token_offset + int(sum(_f(h, "tokens") for h in self.learner_lives()))
 
     def evaluate(self, *, initial: bool = False, final: bool = False) -> float | None:
         versions: dict[int, int] = {}
@@ -96,12 +107,62 @@ class Monitor:
         self.say(f"{'final':<10} global model eval loss {loss:.4f} at {self.tokens_total():,} tokens "
                  f"(the shards' checkpoints: {entry['versions_total']} merges)")
 
+    def add_learner(self, lid: str) -> None:
+        """A learner started during the run (a temporary one, ``--extra-learners``)."""
+        if lid not in self.learner_ids:
+            self.learner_ids.append(lid)
+            self.samples[lid] = []
+
+    def mark(self, kind: str, target: str) -> None:
+        self.marks.append((round(time.time() - self.t0, 3), kind, target))
+
+    def _rate(self, a: float, b: float) -> float | None:
+        """Tokens per second between seconds a and b of the run (from the 1 Hz samples)."""
+        pts = [(t, n) for t, n in self.token_samples if a <= t <= b]
+        if len(pts) < 2 or pts[-1][0] <= pts[0][0]:
+            return None
+        return round((pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]), 1)
+
+    def _loss_near(self, t: float) -> float | None:
+        if not self.evals:
+            return None
+        return min(self.evals, key=lambda e: abs(e["t"] - t))["loss"]
+
+    def extra_effect(self, extra: tuple[int, float, float]) -> dict[str, Any]:
+        """What ``--extra-learners N --extra-at T --extra-for D`` did: tokens/s before, during
+        and after the window, eval loss at its ends, the temporary learners' merged answers."""
+        n, at, dur = extra
+        extra_ids = [f"extra-{j}" for j in range(n)]
+        return {"learners": n, "at_s": at, "for_s": dur,
+                "tokens_per_s_before": self._rate(max(0.0, at - dur), at),
+                "tokens_per_s_during": self._rate(at, at + dur),
+                "tokens_per_s_after": self._rate(at + dur, at + 2 * dur),
+                "eval_loss_at_start": self._loss_near(at), "eval_loss_at_end": self._loss_near(at + dur),
+                "merged_contributions": {lid: int(_f(self.learners.get(lid, {}), "merged_contributions"))
+                                         for lid in extra_ids}}
+
+    def poll_events(self) -> None:
+        """Append the events written since the last call (ids are time-ordered, also across a
+        Redis restart)."""
+        try:
+            start = "-" if self._last_event_id == "-" else f"({self._last_event_id}"
+            for eid, e in self.r.xrange(self.keys.events, min=start, count=10_000):
+                self.events.append(e)
+                self._last_event_id = eid
+        except redis.RedisError:
+            pass
+
     def tick(self) -> None:
         now = time.time()
+        self.poll_events()
         try:
             self.learners = {lid: h for lid, h in control.all_learners(self.r, self.keys).items()}
         except redis.RedisError:
             return
+        for lid, h in self.learners.items():
+            if h.get("incarnation"):
+                self.lives[(lid, h["incarnation"])] = h
+        self.token_samples.append((now - self.t0, self.tokens_total()))
         live = set()
         try:
             live = set(control.live_learners(self.r, self.keys))
@@ -147,18 +208,28 @@ class Monitor:
 
     # ------------------------------------------------------------------ figures
     def merge_events(self) -> list[dict[str, Any]]:
-        try:
-            return control.read_events(self.r, self.keys, kind="merge")
-        except redis.RedisError:
-            return []
+        self.poll_events()
+        return [e for e in self.events if e.get("kind") == "merge"]
 
     def replaced_incarnations(self) -> int:
         """Learner processes that ended without leaving and were replaced under the same id."""
-        try:
-            leaves = control.read_events(self.r, self.keys, kind="leave")
-        except redis.RedisError:
-            return 0
-        return sum(1 for e in leaves if str(e.get("reason", "")).startswith("replaced"))
+        self.poll_events()
+        return sum(1 for e in self.events if e.get("kind") == "leave"
+                   and str(e.get("reason", "")).startswith("replaced"))
+
+    def learner_lives(self) -> list[dict[str, str]]:
+        """The last counters of every learner process of the run (all incarnations)."""
+        lives = dict(self.lives)
+        for lid, h in self.learners.items():
+            lives[(lid, h.get("incarnation", ""))] = h
+        return list(lives.values())
+
+    def _lives_of(self, lid: str) -> list[dict[str, str]]:
+        out = [h for (l, _), h in self.lives.items() if l == lid]
+        cur = self.learners.get(lid)
+        if cur is not None and cur not in out:
+            out.append(cur)
+        return out
 
     def shard_table(self) -> dict[int, dict[str, str]]:
         try:
@@ -178,14 +249,20 @@ class Monitor:
             contributors.update(json.loads(e.get("contributors", "[]")))
             merge_times.append(float(e["t"]))
             fragments_merged.add(int(e["fragment"]))
-        # goodput: useful learner time / provisioned learner time (ALGORITHM §9)
+        # goodput: useful learner time / provisioned learner time (ALGORITHM §9). A learner slot
+        # is provisioned from its first process's start to its last one's end, gaps between a
+        # killed process and its replacement included; useful is the time in inner steps of
+        # every process in it (a killed one: up to its last heartbeat).
+        lives = self.learner_lives()
         provisioned = useful = 0.0
         for lid in self.learner_ids:
-            h = self.learners.get(lid, {})
-            start = _f(h, "started_at", self.t0)
-            end = _f(h, "stopped_at", 0.0) or _f(h, "updated_at", time.time())
+            mine = self._lives_of(lid)
+            if not mine:
+                continue
+            start = min(_f(h, "started_at", self.t0) for h in mine)
+            end = max(_f(h, "stopped_at", 0.0) or _f(h, "updated_at", time.time()) for h in mine)
             provisioned += max(0.0, end - start)
-            useful += _f(h, "train_s")
+            useful += sum(_f(h, "train_s") for h in mine)
         joined = [(_f(h, "started_at") + _f(h, "boot_s")) for h in self.learners.values() if _f(h, "boot_s") > 0]
         train_start = min(joined) if joined else self.t0
         train_end = max([_f(h, "stopped_at", 0.0) for h in self.learners.values()] + [train_start])
@@ -201,7 +278,7 @@ class Monitor:
             "syncers": self.cfg.up.syncers,
             "wall_s": round(wall_s, 2),
             "tokens_total": self.tokens_total(),
-            "steps_total": int(sum(_f(h, "steps") for h in self.learners.values())),
+            "steps_total": int(sum(_f(h, "steps") for h in lives)),
             "eval_loss_initial": ev0["loss"] if ev0 else None,
             "eval_loss_final": evf["loss"] if evf else None,
             "eval_curve": self.evals,
@@ -209,11 +286,13 @@ class Monitor:
             "goodput": round(useful / provisioned, 4) if provisioned else 0.0,
             "uptime": round(1.0 - downtime / span, 4),
             "global_downtime_s": round(downtime, 3),
-            "bytes_up": int(sum(_f(h, "bytes_up") for h in self.learners.values())),
+            "bytes_up": int(sum(_f(h, "bytes_up") for h in lives)),
             "bytes_down": int(sum(_f(h, "bytes_out") for h in shards.values())),
             "dropped_messages": int(sum(_f(h, "dropped") for h in shards.values())
-                                    + sum(_f(h, "malformed") for h in self.learners.values())),
-            "failures_injected": 0,
+                                    + sum(_f(h, "malformed") for h in lives)),
+            "failures_injected": {},
+            "versions_regressed": int(sum(_f(h, "versions_regressed") for h in lives)),
+            "learner_processes": len(lives),
             "learner_restarts": self.replaced_incarnations(),
             "contributors": sorted(contributors),
             "every_learner_contributed": set(self.learner_ids) <= contributors,

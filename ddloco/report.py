@@ -20,6 +20,11 @@ def learner_intervals(samples: list[tuple[float, str]]) -> list[tuple[float, flo
     return out
 
 
+MARK_LABELS = {"learner_kill": "K", "stall": "S", "resume": "C", "shard_kill": "SK", "shard_wipe": "SW",
+               "broker_restart": "B", "redis_restart": "R", "extra_start": "E+", "extra_stop": "E-"}
+"""Short labels of the marks on timeline.png."""
+
+
 def write_report(out_dir: Path, report: dict[str, Any], monitor: Any) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / "report.json.tmp"
@@ -34,4 +39,7 @@ def write_report(out_dir: Path, report: dict[str, Any], monitor: Any) -> None:
     line_chart(out_dir / "merges.png", [Series("merge", [t for t, _ in tl], [p for _, p in tl], style="points")],
                title="Merges over time per fragment", xlabel="seconds", ylabel="fragment")
     rows = [(lid, learner_intervals(monitor.samples[lid])) for lid in monitor.learner_ids]
-    timeline_chart(out_dir / "timeline.png", rows, title="Learners: boot / up / blocked / down")
+    marks = [(t, MARK_LABELS.get(k, k[:2].upper())) for t, k, _ in getattr(monitor, "marks", [])]
+    timeline_chart(out_dir / "timeline.png", rows, title="Learners: boot / up / blocked / down"
+                   + (" | K kill S stall C resume SK SW shard kill/wipe B broker R redis E+ E- extra" if marks else ""),
+                   marks=marks, size=(1000, 420) if marks else (800, 400))

@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from common import control
 import json
@@ -30,17 +30,19 @@ from ddloco.report import write_report
 class Child:
     """A daemon process started by `up`, with its log file."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path) -> None:
+    def __init__(self, name: str, argv: list[str], log_path: Path, *, append: bool = False,
+                 stdin: bool = False) -> None:
         self.name = name
         self.argv = argv
         self.log_path = log_path
-        self._log = open(log_path, "wb")
+        self._log = open(log_path, "ab" if append else "wb")
         env = {**{k: v for k, v in os.environ.items() if k not in ("DDLOCO_TASK", "DDLOCO_TASK_ARGS")},
                "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # the task comes with the config file
         # own session: Ctrl-C reaches `up` only, which then stops each child once (SIGTERM);
         # the parent-death signal still stops children if `up` itself is killed
         parent = os.getpid()
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                                      preexec_fn=lambda: die_with_parent(parent), start_new_session=True)
 
     @property
@@ -65,6 +67,17 @@ class Child:
             self.proc.kill()
             self.proc.wait()
         self._log.close()
+        if self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+    def order(self, orders: dict[str, Any]) -> None:
+        """A standby learner: become the learner ``orders`` names (one JSON line on its stdin)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(orders) + "\n").encode())
+        self.proc.stdin.flush()
 
     def log_tail(self, n: int = 5) -> str:
         try:
@@ -104,6 +117,111 @@ def _stop_all(children: list[Child], timeout_s: float = 15.0) -> None:
         c.kill()
 
 
+class Supervisor:
+    """The processes ``up`` started and how to start each again: the chaos harness kills them and
+    the supervisor restarts them at once (a learner by promoting the hot spare when one is
+    ready, a standby process that already imported torch and built the model)."""
+
+    def __init__(self, *, workdir: Path, learner_argv: Callable[[str, int], list[str]],
+                 slots: dict[str, dict[str, Any]], steps: int, monitor: Monitor | None = None,
+                 checkpoint_dir: str = "", run_id: str = "", shards: int = 1, redis_srv: Any = None) -> None:
+        self.workdir = workdir
+        self.learner_argv = learner_argv
+        self.slots = slots
+        self.steps = steps
+        self.monitor = monitor
+        self.checkpoint_dir = checkpoint_dir
+        self.run_id = run_id
+        self.shards = shards
+        self.redis_srv = redis_srv
+        self.children: list[Child] = []
+        self.spare: Child | None = None
+        self.spares_used = 0
+        self.lock = threading.RLock()
+
+    def log(self, name: str) -> Path:
+        return self.workdir / "logs" / f"{name}.log"
+
+    def add(self, child: Child) -> Child:
+        with self.lock:
+            self.children.append(child)
+        return child
+
+    def learners(self) -> list[Child]:
+        with self.lock:
+            return [c for c in self.children if c.name in self.slots]
+
+    def daemons(self) -> list[Child]:
+        with self.lock:
+            return [c for c in self.children if c.name not in self.slots]
+
+    def all(self) -> list[Child]:
+        with self.lock:
+            return self.children + ([self.spare] if self.spare is not None else [])
+
+    def start_spare(self) -> None:
+        with self.lock:
+            n = self.spares_used + 1
+            argv = self.learner_argv("standby", 0) + ["--standby"]
+            self.spare = Child(f"spare-{n}", argv, self.log(f"spare-{n}"), stdin=True)
+
+    def _remaining_steps(self, lid: str) -> int:
+        if not self.steps:
+            return 0
+        try:
+            done = sum(int(float(h.get("steps", 0))) for h in self.monitor._lives_of(lid)) if self.monitor else 0
+        except RuntimeError:  # the monitor is updating its table: the full budget errs on the safe side
+            done = 0
+        return max(1, self.steps - done)
+
+    # ---- chaos.Targets
+    def pid(self, target: str) -> int | None:
+        with self.lock:
+            for c in self.children:
+                if c.name == target and c.alive():
+                    return c.pid
+        return None
+
+    def restart(self, target: str) -> None:
+        with self.lock:
+            old = next(c for c in self.children if c.name == target)
+            if old.wait(5.0) is None:  # the caller killed it: reap it first
+                raise RuntimeError(f"{target} (pid {old.pid}) is still running; not restarted")
+            self.children.remove(old)
+            old.kill()  # reap, close its log
+            if target in self.slots:
+                slot = self.slots[target]
+                steps = self._remaining_steps(target)
+                if self.spare is not None and self.spare.alive():
+                    child, self.spare = self.spare, None
+                    self.spares_used += 1
+                    child.order({"learner_id": target, "data_shard": slot["index"], "max_steps": steps,
+                                 "slowdown": slot.get("slowdown")})
+                    child.name = target
+                    self.children.append(child)
+                    self.start_spare()
+                    return
+                argv = self.learner_argv(target, slot["index"])
+                if self.steps:
+                    argv[argv.index("--steps") + 1] = str(steps)
+                self.children.append(Child(target, argv, old.log_path, append=True))
+            else:
+                self.children.append(Child(target, old.argv, old.log_path, append=True))
+
+    def checkpoint_path(self, shard: int) -> Path | None:
+        if not self.checkpoint_dir:
+            return None
+        return Path(self.checkpoint_dir).absolute() / f"{self.run_id}-shard{shard}of{self.shards}.pt"
+
+    def restart_redis(self) -> None:
+        if self.redis_srv is None:
+            raise RuntimeError("Redis is external (--redis-url): `up --chaos` restarts only its embedded Redis")
+        pid = self.redis_srv.pid
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+        self.redis_srv.restart_empty()
+
+
 STATE_FILE = "state.json"
 """Written into a run's work directory at the end of ``up``: what ``up --resume`` continues from."""
 
@@ -119,7 +237,8 @@ def find_resumable(run_id: str, runs_dir: Path = Path("runs")) -> Path:
 
 
 def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float | None = None,
-           slowdowns: list[float] | None = None, quiet: bool = False, resume: Path | None = None) -> int:
+           slowdowns: list[float] | None = None, quiet: bool = False, resume: Path | None = None,
+           chaos: Any = None, extra: tuple[int, float, float] | None = None) -> int:
     """A whole cluster until the learners' step budget or the time cap; ``resume`` is the work
     directory of a stopped run to continue (same run id, shard checkpoints, learner positions)."""
     from common.redis_server import EmbeddedRedis, free_port
@@ -137,9 +256,11 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
     say = (lambda *a: None) if quiet else (lambda msg: print(msg, flush=True))
     stop = threading.Event()
+    stop_chaos = threading.Event()
     prev_handlers = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     redis_srv = None
-    children: list[Child] = []
+    sup: Supervisor | None = None
+    extras: list[Child] = []
     t_start = time.time()
     try:
         if not external_redis:
@@ -184,33 +305,58 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
 
         log = lambda name: workdir / "logs" / f"{name}.log"  # noqa: E731
         common_args = ["--config", str(cfg_path), "--log-format", "json"]
-        children.append(Child("broker", _ddloco("broker", "--xsub", f"tcp://127.0.0.1:{p_pub}",
-                                                "--xpub", f"tcp://127.0.0.1:{p_sub}", "--log-format", "json"),
-                              log("broker")))
-        for k in range(up.syncers):
-            children.append(Child(f"syncer-{k}", _ddloco("syncer", *common_args, "--shard", str(k),
-                                                         "--shards", str(up.syncers)), log(f"syncer-{k}")))
         threads = max(1, (os.cpu_count() or 1) // up.learners)
         slow = slowdowns or []
         learner_ids = [f"learner-{i}" for i in range(up.learners)]
-        for i, lid in enumerate(learner_ids):
-            argv = _ddloco("learner", *common_args, "--learner-id", lid, "--data-shard", str(i),
+        slots = {lid: {"index": i, "slowdown": slow[i % len(slow)] if slow else None}
+                 for i, lid in enumerate(learner_ids)}
+
+        def learner_argv(lid: str, index: int) -> list[str]:
+            argv = _ddloco("learner", *common_args, "--learner-id", lid, "--data-shard", str(index),
                            "--threads", str(threads), "--steps", str(up.steps))
-            if slow:
-                argv += ["--slowdown", str(slow[i % len(slow)])]
+            if slots.get(lid, {}).get("slowdown"):
+                argv += ["--slowdown", str(slots[lid]["slowdown"])]
             if step_time_floor_ms:
                 argv += ["--step-time-floor-ms", str(step_time_floor_ms)]
-            children.append(Child(lid, argv, log(lid)))
+            return argv
+        sup = Supervisor(workdir=workdir, learner_argv=learner_argv, slots=slots, steps=up.steps,
+                         checkpoint_dir=syncer.checkpoint_dir, run_id=endpoints.run_id, shards=up.syncers,
+                         redis_srv=redis_srv)
+        sup.add(Child("broker", _ddloco("broker", "--xsub", f"tcp://127.0.0.1:{p_pub}",
+                                        "--xpub", f"tcp://127.0.0.1:{p_sub}", "--log-format", "json"), log("broker")))
+        for k in range(up.syncers):
+            sup.add(Child(f"shard{k}", _ddloco("syncer", *common_args, "--shard", str(k), "--shards", str(up.syncers)),
+                          log(f"syncer-{k}")))
+        for i, lid in enumerate(learner_ids):
+            sup.add(Child(lid, learner_argv(lid, i), log(lid)))
         say(f"started    broker, {up.syncers} syncer(s), {up.learners} learner(s): "
-            + " ".join(f"{c.name}={c.pid}" for c in children))
+            + " ".join(f"{c.name}={c.pid}" for c in sup.all()))
 
-        monitor = Monitor(cfg, r, keys, task, learner_ids=learner_ids, say=say)
+        monitor = Monitor(cfg, r, keys, task, learner_ids=list(learner_ids), say=say)
+        sup.monitor = monitor
         if resume is not None:
             monitor.resumed = True
             monitor.token_offset = int(previous.get("tokens_total", 0))
         monitor.evaluate(initial=True)
-        learners = [c for c in children if c.name.startswith("learner")]
-        daemons = [c for c in children if not c.name.startswith("learner")]
+        chaos_runner = None
+        if chaos is not None and chaos.learner_mtbf_s > 0:
+            sup.start_spare()  # a hot spare replaces a killed learner in well under a second
+
+        def start_chaos() -> Any:
+            """Once every learner trains: the schedule covers the rest of the run."""
+            from ddloco.chaos import ChaosRunner, plan_faults
+            now = time.time()
+            faults = plan_faults(chaos, duration_s=max(1.0, deadline - now), learners=learner_ids, shards=up.syncers)
+            say(f"chaos      {len(faults)} faults over the next {(deadline - now) / 60:.1f} min ({chaos}): "
+                + ", ".join(f"{k} {sum(1 for f in faults if f.kind == k)}" for k in
+                            dict.fromkeys(f.kind for f in faults)))
+            runner = ChaosRunner(faults, sup, redis_url=redis_url, keys=keys, t0=now, say=say,
+                                 stop=stop_chaos, stall_s=chaos.stall_s)
+            runner.report_t0 = now - monitor.t0
+            runner.start()
+            return runner
+        extras: list[Child] = []
+        extra_state = "waiting" if extra and extra[0] > 0 else "none"
         deadline = t_start + up.minutes * 60
         interrupted = timed_out = False
         failure = ""
@@ -220,17 +366,45 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
                 say("interrupted: stopping everything")
                 break
             monitor.tick()
-            dead = [c for c in daemons if not c.alive()]
+            now = time.time()
+            if chaos is not None and chaos_runner is None and (
+                    all(monitor.learners.get(lid, {}).get("status") == "training" for lid in learner_ids)
+                    or now - t_start > 120):
+                chaos_runner = start_chaos()
+            if extra_state == "waiting" and now - t_start >= extra[1]:
+                for j in range(extra[0]):
+                    lid = f"extra-{j}"
+                    extras.append(Child(lid, learner_argv(lid, up.learners + j), log(lid)))
+                    monitor.add_learner(lid)
+                extra_state = "running"
+                monitor.mark("extra_start", f"{extra[0]} learners")
+                say(f"extra      {extra[0]} temporary learner(s) started for {extra[2]:g}s")
+            elif extra_state == "running" and now - t_start >= extra[1] + extra[2]:
+                _stop_all(extras)
+                extra_state = "done"
+                monitor.mark("extra_stop", f"{extra[0]} learners")
+                say(f"extra      temporary learner(s) stopped")
+            with sup.lock:
+                dead = [c for c in sup.daemons() if not c.alive()]
+                learners = sup.learners()
             if dead:
                 failure = f"{dead[0].name} exited with {dead[0].proc.returncode}:\n{dead[0].log_tail()}"
                 break
             if all(not c.alive() for c in learners):
                 break
-            if time.time() >= deadline:
+            if now >= deadline:
                 timed_out = True
                 say(f"time cap of {up.minutes} min reached: stopping learners")
                 break
-        _stop_all(learners)
+        if chaos_runner is not None:
+            stop_chaos.set()
+            chaos_runner.join(timeout=10)
+        _stop_all(extras)
+        with sup.lock:
+            learners = sup.learners()
+            spare, sup.spare = sup.spare, None
+        _stop_all(learners + ([spare] if spare is not None else []))
+        daemons = sup.daemons()
         bad = [c for c in learners if c.proc.returncode not in (0, -signal.SIGTERM, 128 + signal.SIGTERM)]
         for c in bad:
             say(f"{c.name} exited with {c.proc.returncode}: {c.log_tail(3)}")
@@ -249,10 +423,21 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         wall_s = time.time() - t_start
         report = monitor.report(wall_s=wall_s, interrupted=interrupted, timed_out=timed_out, failure=failure,
                                 learner_exit_codes={c.name: c.proc.returncode for c in learners})
+        if chaos_runner is not None:
+            res = chaos_runner.results()
+            report.update(res)
+            report["chaos"] = str(chaos)
+            report["versions_regressed"] = report.get("versions_regressed", 0) + res["shard_versions_regressed"]
+            report["spares_used"] = sup.spares_used
+            for e in res["chaos_events"]:   # on the report's clock (the monitor's)
+                e["t"] = round(e["t"] + chaos_runner.report_t0, 3)
+                monitor.marks.append((e["t"], e["kind"], e["target"]))
+        if extra is not None and extra[0] > 0:
+            report["extra_learners"] = monitor.extra_effect(extra)
         if redis_srv is not None:
             redis_srv.stop()
             redis_srv = None
-        report["processes_left"] = [c.name for c in children if c.alive()]
+        report["processes_left"] = [c.name for c in sup.all() + extras if c.alive()]
         report["checkpoint_dir"] = syncer.checkpoint_dir
         if resume is not None:
             report["resumed_from"] = str(resume)
@@ -277,7 +462,10 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             return 130
         return 0 if not bad else 1
     finally:
-        _stop_all(children, timeout_s=5.0)
+        stop_chaos.set()
+        if sup is not None:
+            _stop_all(sup.all(), timeout_s=5.0)
+        _stop_all(extras, timeout_s=5.0)
         if redis_srv is not None:
             redis_srv.stop()
         for s, h in prev_handlers.items():

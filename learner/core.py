@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -33,7 +33,8 @@ from common.keys import Keys
 from common.merge import Contribution, receive_merged
 from common.lifecycle import process_start_time
 from common.log import get_logger
-from learner.network import Answer, Fetch, FragmentArrived, Have, NetworkThread, RoundOpened, StateRequested
+from learner.network import (Answer, AskPeer, Fetch, FragmentArrived, Have, NetworkThread, PeerState,
+                             PeerStateArrived, PeerStateWanted, RoundOpened, StateRequested, optimizer_digest)
 from learner.inner import apply_step, make_inner_optimizer
 from tasks.contract import Task, TaskError, batch_to, bind_task, build_model, check_task, count_tokens, scalar_loss
 
@@ -76,6 +77,10 @@ class LearnerStats:
     lr: float = 0.0
     batches: int = 0
     last_contrib_fragment: int = -1
+    first_answer: str = ""
+    bootstrap: str = ""
+    """Where this life's state came from: "peer <id>" or "shards"."""
+    bootstraps_served: int = 0
     last_contrib_at: float = 0.0
 
 
@@ -141,6 +146,10 @@ class Learner:
         self._fatal: BaseException | None = None
         self._process_started_at = process_start_time() or self._started_at
         self.stats.boot_phases["init"] = round(time.time() - self._process_started_at, 3)
+        self._opt: torch.optim.Optimizer | None = None
+        self._sched: Any = None
+        self._boot_optimizer: dict[str, Any] | None = None
+        self._boot_life_steps = 0
         self.incarnation = secrets.token_hex(4)
         """This process's life under ``self.id``: a restart with the same id is a new incarnation."""
 
@@ -159,7 +168,12 @@ class Learner:
         check_task(self.task, self.model, seed=self.run_cfg.task.seed, stream=self.stream)
         self.stats.boot_phases["prepared"] = round(time.time() - self._process_started_at, 3)
 
-    def _join_control(self) -> None:
+    def prepare(self) -> None:
+        """Connect to Redis, take (or publish) the run config, build the task and model, dry-run
+        one batch: everything that does not depend on the learner id. ``run`` does it when it has
+        not been done; a standby process (``ddloco learner --standby``) does it ahead of time."""
+        if getattr(self, "redis", None) is not None:
+            return
         if self._run_arg is not None:
             self._prepare(self._run_arg)                     # refusals happen before any write
             self.redis = control.connect(self.endpoints.redis_url)
@@ -176,6 +190,32 @@ class Learner:
             except TaskError as e:  # this machine's task differs from the run's
                 control.add_event(self.redis, self.keys, "refuse", learner=self.id, reason=str(e))
                 raise LearnerRefused(f"refused: {e}") from None
+
+    def warm_up(self) -> None:
+        """A standby process: pay the lazy first-use costs now (the first AdamW construction
+        imports torch's compiler stack: seconds), not after a failure."""
+        w = torch.zeros(1, requires_grad=True)
+        opt, sched = make_inner_optimizer([w], self.algo)
+        (w * 2.0).sum().backward()
+        apply_step(torch.nn.Linear(1, 1), opt, sched)
+        opt.load_state_dict(opt.state_dict())
+
+    def assign(self, *, learner_id: str, data_shard: int | None = None, max_steps: int | None = None,
+               slowdown: float | None = None) -> None:
+        """A prepared standby process becomes learner ``learner_id`` (a restart that skips the
+        interpreter, imports and model build). Its life and boot phases count from now."""
+        self.options = replace(self.options, learner_id=learner_id,
+                               **{k: v for k, v in (("data_shard", data_shard), ("max_steps", max_steps),
+                                                    ("slowdown", slowdown)) if v is not None})
+        self.id = learner_id
+        self.log = get_logger("learner", learner=self.id, run=self.endpoints.run_id)
+        self.stream = data_stream(self.options, self.id)
+        standby_s = round(time.time() - self._process_started_at, 3)
+        self._started_at = self._process_started_at = time.time()
+        self.stats.boot_phases = {"standby": standby_s, "init": 0.0, "prepared": 0.0}
+
+    def _join_control(self) -> None:
+        self.prepare()
         # a restarted learner resumes its data stream (read before the heartbeat first writes it)
         self.data_position = control.data_position(self.redis, self.keys, self.id)
         self._previous_life = self.redis.hmget(self.keys.learner(self.id), "incarnation", "status", "updated_at")
@@ -255,7 +295,8 @@ class Learner:
         self.net = self.network_class(learner_id=self.id, endpoints=self.endpoints, codec=self.algo.uplink_codec,
                                       numels=[f.numel for f in self.plan], inbox=self._inbox, outbox=self._outbox,
                                       stats=self.stats, shard_endpoints=self._current_shard_endpoints,
-                                      stop=self._threads_stop)
+                                      stop=self._threads_stop, peer_bind=self.options.peer_bind,
+                                      advertise_host=self.options.advertise_host, log=self.log)
         threads = [threading.Thread(target=self._guarded, args=(self.net.run, "net"), name=f"{self.id}-net",
                                     daemon=True),
                    threading.Thread(target=self._control_loop, name=f"{self.id}-control", daemon=True)]
@@ -263,7 +304,9 @@ class Learner:
             t.start()
         try:
             self._announce_join()
-            self._load_current_fragments()
+            if not (self.options.peer_bootstrap and self._bootstrap_from_peer()):
+                self._load_current_fragments()
+                self.stats.bootstrap = "shards"
             self.stats.boot_s = time.time() - self._process_started_at
             self.stats.boot_phases["joined"] = round(self.stats.boot_s, 3)
             self.joined_versions = {p: int(v) for p, v in enumerate(self.base_version)}
@@ -287,6 +330,15 @@ class Learner:
     def _train_steps(self) -> bool:
         """The inner loop; True when it ended on its own (step budget, data), not on ``stop``."""
         opt, sched = make_inner_optimizer(self.model.parameters(), self.algo, tokens=self.run_tokens)
+        if self._boot_optimizer is not None:  # a peer's AdamW state and place in the per-life ramp
+            opt.load_state_dict(self._boot_optimizer)
+            sched.last_epoch = self._boot_life_steps
+            for g in opt.param_groups:
+                g["lr"] = sched.lr_lambdas[0](sched.last_epoch) * g["initial_lr"]
+            self.log.info("learner.bootstrapped_optimizer", optimizer_digest=optimizer_digest(opt.state_dict()),
+                          life_steps=self._boot_life_steps)
+            self._boot_optimizer = None
+        self._opt, self._sched = opt, sched
         accum = self.algo.inner_grad_accum
         autocast = self._autocast()
         batches: Iterator[Any] = iter(self.task.batches(self.stream, self.run_cfg.task.seed, self.data_position))
@@ -398,6 +450,11 @@ class Learner:
             self._handle(item)
 
     def _handle(self, item: Any) -> None:
+        if isinstance(item, PeerStateWanted):
+            self._outbox.put(self._peer_snapshot(item))
+            return
+        if isinstance(item, PeerStateArrived):
+            return  # a late reply: this learner already got its state elsewhere
         if isinstance(item, StateRequested):
             p = item.fragment
             if self.base_values[p] is not None:   # our base: the merged value at base_version
@@ -412,6 +469,109 @@ class Learner:
                 self._request_fetch(p, item.epoch, item.version)  # checkpoint): adopt its state
             elif item.version > self.base_version[p]:  # missed a broadcast: repair
                 self._request_fetch(p, item.epoch, item.version)
+
+    # ------------------------------------------------------------------ peer bootstrap (§8)
+    def _peer_snapshot(self, want: PeerStateWanted) -> PeerState:
+        """At a step boundary (training thread): copies of what a joiner needs to continue like
+        us: the merged bases and their versions (not our unmerged steps: those are ours to
+        answer), AdamW state, our place in the per-life ramp. Serialised off this thread."""
+        opt = self._opt
+        if opt is None or any(v is None for v in self.base_values) or self.status != "training":
+            return PeerState(want.identity, want.requester, None)
+        t0 = time.perf_counter()
+        opt_state = opt.state_dict()
+        opt_state = {"state": {i: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                                   for k, v in st.items()} for i, st in opt_state["state"].items()},
+                     "param_groups": opt_state["param_groups"]}
+        state = {"format": 1, "peer": self.id, "plan": self.plan_digest,
+                 "versions": [int(v) for v in self.base_version], "epochs": [int(e) for e in self.base_epoch],
+                 "bases": list(self.base_values),  # merged values: replaced, never written in place
+                 "optimizer": opt_state, "life_steps": int(self._sched.last_epoch), "steps": self.stats.steps}
+        self.stats.bootstraps_served += 1
+        return PeerState(want.identity, want.requester, state, time.perf_counter() - t0)
+
+    def _bootstrap_from_peer(self) -> bool:
+        """Take a training peer's state (bases at their versions, AdamW state, ramp position);
+        False when there is no peer or none answers within ``peer_timeout_s`` (then the shards)."""
+        import random
+        try:
+            live = control.live_learners(self.redis, self.keys)
+        except redis.RedisError:
+            return False
+        peers = sorted((lid, h["peer"]) for lid, h in live.items()
+                       if lid != self.id and h.get("status") == "training" and h.get("peer"))
+        if not peers:
+            return False
+        peer, endpoint = random.Random(self.incarnation).choice(peers)
+        t0 = time.monotonic()
+        self._outbox.put(AskPeer(peer, endpoint))
+        stash: list[Any] = []
+        arrived: PeerStateArrived | None = None
+        while arrived is None and not self.stop.is_set() and time.monotonic() - t0 < self.options.peer_timeout_s:
+            try:
+                item = self._inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if isinstance(item, PeerStateArrived):
+                arrived = item
+            else:
+                stash.append(item)
+        ok = arrived is not None and arrived.state is not None and self._adopt_peer_state(arrived)
+        if not ok:
+            why = "no answer" if arrived is None else (arrived.error or "state refused")
+            self.log.warning("learner.bootstrap_fallback", peer=peer, reason=why,
+                             waited_s=round(time.monotonic() - t0, 3))
+        for item in stash:  # what arrived meanwhile: newer merges, open rounds
+            if isinstance(item, FragmentArrived):
+                if ok:
+                    self._apply(item)
+            elif isinstance(item, RoundOpened):
+                self._pending_open[item.fragment] = item
+            else:
+                self._handle(item)
+        if ok:
+            self.stats.bootstrap = f"peer {peer}"
+            self.log.info("learner.bootstrapped", peer=peer, bytes=arrived.nbytes,
+                          seconds=round(time.monotonic() - t0, 3), versions_max=int(self.base_version.max()),
+                          optimizer_digest=optimizer_digest(self._boot_optimizer))
+            self._fetch_behind()
+        return ok
+
+    def _adopt_peer_state(self, arrived: PeerStateArrived) -> bool:
+        st = arrived.state
+        try:
+            if st.get("format") != 1 or st.get("plan") != self.plan_digest or len(st["bases"]) != len(self.plan):
+                self.log.warning("learner.bootstrap_refused", peer=arrived.peer, reason="another model layout")
+                return False
+            values = [torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in st["bases"]]
+            if any(v.numel() != f.numel for v, f in zip(values, self.plan)):
+                return False
+            versions, epochs = list(st["versions"]), list(st["epochs"])
+            opt_state, life = st["optimizer"], int(st["life_steps"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return False
+        for p, (frag, v) in enumerate(zip(self.plan, values)):
+            scatter(self.tensors, frag, v)
+            self.base_values[p] = v
+            self.base_version[p] = int(versions[p])
+            self.base_epoch[p] = int(epochs[p])
+        self.c_steps[:] = 0
+        self.c_tokens[:] = 0
+        self._boot_optimizer, self._boot_life_steps = opt_state, life
+        return True
+
+    def _fetch_behind(self) -> None:
+        """Fragments the run has merged past the peer's copy: ask their shards now."""
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for p in range(len(self.plan)):
+                pipe.hget(self.keys.fragment(p), "version")
+            recorded = pipe.execute()
+        except redis.RedisError:
+            return
+        for p, v in enumerate(recorded):
+            if v is not None and int(v) > self.base_version[p]:
+                self._request_fetch(p, int(self.base_epoch[p]), int(v))
 
     def _request_fetch(self, p: int, epoch: int, version: int) -> None:
         """Ask the owning shard for fragment p; repeated only after FETCH_RETRY_S (lost request,
@@ -488,6 +648,7 @@ class Learner:
             self.stats.answers += 1
             if self.stats.answers == 1:
                 self.stats.boot_phases["first_answer"] = round(time.time() - self._process_started_at, 3)
+                self.stats.first_answer = f"{p}:{o.round}:{time.time():.3f}"   # fragment:round:when
             self.stats.last_contrib_fragment = p
             self.stats.last_contrib_at = time.time()
         if len(self._answered) > 100_000:
@@ -545,7 +706,9 @@ class Learner:
                 "bytes_up": s.bytes_up, "bytes_down": s.bytes_down, "train_s": round(s.train_s, 3),
                 "blocked_s": round(s.blocked_s, 3), "boot_s": round(s.boot_s, 3),
                 "started_at": self._process_started_at, "boot_phases": json.dumps(s.boot_phases), "updated_at": time.time(), "incarnation": self.incarnation,
-                "last_contrib_fragment": s.last_contrib_fragment, "last_contrib_at": s.last_contrib_at,
+                "last_contrib_fragment": s.last_contrib_fragment, "first_answer": s.first_answer,
+                "bootstrap": s.bootstrap, "bootstraps_served": s.bootstraps_served,
+                "peer": getattr(getattr(self, "net", None), "peer_endpoint", ""), "last_contrib_at": s.last_contrib_at,
                 "data_shard": self.options.data_shard, "pid": os.getpid(),
                 "data_position": self.data_position + s.batches}
 

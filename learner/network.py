@@ -5,8 +5,13 @@ It subscribes to the run's ``open`` and ``frag`` topics through the broker, publ
 the owning shards for full fragments (join, version gaps). Everything it exchanges with the
 training thread is one of the typed messages below, through two queues:
 
-    inbox  (network -> training):  FragmentArrived, RoundOpened, StateRequested
-    outbox (training -> network):  Answer, Fetch, Have
+    inbox  (network -> training):  FragmentArrived, RoundOpened, StateRequested,
+                                   PeerStateWanted, PeerStateArrived
+    outbox (training -> network):  Answer, Fetch, Have, PeerState, AskPeer
+
+Peer bootstrap (ALGORITHM §8) runs on a ROUTER socket of its own (``peer_bind``): a joining
+learner's DEALER asks ``state?``; the training thread snapshots at its next step boundary
+(``PeerState``) and this thread serialises it and sends it in chunks of ``CHUNK_BYTES``.
 """
 from __future__ import annotations
 
@@ -21,6 +26,9 @@ import zmq
 from common import wire
 from common.config import Endpoints
 from common.rpc import FragmentClient
+
+CHUNK_BYTES = 1 << 20
+"""Peer state travels in chunks of this size (the I/O thread interleaves other traffic)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,70 @@ class Fetch:
     fragments: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class PeerStateWanted:
+    """Network -> training: a joining learner asks for our state (answer at a step boundary)."""
+
+    identity: bytes
+    requester: str
+
+
+@dataclass(frozen=True)
+class PeerState:
+    """Training -> network: our state snapshot for ``identity`` (None: not ready to serve)."""
+
+    identity: bytes
+    requester: str
+    state: dict[str, Any] | None
+    snapshot_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class AskPeer:
+    """Training -> network: ask the learner at ``endpoint`` for its state."""
+
+    peer: str
+    endpoint: str
+
+
+@dataclass(frozen=True)
+class PeerStateArrived:
+    """Network -> training: the state a peer sent (None: it could not serve)."""
+
+    peer: str
+    state: dict[str, Any] | None
+    nbytes: int
+    error: str = ""
+
+
+def optimizer_digest(opt_state: dict[str, Any]) -> str:
+    """sha256 over an optimizer ``state_dict()``'s per-parameter state tensors, in order (the
+    serving and the joining learner log it: equal digests, equal AdamW state)."""
+    import hashlib
+    h = hashlib.sha256()
+    for idx in sorted(opt_state.get("state", {})):
+        for key in sorted(opt_state["state"][idx]):
+            v = opt_state["state"][idx][key]
+            h.update(f"{idx}:{key}:".encode())
+            if isinstance(v, torch.Tensor):
+                h.update(v.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            else:
+                h.update(repr(v).encode())
+    return h.hexdigest()[:16]
+
+
+def serialize_state(state: dict[str, Any]) -> bytes:
+    import io
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def deserialize_state(blob: bytes) -> dict[str, Any]:
+    import io
+    return torch.load(io.BytesIO(blob), weights_only=True)
+
+
 class NetworkThread:
     """``run()`` is the thread's body: until ``stop``, send what the outbox holds and turn what
     arrives into inbox messages. Counters go to ``stats`` (bytes_up, bytes_down, malformed,
@@ -91,8 +163,15 @@ class NetworkThread:
 
     def __init__(self, *, learner_id: str, endpoints: Endpoints, codec: str, numels: Sequence[int],
                  inbox: queue.SimpleQueue, outbox: queue.SimpleQueue, stats: Any,
-                 shard_endpoints: Callable[[], tuple[int, dict[int, str]]], stop: threading.Event) -> None:
+                 shard_endpoints: Callable[[], tuple[int, dict[int, str]]], stop: threading.Event,
+                 peer_bind: str = "tcp://127.0.0.1:0", advertise_host: str = "", log: Any = None) -> None:
         self.id = learner_id
+        self.peer_bind = peer_bind
+        self.advertise_host = advertise_host
+        self.peer_endpoint = ""
+        """Where joining learners reach our state (set once the socket is bound)."""
+        self.log = log
+        self._asks: dict[zmq.Socket, dict[str, Any]] = {}
         self.endpoints = endpoints
         self.codec = codec
         self.numels = list(numels)
@@ -119,8 +198,18 @@ class NetworkThread:
         pub.setsockopt(zmq.SNDHWM, 1_000)
         pub.connect(self.endpoints.broker_pub)
         client = FragmentClient(ctx, run_id=run, sender=self.id)
+        peer = ctx.socket(zmq.ROUTER)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.setsockopt(zmq.SNDHWM, 0)  # a state in flight is bounded by its size, not dropped
+        peer.bind(self.peer_bind)
+        bound = peer.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.peer_endpoint = bound if not self.advertise_host else \
+            f"tcp://{self.advertise_host}:{bound.rsplit(':', 1)[1]}"
+        self._ctx = ctx
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
+        poller.register(peer, zmq.POLLIN)
+        self._poller = poller
         registered: dict[int, zmq.Socket] = {}
         unsent_fetch: set[int] = set()
         try:
@@ -129,10 +218,14 @@ class NetworkThread:
                 if eps != client.endpoints or shards != client.shards:
                     client.set_endpoints(shards, eps)
                     client.sync_poller(poller, registered)
-                self.send(pub, client, unsent_fetch)
+                self.send(pub, client, unsent_fetch, peer)
                 for sock, _ in poller.poll(5):
                     if sock is sub:
                         self.receive_broadcasts(sub)
+                    elif sock is peer:
+                        self.on_peer_request(peer)
+                    elif sock in self._asks:
+                        self.on_peer_reply(sock)
                     else:
                         for msg in client.receive(sock):
                             self.on_fragment(msg, requested=True)
@@ -141,7 +234,7 @@ class NetworkThread:
             client.close()
             ctx.destroy(linger=0)
 
-    def send(self, pub: zmq.Socket, client: FragmentClient, unsent_fetch: set[int]) -> None:
+    def send(self, pub: zmq.Socket, client: FragmentClient, unsent_fetch: set[int], peer: Any = None) -> None:
         """Requests that could not be sent yet (no endpoint), then everything in the outbox."""
         for p in list(unsent_fetch):
             if client.request(p):
@@ -151,6 +244,12 @@ class NetworkThread:
                 item = self.outbox.get_nowait()
             except queue.Empty:
                 return
+            if isinstance(item, PeerState):
+                self.serve_state(peer, item)
+                continue
+            if isinstance(item, AskPeer):
+                self.ask_peer(item)
+                continue
             if isinstance(item, Fetch):
                 for p in item.fragments:
                     if not client.request(p):
@@ -213,3 +312,86 @@ class NetworkThread:
             return
         self.stats.bytes_down += msg.payload_nbytes
         self.inbox.put(FragmentArrived(msg.fragment, msg.epoch, msg.version, values, requested))
+
+    # ------------------------------------------------------------------ peer bootstrap
+    def on_peer_request(self, peer: zmq.Socket) -> None:
+        for _ in range(64):
+            try:
+                frames = peer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or frames[1] != b"state?":
+                self.malformed += 1
+                continue
+            self.inbox.put(PeerStateWanted(frames[0], frames[2][:200].decode(errors="replace")))
+
+    def serve_state(self, peer: zmq.Socket, item: PeerState) -> None:
+        """Serialise the snapshot here (off the training thread) and send it in chunks."""
+        if item.state is None:
+            peer.send_multipart([item.identity, b"busy"])
+            return
+        t0 = __import__("time").perf_counter()
+        digest = optimizer_digest(item.state["optimizer"])
+        blob = serialize_state(item.state)
+        chunks = [blob[i:i + CHUNK_BYTES] for i in range(0, len(blob), CHUNK_BYTES)] or [b""]
+        import hashlib
+        import msgpack
+        peer.send_multipart([item.identity, b"state", msgpack.packb(
+            {"chunks": len(chunks), "nbytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()})])
+        for i, c in enumerate(chunks):
+            peer.send_multipart([item.identity, b"chunk", i.to_bytes(4, "big"), c], copy=False)
+        self.stats.bytes_up += len(blob)
+        if self.log is not None:
+            self.log.info("learner.bootstrap_served", to=item.requester, bytes=len(blob), chunks=len(chunks),
+                          optimizer_digest=digest, snapshot_s=round(item.snapshot_s, 4),
+                          serialize_s=round(__import__("time").perf_counter() - t0, 4),
+                          versions_max=max(item.state["versions"]) if item.state["versions"] else -1)
+
+    def ask_peer(self, item: AskPeer) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(item.endpoint)
+        sock.send_multipart([b"state?", self.id.encode()])
+        self._asks[sock] = {"peer": item.peer, "header": None, "chunks": {}}
+        self._poller.register(sock, zmq.POLLIN)
+
+    def _end_ask(self, sock: zmq.Socket, arrived: PeerStateArrived) -> None:
+        self._poller.unregister(sock)
+        del self._asks[sock]
+        sock.close(linger=0)
+        self.inbox.put(arrived)
+
+    def on_peer_reply(self, sock: zmq.Socket) -> None:
+        import hashlib
+        import msgpack
+        ask = self._asks[sock]
+        for _ in range(256):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind = frames[0]
+            if kind == b"busy":
+                return self._end_ask(sock, PeerStateArrived(ask["peer"], None, 0, "the peer is not ready"))
+            if kind == b"state" and len(frames) == 2:
+                try:
+                    ask["header"] = msgpack.unpackb(frames[1])
+                except ValueError:
+                    return self._end_ask(sock, PeerStateArrived(ask["peer"], None, 0, "malformed header"))
+            elif kind == b"chunk" and len(frames) == 3 and ask["header"] is not None:
+                ask["chunks"][int.from_bytes(frames[1], "big")] = frames[2]
+                self.stats.bytes_down += len(frames[2])
+            else:
+                self.malformed += 1
+                continue
+            head = ask["header"]
+            if head is not None and len(ask["chunks"]) == head["chunks"]:
+                blob = b"".join(ask["chunks"][i] for i in range(head["chunks"]))
+                if len(blob) != head["nbytes"] or hashlib.sha256(blob).hexdigest() != head["sha256"]:
+                    return self._end_ask(sock, PeerStateArrived(ask["peer"], None, len(blob), "checksum mismatch"))
+                try:
+                    state = deserialize_state(blob)
+                except Exception as e:  # a damaged or foreign payload: the joiner asks the shards
+                    return self._end_ask(sock, PeerStateArrived(ask["peer"], None, len(blob), repr(e)[:200]))
+                return self._end_ask(sock, PeerStateArrived(ask["peer"], state, len(blob)))

@@ -694,7 +694,8 @@ class Shard:
             pipe = self.redis.pipeline(transaction=False)
             control.register_shard(pipe, self.keys, self.options.shard, {
                 "rpc": self.rpc_endpoint, "shards": self.options.shards, "pid": os.getpid(),
-                "plan": self.plan_digest,
+                "plan": self.plan_digest, "checkpoint": str(self.checkpoint_path or ""), "epoch": self.epoch,
+                "versions_behind": self.stats.versions_behind, "checkpoints": self.stats.checkpoints,
                 "status": "running", "merges": self.stats.merges, "dropped": self.stats.dropped,
                 "malformed": self.stats.malformed, "late_answers": self.stats.late_answers,
                 "stale_base": self.stats.stale_base, "bytes_out": self.stats.bytes_out,

@@ -169,3 +169,49 @@ def test_broker_and_shard_killed_and_restarted_training_resumes(tmp_path, redis_
     finally:
         d.stop_all()
     assert all(d.procs[n].returncode == 0 for n in ("syncer-0", "syncer-1", "a", "b"))
+
+
+def _log_events(path, event: str) -> list[dict]:
+    import json
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("event") == event:
+            out.append(e)
+    return out
+
+
+def test_a_joining_learner_takes_a_peers_adamw_state_and_versions(tmp_path, redis_server):
+    """Peer bootstrap with real processes: the joiner's optimizer after loading equals the state
+    the peer snapshotted (digest of every AdamW tensor, logged by both), its bases are the peer's
+    merged fragments at their versions, and it goes on contributing."""
+    d = Daemons(tmp_path, redis_server.url)
+    r = control.connect(redis_server.url)
+    keys = Keys("chaos")
+    try:
+        d.start("broker", "broker", "--xsub", d.xsub, "--xpub", d.xpub)
+        d.start("syncer", "syncer", *d.net, "--config", str(d.cfg), "--checkpoint-dir", str(tmp_path / "ck"))
+        d.learner("a")
+        wait_until(lambda: int(r.hget(keys.learner("a"), "merged_contributions") or 0) >= 4, 120, interval_s=0.1,
+                   what="learner a contributing")
+        d.learner("b")
+        wait_until(lambda: _log_events(tmp_path / "b.log", "learner.bootstrapped_optimizer"), 120, interval_s=0.1,
+                   what="b bootstrapped from a")
+        served = _log_events(tmp_path / "a.log", "learner.bootstrap_served")
+        joined = _log_events(tmp_path / "b.log", "learner.bootstrapped")
+        loaded = _log_events(tmp_path / "b.log", "learner.bootstrapped_optimizer")
+        assert len(served) == 1 and served[0]["to"] == "b", served
+        assert joined[0]["peer"] == "a"
+        assert loaded[0]["optimizer_digest"] == served[0]["optimizer_digest"] == joined[0]["optimizer_digest"]
+        assert loaded[0]["life_steps"] > 0  # the peer's place in the per-life ramp, not a fresh start
+        assert joined[0]["versions_max"] >= served[0]["versions_max"] > 0
+        assert r.hget(keys.learner("b"), "bootstrap") == "peer a"
+        b0 = int(r.hget(keys.learner("b"), "merged_contributions") or 0)
+        wait_until(lambda: int(r.hget(keys.learner("b"), "merged_contributions") or 0) > b0 + 2, 60,
+                   interval_s=0.1, what="b contributing")
+        assert int(r.hget(keys.learner("b"), "versions_regressed") or 0) == 0
+    finally:
+        d.stop_all()
