@@ -252,7 +252,7 @@ class LearnerOptions:
     """Mixed precision of the forward pass: "auto" (bf16 autocast on CUDA, none on CPU), "bf16", "off"."""
     heartbeat_interval_s: float = 0.5
     """How often the learner refreshes its heartbeat and counters in Redis."""
-    heartbeat_ttl_s: float = 3.0
+    heartbeat_ttl_s: float = 2.5
     """A learner whose heartbeat is older than this is considered gone."""
     flush_timeout_s: float = 30.0
     """After its last step (--steps), answer every fragment once more so its last steps reach the

@@ -69,7 +69,9 @@ class Monitor:
         versions: dict[int, int] = {}
         if not initial or self.resumed:
             try:
-                frags = fetch_fragments(self.r, self.keys, len(self.plan), timeout_s=60.0 if initial else 15.0)
+                # a periodic evaluation skips rather than stall the monitor (a shard may be recovering)
+                frags = fetch_fragments(self.r, self.keys, len(self.plan),
+                                        timeout_s=60.0 if initial or final else 5.0)
             except (TimeoutError, redis.RedisError) as e:
                 self.say(f"eval       skipped: {e}")
                 return None
@@ -250,16 +252,18 @@ class Monitor:
             merge_times.append(float(e["t"]))
             fragments_merged.add(int(e["fragment"]))
         # goodput: useful learner time / provisioned learner time (ALGORITHM §9). A learner slot
-        # is provisioned from its first process's start to its last one's end, gaps between a
-        # killed process and its replacement included; useful is the time in inner steps of
-        # every process in it (a killed one: up to its last heartbeat).
+        # is provisioned from its first step (the first process joined) to its last process's
+        # end, gaps between a killed process and its replacement and the replacement's boot
+        # included; useful is the time in inner steps of every process in it (a killed one: up to
+        # its last heartbeat; a step is counted at most 3x the learner's usual step time, so a
+        # frozen process earns nothing).
         lives = self.learner_lives()
         provisioned = useful = 0.0
         for lid in self.learner_ids:
             mine = self._lives_of(lid)
             if not mine:
                 continue
-            start = min(_f(h, "started_at", self.t0) for h in mine)
+            start = min(_f(h, "started_at", self.t0) + _f(h, "boot_s") for h in mine)
             end = max(_f(h, "stopped_at", 0.0) or _f(h, "updated_at", time.time()) for h in mine)
             provisioned += max(0.0, end - start)
             useful += sum(_f(h, "train_s") for h in mine)
@@ -292,7 +296,11 @@ class Monitor:
                                     + sum(_f(h, "malformed") for h in lives)),
             "failures_injected": {},
             "versions_regressed": int(sum(_f(h, "versions_regressed") for h in lives)),
-            "learner_processes": len(lives),
+            "learner_processes": len({(lid, h.get("incarnation")) for (lid, _), h in self.lives.items()}
+                                     | {(e.get("learner"), e.get("incarnation")) for e in self.events
+                                        if e.get("kind") == "join" and e.get("incarnation")}
+                                     | {(lid, h.get("incarnation")) for lid, h in self.learners.items()
+                                        if h.get("incarnation")}),
             "learner_restarts": self.replaced_incarnations(),
             "contributors": sorted(contributors),
             "every_learner_contributed": set(self.learner_ids) <= contributors,

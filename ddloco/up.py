@@ -135,7 +135,10 @@ class Supervisor:
         self.shards = shards
         self.redis_srv = redis_srv
         self.children: list[Child] = []
-        self.spare: Child | None = None
+        self.spares: list[Child] = []
+        """Standby learner processes, oldest (most likely ready) first."""
+        self.spares_wanted = 0
+        self.spares_started = 0
         self.spares_used = 0
         self.lock = threading.RLock()
 
@@ -157,13 +160,17 @@ class Supervisor:
 
     def all(self) -> list[Child]:
         with self.lock:
-            return self.children + ([self.spare] if self.spare is not None else [])
+            return self.children + self.spares
 
     def start_spare(self) -> None:
+        """Top the standby pool up to ``spares_wanted`` processes."""
         with self.lock:
-            n = self.spares_used + 1
-            argv = self.learner_argv("standby", 0) + ["--standby"]
-            self.spare = Child(f"spare-{n}", argv, self.log(f"spare-{n}"), stdin=True)
+            self.spares = [c for c in self.spares if c.alive()]
+            while len(self.spares) < self.spares_wanted:
+                self.spares_started += 1
+                n = self.spares_started
+                argv = self.learner_argv("standby", 0) + ["--standby"]
+                self.spares.append(Child(f"spare-{n}", argv, self.log(f"spare-{n}"), stdin=True))
 
     def _remaining_steps(self, lid: str) -> int:
         if not self.steps:
@@ -192,8 +199,9 @@ class Supervisor:
             if target in self.slots:
                 slot = self.slots[target]
                 steps = self._remaining_steps(target)
-                if self.spare is not None and self.spare.alive():
-                    child, self.spare = self.spare, None
+                self.spares = [c for c in self.spares if c.alive()]
+                if self.spares:
+                    child = self.spares.pop(0)
                     self.spares_used += 1
                     child.order({"learner_id": target, "data_shard": slot["index"], "max_steps": steps,
                                  "slowdown": slot.get("slowdown")})
@@ -340,7 +348,8 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         monitor.evaluate(initial=True)
         chaos_runner = None
         if chaos is not None and chaos.learner_mtbf_s > 0:
-            sup.start_spare()  # a hot spare replaces a killed learner in well under a second
+            sup.spares_wanted = 2   # hot spares replace a killed learner in well under a second
+            sup.start_spare()
 
         def start_chaos() -> Any:
             """Once every learner trains: the schedule covers the rest of the run."""
@@ -402,8 +411,8 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         _stop_all(extras)
         with sup.lock:
             learners = sup.learners()
-            spare, sup.spare = sup.spare, None
-        _stop_all(learners + ([spare] if spare is not None else []))
+            spares, sup.spares, sup.spares_wanted = sup.spares, [], 0
+        _stop_all(learners + spares)
         daemons = sup.daemons()
         bad = [c for c in learners if c.proc.returncode not in (0, -signal.SIGTERM, 128 + signal.SIGTERM)]
         for c in bad:

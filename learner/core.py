@@ -381,8 +381,8 @@ class Learner:
             if target_s > compute_s:                         # emulated slower chip / accelerator step time
                 self.stop.wait(target_s - compute_s)
             step_s = time.perf_counter() - t0
-            self.stats.train_s += step_s
             ema = self.stats.step_ema_s
+            self.stats.train_s += min(step_s, 3 * ema) if ema > 0 else step_s  # a frozen step is no work
             self.stats.step_ema_s = step_s if ema == 0 else 0.9 * ema + 0.1 * step_s
             lv = float(loss_sum)                             # one host sync per step
             self.stats.loss_ema = lv if self.stats.steps == 1 else 0.95 * self.stats.loss_ema + 0.05 * lv

@@ -105,6 +105,8 @@ class ShardStats:
     bytes_in: int = 0
     bytes_out: int = 0
     requests: int = 0
+    requests_deferred: int = 0
+    """Fragment requests left unanswered while the fragment was recovering (asked again)."""
 
     @property
     def dropped(self) -> int:
@@ -605,6 +607,11 @@ class Shard:
         f = self.frags.get(msg.fragment)
         if msg.kind != wire.GET or f is None:
             self._count_malformed(ValueError(f"request {msg.kind} for fragment {msg.fragment} not owned"))
+            return
+        if f.recovery is not None:
+            # not the run's value yet (the initial model or an old checkpoint): the requester
+            # asks again and gets the recovered value; never serve a value that would move it back
+            self.stats.requests_deferred += 1
             return
         self.stats.requests += 1
         reply = self._frag_frames(f)

@@ -215,3 +215,33 @@ def test_a_joining_learner_takes_a_peers_adamw_state_and_versions(tmp_path, redi
         assert int(r.hget(keys.learner("b"), "versions_regressed") or 0) == 0
     finally:
         d.stop_all()
+
+
+def test_up_chaos_injects_every_kind_restarts_it_and_nothing_goes_back(tmp_path):
+    """`ddloco up --chaos` end to end (a short run; the 4-minute one is in the README): every
+    kind of failure injected and restarted, versions never go back, no merge lost, every killed
+    learner measured back, nothing left running."""
+    import json
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY)
+    report = tmp_path / "report"
+    spec = ("seed=3,learner_mtbf_s=25,stalls=1,stall_s=4,shard_kills=1,shard_wipes=1,broker_restarts=1,"
+            "redis_restarts=1")
+    res = subprocess.run([sys.executable, "-m", "ddloco", "up", "--config", str(cfg), "--learners", "3",
+                          "--syncers", "2", "--minutes", "0.75", "--step-time-floor-ms", "20", "--run-id", "chaos-up",
+                          "--chaos", spec, "--report", str(report), "--quiet"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=200)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rep = json.loads((report / "report.json").read_text())
+    injected = rep["failures_injected"]
+    for kind in ("stall", "shard_kill", "shard_wipe", "broker_restart", "redis_restart"):
+        assert injected.get(kind) == 1, injected
+    assert injected.get("learner_kill", 0) >= 1, injected
+    assert not rep["chaos_error"], rep["chaos_error"]
+    assert rep["versions_regressed"] == 0 and rep["merges_lost"] == 0
+    assert len(rep["rejoin_s"]) == injected["learner_kill"], rep["chaos_events"]   # every killed learner back
+    assert len(rep["detect_s"]) == injected["learner_kill"] + 1
+    assert all(s is not None for s in rep["shard_back_s"]), rep["shard_back_s"]  # both shards merging again
+    assert rep["eval_loss_final"] < rep["eval_loss_initial"]
+    assert rep["processes_left"] == []
+    assert rep["learner_processes"] == 3 + injected["learner_kill"]

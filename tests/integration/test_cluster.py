@@ -419,3 +419,30 @@ def test_a_shard_restarted_after_redis_restarted_empty_still_takes_a_newer_epoch
     wait_until(lambda: all(f.version > at[p] for p, f in restarted.frags.items()), 30, what="merges go on")
     assert learner.stats.versions_regressed == 0
     assert not cluster.errors, cluster.errors
+
+
+def test_a_recovering_shard_serves_no_fragment_value_until_it_has_recovered(make_cluster):
+    """While a restarted shard waits for the learners' copies it holds an older value (its
+    checkpoint, or the initial model): a joining learner or the monitor asking for it then must
+    get nothing rather than a value that moves it back."""
+    from common.rpc import fetch_fragments
+    cluster = make_cluster(ASYNC)
+    shard = cluster.start_shard(0, 1, checkpoint_every_merges=5)
+    learner = cluster.learner("l0", 0, step_time_floor_ms=5)
+    learner.stop = threading.Event()
+    t = cluster.start_learner(learner)
+    crashed_at = _crash_shard_after_unsaved_merges(cluster, shard)
+    learner.stop.set()                 # no live copy: the restarted shard waits out its timeout
+    t.join(timeout=10)
+    restarted = cluster.start_shard(0, 1, recovery_timeout_s=4.0)
+    assert any(f.recovery is not None for f in restarted.frags.values())
+    r = control.connect(cluster.endpoints.redis_url)
+    keys = Keys(cluster.endpoints.run_id)
+    with pytest.raises(TimeoutError):
+        fetch_fragments(r, keys, len(restarted.frags), timeout_s=1.5)
+    assert restarted.stats.requests_deferred > 0
+    wait_until(lambda: all(f.recovery is None for f in restarted.frags.values()), 20, what="recovery given up")
+    got = fetch_fragments(r, keys, len(restarted.frags), timeout_s=10)
+    assert {p: v for p, (v, _) in got.items()} == {p: f.version for p, f in restarted.frags.items()}
+    assert any(v < crashed_at[p] for p, (v, _) in got.items())  # what it has, said loudly (recover_incomplete)
+    assert control.read_events(r, keys, kind="recover_incomplete")
