@@ -344,7 +344,12 @@ class UpOptions:
     """Write report.json and plots here (empty: no report)."""
     eval_every_s: float = 8.0
     """Evaluate the global model this often during the run."""
+    replace_hung_s: float = 5.0
+    """A learner process that is alive but whose heartbeat is older than this (frozen: a hung
+    device, SIGSTOP) while the other learners' are fresh is killed and replaced (0: never)."""
+
     def __post_init__(self) -> None:
+        _check(self.replace_hung_s >= 0, "up.replace_hung_s must be >= 0")
         _check(self.learners >= 1, "up.learners must be >= 1")
         _check(self.syncers >= 1, "up.syncers must be >= 1")
         _check(self.steps >= 0, "up.steps must be >= 0")

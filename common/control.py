@@ -86,11 +86,29 @@ def fetch_run_config(r: redis.Redis, keys: Keys, *, wait_s: float = 0.0,
         (stop.wait(0.2) if stop is not None else time.sleep(0.2))
 
 
+LIFE_TTL_S = 24 * 3600
+
+
 def beat(pipe: Any, keys: Keys, learner_id: str, fields: Mapping[str, Any], ttl_s: float) -> None:
-    """Heartbeat + membership + counters of a learner, batched on ``pipe``."""
+    """Heartbeat + membership + counters of a learner, batched on ``pipe``; the counters also go
+    to the process's own ``life`` hash (a restart under the same id overwrites the first)."""
     pipe.sadd(keys.learners, learner_id)
     pipe.hset(keys.learner(learner_id), mapping=dict(fields))
     pipe.set(keys.heartbeat(learner_id), "1", px=int(ttl_s * 1000))
+    if fields.get("incarnation"):
+        life = keys.life(learner_id, str(fields["incarnation"]))
+        pipe.hset(life, mapping=dict(fields))
+        pipe.expire(life, LIFE_TTL_S)
+
+
+def learner_lives(r: redis.Redis, keys: Keys) -> dict[tuple[str, str], dict[str, str]]:
+    """The last counters of every learner process of the run, by (learner id, incarnation)."""
+    out: dict[tuple[str, str], dict[str, str]] = {}
+    prefix = keys.prefix + "life:"
+    for k in r.scan_iter(match=prefix + "*", count=500):
+        lid, _, inc = k[len(prefix):].rpartition(":")
+        out[(lid, inc)] = r.hgetall(k)
+    return out
 
 
 def leave(pipe: Any, keys: Keys, learner_id: str) -> None:

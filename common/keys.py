@@ -10,6 +10,8 @@ hash slot). Redis holds coordination state only, never the model.
 | learners                     | set    | ids of learners that joined and did not leave            |
 | learner:<id>                 | hash   | steps, tokens, step_ema_s, status, counters, timings     |
 | hb:<id>                      | string | heartbeat, expires after heartbeat_ttl_s                 |
+| life:<id>:<incarnation>      | hash   | the counters of one learner process (expire after 24 h): |
+|                              |        | what a restart under the same id would overwrite         |
 | shards                       | set    | shard indices that registered                            |
 | shard:<k>                    | hash   | rpc endpoint, pid, merges, counters                      |
 | shard:<k>:lease              | string | holder of shard k (one live process per shard), with TTL |
@@ -54,6 +56,9 @@ class Keys:
 
     def shard_lease(self, shard: int) -> str:
         return f"{self.prefix}shard:{shard}:lease"
+
+    def life(self, learner_id: str, incarnation: str) -> str:
+        return f"{self.prefix}life:{learner_id}:{incarnation}"
 
     def fragment(self, fragment: int) -> str:
         return f"{self.prefix}frag:{fragment}"

@@ -147,6 +147,8 @@ class ChaosRunner(threading.Thread):
         self.stall_s = stall_s
         self.report_t0 = 0.0
         """Where ``t0`` lies on the report's clock (seconds)."""
+        self.halted = threading.Event()
+        self.idle = threading.Event()
         self.faults = list(faults)
         self.targets = targets
         self.redis_url = redis_url
@@ -165,10 +167,19 @@ class ChaosRunner(threading.Thread):
         self.error: str = ""
 
     # ------------------------------------------------------------------ loop
+    def halt(self, timeout_s: float = 30.0) -> None:
+        """Stop injecting and observing, and return once no injection is under way. The thread
+        stays alive until ``stop``: processes it restarted get the parent-death signal when the
+        thread that started them ends (Linux ``PR_SET_PDEATHSIG`` follows the thread)."""
+        self.halted.set()
+        self.idle.wait(timeout_s)
+
     def run(self) -> None:
         self.r = control.connect(self.redis_url)
         pending = list(self.faults)
         while not self.stop_event.is_set():
+            if self.halted.is_set():
+                break
             now = time.time()
             while pending and now - self.t0 >= pending[0].at_s:
                 fault = pending.pop(0)
@@ -189,6 +200,9 @@ class ChaosRunner(threading.Thread):
             self.stop_event.wait(0.05)
         for _lid, (pid, _) in self._stalled.items():  # never leave a process frozen
             _signal(pid, signal.SIGCONT)
+        self._stalled.clear()
+        self.idle.set()
+        self.stop_event.wait()
 
     def _ts(self, t: float) -> str:
         return f"[{t - self.t0 + self.report_t0:6.1f}s]"
@@ -524,6 +538,7 @@ def main(argv: Sequence[str]) -> int:
         stop.wait(args.minutes * 60 + 10)
     except KeyboardInterrupt:
         pass
+    runner.halt()
     stop.set()
     runner.join(timeout=10)
     res = runner.results()

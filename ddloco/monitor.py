@@ -219,19 +219,31 @@ class Monitor:
         return sum(1 for e in self.events if e.get("kind") == "leave"
                    and str(e.get("reason", "")).startswith("replaced"))
 
-    def learner_lives(self) -> list[dict[str, str]]:
-        """The last counters of every learner process of the run (all incarnations)."""
+    def collect_lives(self) -> None:
+        """Every process's own last counters from Redis (newer than what the 1 Hz poll saw)."""
+        try:
+            stored = control.learner_lives(self.r, self.keys)
+        except redis.RedisError:
+            return
+        for key, h in stored.items():
+            seen = self.lives.get(key)
+            if seen is None or _f(h, "updated_at") >= _f(seen, "updated_at"):
+                self.lives[key] = h
+
+    def _all_lives(self) -> dict[tuple[str, str], dict[str, str]]:
         lives = dict(self.lives)
         for lid, h in self.learners.items():
-            lives[(lid, h.get("incarnation", ""))] = h
-        return list(lives.values())
+            key = (lid, h.get("incarnation", ""))
+            if key not in lives or _f(h, "updated_at") >= _f(lives[key], "updated_at"):
+                lives[key] = h
+        return lives
+
+    def learner_lives(self) -> list[dict[str, str]]:
+        """The last counters of every learner process of the run (all incarnations)."""
+        return list(self._all_lives().values())
 
     def _lives_of(self, lid: str) -> list[dict[str, str]]:
-        out = [h for (l, _), h in self.lives.items() if l == lid]
-        cur = self.learners.get(lid)
-        if cur is not None and cur not in out:
-            out.append(cur)
-        return out
+        return [h for (l, _), h in list(self._all_lives().items()) if l == lid]
 
     def shard_table(self) -> dict[int, dict[str, str]]:
         try:
@@ -242,6 +254,7 @@ class Monitor:
     def report(self, *, wall_s: float, interrupted: bool, timed_out: bool, failure: str,
                learner_exit_codes: dict[str, int | None]) -> dict[str, Any]:
         import json
+        self.collect_lives()
         merges = self.merge_events()
         shards = self.shard_table()
         contributors: set[str] = set()

@@ -140,6 +140,7 @@ class Supervisor:
         self.spares_wanted = 0
         self.spares_started = 0
         self.spares_used = 0
+        self.hung_replaced = 0
         self.lock = threading.RLock()
 
     def log(self, name: str) -> Path:
@@ -215,6 +216,29 @@ class Supervisor:
                 self.children.append(Child(target, argv, old.log_path, append=True))
             else:
                 self.children.append(Child(target, old.argv, old.log_path, append=True))
+
+    def replace_hung(self, learners: dict[str, dict[str, str]], after_s: float,
+                     say: Callable[[str], None]) -> list[str]:
+        """Kill and replace learner processes that are alive but whose heartbeat stopped more
+        than ``after_s`` ago while another learner's is fresh (the process is frozen, Redis is
+        not down). Returns the learner ids replaced."""
+        now = time.time()
+        beats = {lid: float(h.get("updated_at") or 0) for lid, h in learners.items() if lid in self.slots}
+        if not beats or max(beats.values()) < now - 2.0:
+            return []
+        out = []
+        with self.lock:
+            for c in self.learners():
+                seen = beats.get(c.name, 0.0)
+                status = learners.get(c.name, {}).get("status")
+                if (c.alive() and seen and now - seen > after_s and status in ("training", "blocked")
+                        and int(learners[c.name].get("pid") or -1) == c.pid):
+                    c.proc.kill()
+                    self.restart(c.name)
+                    self.hung_replaced += 1
+                    out.append(c.name)
+                    say(f"hung       {c.name} (pid {c.pid}): no heartbeat for {now - seen:.1f}s; killed and replaced")
+        return out
 
     def checkpoint_path(self, shard: int) -> Path | None:
         if not self.checkpoint_dir:
@@ -347,8 +371,8 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             monitor.token_offset = int(previous.get("tokens_total", 0))
         monitor.evaluate(initial=True)
         chaos_runner = None
-        if chaos is not None and chaos.learner_mtbf_s > 0:
-            sup.spares_wanted = 2   # hot spares replace a killed learner in well under a second
+        if chaos is not None and (chaos.learner_mtbf_s > 0 or chaos.stalls):
+            sup.spares_wanted = 3   # hot spares replace a killed learner in well under a second
             sup.start_spare()
 
         def start_chaos() -> Any:
@@ -393,6 +417,8 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
                 extra_state = "done"
                 monitor.mark("extra_stop", f"{extra[0]} learners")
                 say(f"extra      temporary learner(s) stopped")
+            if up.replace_hung_s > 0:
+                sup.replace_hung(monitor.learners, up.replace_hung_s, say)
             with sup.lock:
                 dead = [c for c in sup.daemons() if not c.alive()]
                 learners = sup.learners()
@@ -406,8 +432,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
                 say(f"time cap of {up.minutes} min reached: stopping learners")
                 break
         if chaos_runner is not None:
-            stop_chaos.set()
-            chaos_runner.join(timeout=10)
+            chaos_runner.halt()  # no more faults; its thread lives on until everything stopped
         _stop_all(extras)
         with sup.lock:
             learners = sup.learners()
@@ -441,6 +466,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             for e in res["chaos_events"]:   # on the report's clock (the monitor's)
                 e["t"] = round(e["t"] + chaos_runner.report_t0, 3)
                 monitor.marks.append((e["t"], e["kind"], e["target"]))
+        report["hung_replaced"] = sup.hung_replaced
         if extra is not None and extra[0] > 0:
             report["extra_learners"] = monitor.extra_effect(extra)
         if redis_srv is not None:
@@ -471,10 +497,10 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             return 130
         return 0 if not bad else 1
     finally:
-        stop_chaos.set()
         if sup is not None:
             _stop_all(sup.all(), timeout_s=5.0)
         _stop_all(extras, timeout_s=5.0)
+        stop_chaos.set()  # after the processes it restarted are stopped (their parent-death signal)
         if redis_srv is not None:
             redis_srv.stop()
         for s, h in prev_handlers.items():

@@ -351,6 +351,7 @@ class Learner:
                 return True
             if self._fatal is not None:
                 raise RuntimeError(f"learner helper thread failed: {self._fatal!r}") from self._fatal
+            t_iter = time.perf_counter()   # applying merges and snapshotting answers is training work
             self._drain_inbox()
             self._answer_open_rounds(min_steps)
             if self.algo.lockstep and int(self.c_steps.max()) >= H:
@@ -382,7 +383,8 @@ class Learner:
                 self.stop.wait(target_s - compute_s)
             step_s = time.perf_counter() - t0
             ema = self.stats.step_ema_s
-            self.stats.train_s += min(step_s, 3 * ema) if ema > 0 else step_s  # a frozen step is no work
+            iter_s = time.perf_counter() - t_iter
+            self.stats.train_s += min(iter_s, 3 * ema) if ema > 0 else iter_s  # a frozen step is no work
             self.stats.step_ema_s = step_s if ema == 0 else 0.9 * ema + 0.1 * step_s
             lv = float(loss_sum)                             # one host sync per step
             self.stats.loss_ema = lv if self.stats.steps == 1 else 0.95 * self.stats.loss_ema + 0.05 * lv
@@ -715,7 +717,9 @@ class Learner:
     def _leave(self) -> None:
         try:
             pipe = self.redis.pipeline(transaction=False)
-            pipe.hset(self.keys.learner(self.id), mapping={**self._counters(), "stopped_at": time.time()})
+            final = {**self._counters(), "stopped_at": time.time()}
+            pipe.hset(self.keys.learner(self.id), mapping=final)
+            pipe.hset(self.keys.life(self.id, self.incarnation), mapping=final)
             control.leave(pipe, self.keys, self.id)
             control.add_event(pipe, self.keys, "leave", learner=self.id, steps=self.stats.steps)
             pipe.incrby(self.keys.tokens, self.stats.tokens - self._tokens_reported)

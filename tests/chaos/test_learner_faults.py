@@ -219,13 +219,13 @@ def test_a_joining_learner_takes_a_peers_adamw_state_and_versions(tmp_path, redi
 
 def test_up_chaos_injects_every_kind_restarts_it_and_nothing_goes_back(tmp_path):
     """`ddloco up --chaos` end to end (a short run; the 4-minute one is in the README): every
-    kind of failure injected and restarted, versions never go back, no merge lost, every killed
-    learner measured back, nothing left running."""
+    kind of failure injected and restarted, a frozen learner replaced, versions never go back,
+    no merge lost, every killed learner measured back, nothing left running."""
     import json
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(TINY)
     report = tmp_path / "report"
-    spec = ("seed=3,learner_mtbf_s=25,stalls=1,stall_s=4,shard_kills=1,shard_wipes=1,broker_restarts=1,"
+    spec = ("seed=3,learner_mtbf_s=25,stalls=1,stall_s=12,shard_kills=1,shard_wipes=1,broker_restarts=1,"
             "redis_restarts=1")
     res = subprocess.run([sys.executable, "-m", "ddloco", "up", "--config", str(cfg), "--learners", "3",
                           "--syncers", "2", "--minutes", "0.75", "--step-time-floor-ms", "20", "--run-id", "chaos-up",
@@ -244,4 +244,5 @@ def test_up_chaos_injects_every_kind_restarts_it_and_nothing_goes_back(tmp_path)
     assert all(s is not None for s in rep["shard_back_s"]), rep["shard_back_s"]  # both shards merging again
     assert rep["eval_loss_final"] < rep["eval_loss_initial"]
     assert rep["processes_left"] == []
-    assert rep["learner_processes"] == 3 + injected["learner_kill"]
+    assert rep["hung_replaced"] == 1      # the frozen learner was replaced before its 12 s were up
+    assert rep["learner_processes"] == 3 + injected["learner_kill"] + 1
