@@ -267,8 +267,9 @@ class LearnerOptions:
     peer_bootstrap: bool = True
     """A joining learner takes parameters, AdamW state and schedule position from a training
     peer (ALGORITHM §8); it falls back to the shards when none answers."""
-    peer_timeout_s: float = 5.0
-    """How long a joining learner waits for a peer's whole state before asking the shards."""
+    peer_timeout_s: float = 2.0
+    """A joining learner asks the shards instead when the peer's state stops coming for this
+    long (no first answer, or no next chunk)."""
 
     def __post_init__(self) -> None:
         _check(self.peer_timeout_s > 0, "learner.peer_timeout_s must be > 0")

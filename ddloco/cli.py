@@ -180,7 +180,8 @@ def cmd_learner(args: argparse.Namespace) -> int:
     cfg = _resolve(args)
     opts = override(cfg.learner, learner_id=args.learner_id, data_shard=args.data_shard, max_steps=args.steps,
                     slowdown=args.slowdown, step_time_floor_ms=args.step_time_floor_ms, threads=args.threads,
-                    device=args.device, autocast=args.autocast)
+                    device=args.device, autocast=args.autocast, peer_bind=args.peer_bind,
+                    advertise_host=args.advertise_host)
     _setup_logging(args)
     stop = threading.Event()
     install_stop_handlers(stop)
@@ -381,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="auto (cuda if available), cpu, cuda, cuda:N (default auto)")
     p.add_argument("--autocast", choices=["auto", "bf16", "off"], help="mixed precision of the forward pass "
                    "(default auto: bf16 on CUDA, none on CPU)")
+    p.add_argument("--peer-bind", help="endpoint serving this learner's state to joining peers "
+                   "(default tcp://127.0.0.1:0; on several machines e.g. tcp://0.0.0.0:7100)")
+    p.add_argument("--advertise-host", help="host other learners use to reach --peer-bind")
     p.add_argument("--standby", action="store_true", help="a hot spare: prepare (imports, run config, model, dry "
                    "run), then wait for one JSON line on stdin, {\"learner_id\": ID, \"data_shard\": N, "
                    "\"max_steps\": N, \"slowdown\": X}, and become that learner (how `ddloco up` replaces a "

@@ -141,6 +141,8 @@ class Supervisor:
         self.spares_started = 0
         self.spares_used = 0
         self.hung_replaced = 0
+        self.halted = False
+        """The run is ending: nothing is replaced any more."""
         self.lock = threading.RLock()
 
     def log(self, name: str) -> Path:
@@ -216,6 +218,20 @@ class Supervisor:
                 self.children.append(Child(target, argv, old.log_path, append=True))
             else:
                 self.children.append(Child(target, old.argv, old.log_path, append=True))
+
+    def watch_hung(self, redis_url: str, keys: Keys, after_s: float, say: Callable[[str], None],
+                   stop: threading.Event) -> None:
+        """Thread body: every 0.5 s, ``replace_hung`` from the learners' entries in Redis. Lives
+        until ``stop`` (processes it started get the parent-death signal when it ends)."""
+        import redis as redis_lib
+        r = control.connect(redis_url)
+        while not stop.wait(0.5):
+            if self.halted:
+                continue
+            try:
+                self.replace_hung(control.all_learners(r, keys), after_s, say)
+            except (redis_lib.RedisError, RuntimeError):
+                pass  # Redis restarting (its entries come back), or a process that would not die
 
     def replace_hung(self, learners: dict[str, dict[str, str]], after_s: float,
                      say: Callable[[str], None]) -> list[str]:
@@ -370,6 +386,11 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             monitor.resumed = True
             monitor.token_offset = int(previous.get("tokens_total", 0))
         monitor.evaluate(initial=True)
+        watchdog = None
+        if up.replace_hung_s > 0:
+            watchdog = threading.Thread(target=sup.watch_hung, name="hung-watchdog", daemon=True,
+                                        args=(redis_url, keys, up.replace_hung_s, say, stop_chaos))
+            watchdog.start()
         chaos_runner = None
         if chaos is not None and (chaos.learner_mtbf_s > 0 or chaos.stalls):
             sup.spares_wanted = 3   # hot spares replace a killed learner in well under a second
@@ -417,8 +438,6 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
                 extra_state = "done"
                 monitor.mark("extra_stop", f"{extra[0]} learners")
                 say(f"extra      temporary learner(s) stopped")
-            if up.replace_hung_s > 0:
-                sup.replace_hung(monitor.learners, up.replace_hung_s, say)
             with sup.lock:
                 dead = [c for c in sup.daemons() if not c.alive()]
                 learners = sup.learners()
@@ -431,6 +450,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
                 timed_out = True
                 say(f"time cap of {up.minutes} min reached: stopping learners")
                 break
+        sup.halted = True        # no more replacements; the watchdog thread lives on (parent-death signal)
         if chaos_runner is not None:
             chaos_runner.halt()  # no more faults; its thread lives on until everything stopped
         _stop_all(extras)

@@ -500,8 +500,13 @@ class Learner:
             live = control.live_learners(self.redis, self.keys)
         except redis.RedisError:
             return False
+        here = socket.gethostname()
+        loopback = ("tcp://127.", "tcp://localhost:", "ipc://", "inproc://")
+        fresh = time.time() - 2 * self.options.heartbeat_interval_s - 0.5   # not a frozen one
         peers = sorted((lid, h["peer"]) for lid, h in live.items()
-                       if lid != self.id and h.get("status") == "training" and h.get("peer"))
+                       if lid != self.id and h.get("status") == "training" and h.get("peer")
+                       and float(h.get("updated_at") or 0) >= fresh
+                       and (h.get("host") == here or not h["peer"].startswith(loopback)))  # reachable from here
         if not peers:
             return False
         peer, endpoint = random.Random(self.incarnation).choice(peers)
@@ -509,7 +514,9 @@ class Learner:
         self._outbox.put(AskPeer(peer, endpoint))
         stash: list[Any] = []
         arrived: PeerStateArrived | None = None
-        while arrived is None and not self.stop.is_set() and time.monotonic() - t0 < self.options.peer_timeout_s:
+        def waited() -> float:   # since the request, or since the last part of the state arrived
+            return time.monotonic() - max(t0, self.net.peer_progress_at)
+        while arrived is None and not self.stop.is_set() and waited() < self.options.peer_timeout_s:
             try:
                 item = self._inbox.get(timeout=0.05)
             except queue.Empty:
@@ -711,7 +718,7 @@ class Learner:
                 "last_contrib_fragment": s.last_contrib_fragment, "first_answer": s.first_answer,
                 "bootstrap": s.bootstrap, "bootstraps_served": s.bootstraps_served,
                 "peer": getattr(getattr(self, "net", None), "peer_endpoint", ""), "last_contrib_at": s.last_contrib_at,
-                "data_shard": self.options.data_shard, "pid": os.getpid(),
+                "data_shard": self.options.data_shard, "pid": os.getpid(), "host": socket.gethostname(),
                 "data_position": self.data_position + s.batches}
 
     def _leave(self) -> None:

@@ -172,6 +172,9 @@ class NetworkThread:
         """Where joining learners reach our state (set once the socket is bound)."""
         self.log = log
         self._asks: dict[zmq.Socket, dict[str, Any]] = {}
+        self.peer_progress_at = 0.0
+        """time.monotonic() of the last part of a peer's state that arrived (the joiner's timeout
+        runs from it: a big state keeps coming, a frozen peer stops)."""
         self.endpoints = endpoints
         self.codec = codec
         self.numels = list(numels)
@@ -372,6 +375,7 @@ class NetworkThread:
             except zmq.Again:
                 return
             kind = frames[0]
+            self.peer_progress_at = __import__("time").monotonic()
             if kind == b"busy":
                 return self._end_ask(sock, PeerStateArrived(ask["peer"], None, 0, "the peer is not ready"))
             if kind == b"state" and len(frames) == 2:

@@ -35,6 +35,8 @@ from common import quant
 from tasks.contract import Task, TaskError, bind_task, build_model
 
 CONTROL_REFRESH_S = 0.5
+HOLDING = ("training", "blocked", "flushing")
+"""Learner statuses that hold a copy of every fragment (recovery waits for their answers)."""
 
 
 @dataclass
@@ -392,7 +394,8 @@ class Shard:
             rec = f.recovery
             if rec is None:
                 continue
-            live = set(self.live)
+            # the learners that hold copies: a joining one has none yet (it waits for us)
+            live = {lid for lid, h in self.live.items() if h.get("status") in HOLDING}
             done = now >= rec.deadline or (bool(live) and live <= rec.answered)  # every live learner answered
             if not done:
                 if now - rec.asked_at >= 1.0:  # lost, or learners joining meanwhile: ask again
