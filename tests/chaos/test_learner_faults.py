@@ -229,7 +229,8 @@ def test_up_chaos_injects_every_kind_restarts_it_and_nothing_goes_back(tmp_path)
             "redis_restarts=1")
     res = subprocess.run([sys.executable, "-m", "ddloco", "up", "--config", str(cfg), "--learners", "3",
                           "--syncers", "2", "--minutes", "0.75", "--step-time-floor-ms", "20", "--run-id", "chaos-up",
-                          "--chaos", spec, "--report", str(report), "--quiet"],
+                          "--chaos", spec, "--report", str(report), "--quiet",
+                          "--extra-learners", "1", "--extra-at", "8", "--extra-for", "28"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rep = json.loads((report / "report.json").read_text())
@@ -245,4 +246,75 @@ def test_up_chaos_injects_every_kind_restarts_it_and_nothing_goes_back(tmp_path)
     assert rep["eval_loss_final"] < rep["eval_loss_initial"]
     assert rep["processes_left"] == []
     assert rep["hung_replaced"] == 1      # the frozen learner was replaced before its 12 s were up
-    assert rep["learner_processes"] == 3 + injected["learner_kill"] + 1
+    extra = rep["extra_learners"]         # a temporary learner: it joined, contributed, left
+    assert extra["learners"] == 1 and extra["merged_contributions"]["extra-0"] > 0, extra
+    assert extra["tokens_per_s_during"] is not None and extra["eval_loss_at_end"] is not None, extra
+    assert rep["learner_processes"] == 3 + injected["learner_kill"] + 1 + 1
+
+
+def test_lockstep_from_a_toml_file_waits_for_every_live_learner_across_processes(tmp_path, redis_server):
+    """`lockstep = true` in the TOML given to plain daemons (not `ddloco up`): every round waits
+    for every live learner, so a learner 4x slower is in every merge and the fast one blocks."""
+    import json
+    d = Daemons(tmp_path, redis_server.url)
+    d.cfg.write_text(TINY.replace("[algo]\n", "[algo]\nlockstep = true\n"))
+    r = control.connect(redis_server.url)
+    keys = Keys("chaos")
+    try:
+        d.start("broker", "broker", "--xsub", d.xsub, "--xpub", d.xpub)
+        d.start("syncer", "syncer", *d.net, "--config", str(d.cfg), "--checkpoint-dir", str(tmp_path / "ck"))
+        d.start("fast", "learner", *d.net, "--config", str(d.cfg), "--learner-id", "fast", "--data-shard", "0")
+        d.start("slow", "learner", *d.net, "--config", str(d.cfg), "--learner-id", "slow", "--data-shard", "1",
+                "--slowdown", "4")
+        both = lambda: all(r.hget(keys.learner(n), "status") in ("training", "blocked") for n in ("fast", "slow"))  # noqa: E731
+        wait_until(both, 120, interval_s=0.1, what="both learners training")
+        start = len(control.read_events(r, keys, kind="merge"))
+        wait_until(lambda: len(control.read_events(r, keys, kind="merge")) >= start + 10, 120, interval_s=0.1,
+                   what="ten merges with both learners live")
+        merges = control.read_events(r, keys, kind="merge")[start + 2:]   # rounds opened before may close first
+        assert all(sorted(json.loads(e["contributors"])) == ["fast", "slow"] for e in merges), \
+            [e["contributors"] for e in merges]
+        assert float(r.hget(keys.learner("fast"), "blocked_s") or 0) > 0   # the fast one waited
+    finally:
+        d.stop_all()
+
+
+def test_ddloco_chaos_against_a_cluster_started_by_hand(tmp_path, redis_server):
+    """`ddloco chaos SPEC` finds the processes of a running cluster (Redis, the broker's port),
+    kills them on its schedule and starts them again as they were; training goes on."""
+    import json
+    d = Daemons(tmp_path, redis_server.url)
+    r = control.connect(redis_server.url)
+    keys = Keys("chaos")
+    restarted: list[int] = []
+    try:
+        d.start("broker", "broker", "--xsub", d.xsub, "--xpub", d.xpub)
+        d.start("syncer", "syncer", *d.net, "--config", str(d.cfg), "--checkpoint-dir", str(tmp_path / "ck"))
+        for name in ("a", "b"):
+            d.learner(name)
+        merged = lambda n: int(r.hget(keys.learner(n), "merged_contributions") or 0)  # noqa: E731
+        wait_until(lambda: merged("a") >= 2 and merged("b") >= 2, 120, interval_s=0.1, what="a and b contributing")
+        pids = {n: r.hget(keys.learner(n), "pid") for n in "ab"}
+        out = tmp_path / "chaos.json"
+        res = subprocess.run([sys.executable, "-m", "ddloco", "chaos", "seed=5,learner_mtbf_s=8,broker_restarts=1",
+                              "--redis-url", redis_server.url, "--run-id", "chaos", "--broker-pub", d.xsub,
+                              "--minutes", "0.3", "--log-dir", str(tmp_path / "restarted"), "--json", str(out)],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        rep = json.loads(out.read_text())
+        restarted = rep["restarted_processes"]
+        assert rep["failures_injected"].get("broker_restart") == 1, rep["failures_injected"]
+        assert rep["failures_injected"].get("learner_kill", 0) >= 1, rep["failures_injected"]
+        assert not rep["chaos_error"] and rep["merges_lost"] == 0
+        killed = {e["target"] for e in rep["chaos_events"] if e["kind"] == "learner_kill"}
+        for n in killed:   # started again as they were: a new process under the same id, contributing
+            wait_until(lambda: r.hget(keys.learner(n), "pid") != pids[n], 60, interval_s=0.1, what=f"{n} restarted")
+            m = merged(n)
+            wait_until(lambda: merged(n) > m, 120, interval_s=0.1, what=f"restarted {n} contributing")
+    finally:
+        for pid in restarted:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        d.stop_all()

@@ -446,3 +446,35 @@ def test_a_recovering_shard_serves_no_fragment_value_until_it_has_recovered(make
     assert {p: v for p, (v, _) in got.items()} == {p: f.version for p, f in restarted.frags.items()}
     assert any(v < crashed_at[p] for p, (v, _) in got.items())  # what it has, said loudly (recover_incomplete)
     assert control.read_events(r, keys, kind="recover_incomplete")
+
+
+def test_recovery_does_not_wait_for_a_learner_that_is_still_joining(make_cluster):
+    """A learner still joining holds no copy (it waits for the shards): the recovering shard
+    must not wait for its answer until the timeout (both would wait on each other)."""
+    cluster = make_cluster(ASYNC)
+    shard = cluster.start_shard(0, 1, checkpoint_every_merges=5)
+    learner = cluster.learner("l0", 0, step_time_floor_ms=5)
+    cluster.start_learner(learner)
+    crashed_at = _crash_shard_after_unsaved_merges(cluster, shard)
+    r = control.connect(cluster.endpoints.redis_url)
+    keys = Keys(cluster.endpoints.run_id)
+    stop = threading.Event()
+
+    def joining_member() -> None:   # a member in Redis that never answers: status "joining"
+        while not stop.is_set():
+            pipe = r.pipeline(transaction=False)
+            control.beat(pipe, keys, "joiner", {"status": "joining", "updated_at": 0}, ttl_s=2.0)
+            pipe.execute()
+            stop.wait(0.2)
+    t = threading.Thread(target=joining_member, daemon=True)
+    t.start()
+    try:
+        wait_until(lambda: "joiner" in control.live_learners(r, keys), 10, what="joining member registered")
+        restarted = cluster.start_shard(0, 1, recovery_timeout_s=30.0)
+        wait_until(lambda: all(f.recovery is None for f in restarted.frags.values()), 8,
+                   what="recovery done without waiting for the joining member")
+        assert all(restarted.frags[p].version >= v for p, v in crashed_at.items())
+    finally:
+        stop.set()
+        t.join(timeout=5)
+    assert not cluster.errors, cluster.errors
