@@ -40,6 +40,7 @@ def write_report(out_dir: Path, report: dict[str, Any], monitor: Any) -> None:
                title="Merges over time per fragment", xlabel="seconds", ylabel="fragment")
     rows = [(lid, learner_intervals(monitor.samples[lid])) for lid in monitor.learner_ids]
     marks = [(t, MARK_LABELS.get(k, k[:2].upper())) for t, k, _ in getattr(monitor, "marks", [])]
-    timeline_chart(out_dir / "timeline.png", rows, title="Learners: boot / up / blocked / down"
-                   + (" | K kill S stall C resume SK SW shard kill/wipe B broker R redis E+ E- extra" if marks else ""),
-                   marks=marks, size=(1000, 420) if marks else (800, 400))
+    timeline_chart(out_dir / "timeline.png", rows, title="Learners: boot / up / blocked / down",
+                   xlabel="seconds" + (" - K kill, S stall, C resume, SK SW shard kill/wipe, B broker, R Redis, E+ E- extra"
+                                       if marks else ""),
+                   marks=marks, size=(1300, 440) if marks else (800, 400))

@@ -190,6 +190,7 @@ class Learner:
             except TaskError as e:  # this machine's task differs from the run's
                 control.add_event(self.redis, self.keys, "refuse", learner=self.id, reason=str(e))
                 raise LearnerRefused(f"refused: {e}") from None
+        self.warm_up()  # before the join: the state it gets is not left to age meanwhile
 
     def warm_up(self) -> None:
         """A standby process: pay the lazy first-use costs now (the first AdamW construction
