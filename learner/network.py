@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -29,6 +30,8 @@ from common.rpc import FragmentClient
 
 CHUNK_BYTES = 1 << 20
 """Peer state travels in chunks of this size (the I/O thread interleaves other traffic)."""
+MAX_STATE_BYTES = 1 << 40
+"""A peer announcing more than this is refused (a garbled header must not allocate it)."""
 
 
 @dataclass(frozen=True)
@@ -138,22 +141,41 @@ def optimizer_digest(opt_state: dict[str, Any]) -> str:
             v = opt_state["state"][idx][key]
             h.update(f"{idx}:{key}:".encode())
             if isinstance(v, torch.Tensor):
-                h.update(v.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                t = v.detach().to("cpu").contiguous().view(-1)
+                h.update(memoryview(t.view(torch.uint8).numpy()) if t.numel() else b"")
             else:
                 h.update(repr(v).encode())
     return h.hexdigest()[:16]
 
 
-def serialize_state(state: dict[str, Any]) -> bytes:
-    import io
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.getvalue()
+def flatten_state(state: Any, tensors: list[torch.Tensor]) -> Any:
+    """The state with every tensor replaced by ``{"__t": i}`` (its index in ``tensors``): the
+    rest travels as msgpack, the tensors as raw frames (no pickling, no copy on the way out)."""
+    if isinstance(state, torch.Tensor):
+        t = state.detach().to("cpu").contiguous()
+        tensors.append(t)
+        return {"__t": len(tensors) - 1, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+    if isinstance(state, dict):
+        return {k: flatten_state(v, tensors) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return [flatten_state(v, tensors) for v in state]
+    return state
 
 
-def deserialize_state(blob: bytes) -> dict[str, Any]:
-    import io
-    return torch.load(io.BytesIO(blob), weights_only=True)
+def unflatten_state(skeleton: Any, buffers: list[bytes]) -> Any:
+    if isinstance(skeleton, dict) and "__t" in skeleton:
+        dtype = getattr(torch, str(skeleton["dtype"]))
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"not a dtype: {skeleton['dtype']!r}")
+        buf = buffers[int(skeleton["__t"])]
+        shape = [int(x) for x in skeleton["shape"]]
+        t = torch.frombuffer(bytearray(buf), dtype=dtype) if len(buf) else torch.empty(0, dtype=dtype)
+        return t.reshape(shape)
+    if isinstance(skeleton, dict):
+        return {k: unflatten_state(v, buffers) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [unflatten_state(v, buffers) for v in skeleton]
+    return skeleton
 
 
 class NetworkThread:
@@ -329,25 +351,31 @@ class NetworkThread:
             self.inbox.put(PeerStateWanted(frames[0], frames[2][:200].decode(errors="replace")))
 
     def serve_state(self, peer: zmq.Socket, item: PeerState) -> None:
-        """Serialise the snapshot here (off the training thread) and send it in chunks."""
+        """Send the snapshot: a msgpack skeleton, then every tensor's bytes in frames of at most
+        CHUNK_BYTES handed to ZeroMQ without a copy (its I/O thread sends them, without the GIL),
+        each with its CRC32."""
         if item.state is None:
             peer.send_multipart([item.identity, b"busy"])
             return
-        t0 = __import__("time").perf_counter()
-        digest = optimizer_digest(item.state["optimizer"])
-        blob = serialize_state(item.state)
-        chunks = [blob[i:i + CHUNK_BYTES] for i in range(0, len(blob), CHUNK_BYTES)] or [b""]
-        import hashlib
         import msgpack
+        t0 = __import__("time").perf_counter()
+        tensors: list[torch.Tensor] = []
+        skeleton = flatten_state(item.state, tensors)
+        views = [memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"") for t in tensors]
+        pieces = [(i, off, v[off:off + CHUNK_BYTES]) for i, v in enumerate(views)
+                  for off in range(0, max(len(v), 1), CHUNK_BYTES)]
+        nbytes = sum(len(v) for v in views)
         peer.send_multipart([item.identity, b"state", msgpack.packb(
-            {"chunks": len(chunks), "nbytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()})])
-        for i, c in enumerate(chunks):
-            peer.send_multipart([item.identity, b"chunk", i.to_bytes(4, "big"), c], copy=False)
-        self.stats.bytes_up += len(blob)
+            {"skeleton": skeleton, "sizes": [len(v) for v in views], "pieces": len(pieces)})])
+        for i, off, piece in pieces:
+            peer.send_multipart([item.identity, b"chunk", msgpack.packb([i, off, zlib.crc32(piece)]), piece],
+                                copy=False)
+        self.stats.bytes_up += nbytes
         if self.log is not None:
-            self.log.info("learner.bootstrap_served", to=item.requester, bytes=len(blob), chunks=len(chunks),
-                          optimizer_digest=digest, snapshot_s=round(item.snapshot_s, 4),
-                          serialize_s=round(__import__("time").perf_counter() - t0, 4),
+            self.log.info("learner.bootstrap_served", to=item.requester, bytes=nbytes, chunks=len(pieces),
+                          optimizer_digest=optimizer_digest(item.state["optimizer"]),
+                          snapshot_s=round(item.snapshot_s, 4),
+                          send_s=round(__import__("time").perf_counter() - t0, 4),
                           versions_max=max(item.state["versions"]) if item.state["versions"] else -1)
 
     def ask_peer(self, item: AskPeer) -> None:
@@ -366,7 +394,6 @@ class NetworkThread:
         self.inbox.put(arrived)
 
     def on_peer_reply(self, sock: zmq.Socket) -> None:
-        import hashlib
         import msgpack
         ask = self._asks[sock]
         for _ in range(256):
@@ -378,24 +405,32 @@ class NetworkThread:
             self.peer_progress_at = __import__("time").monotonic()
             if kind == b"busy":
                 return self._end_ask(sock, PeerStateArrived(ask["peer"], None, 0, "the peer is not ready"))
-            if kind == b"state" and len(frames) == 2:
-                try:
-                    ask["header"] = msgpack.unpackb(frames[1])
-                except ValueError:
-                    return self._end_ask(sock, PeerStateArrived(ask["peer"], None, 0, "malformed header"))
-            elif kind == b"chunk" and len(frames) == 3 and ask["header"] is not None:
-                ask["chunks"][int.from_bytes(frames[1], "big")] = frames[2]
-                self.stats.bytes_down += len(frames[2])
-            else:
-                self.malformed += 1
-                continue
+            try:
+                if kind == b"state" and len(frames) == 2:
+                    head = msgpack.unpackb(frames[1], strict_map_key=False)
+                    sizes = [int(n) for n in head["sizes"]]
+                    if sum(sizes) > MAX_STATE_BYTES:
+                        return self._end_ask(sock, PeerStateArrived(ask["peer"], None, 0, "state too large"))
+                    ask["header"] = head
+                    ask["buffers"] = [bytearray(n) for n in sizes]
+                    ask["got"] = 0
+                elif kind == b"chunk" and len(frames) == 3 and ask["header"] is not None:
+                    i, off, crc = msgpack.unpackb(frames[1])
+                    piece = frames[2]
+                    if zlib.crc32(piece) != crc or off + len(piece) > len(ask["buffers"][i]):
+                        return self._end_ask(sock, PeerStateArrived(ask["peer"], None, 0, "damaged chunk"))
+                    ask["buffers"][i][off:off + len(piece)] = piece
+                    ask["got"] += 1
+                    self.stats.bytes_down += len(piece)
+                else:
+                    self.malformed += 1
+                    continue
+            except (ValueError, TypeError, KeyError, IndexError) as e:
+                return self._end_ask(sock, PeerStateArrived(ask["peer"], None, 0, f"malformed: {e!r}"[:200]))
             head = ask["header"]
-            if head is not None and len(ask["chunks"]) == head["chunks"]:
-                blob = b"".join(ask["chunks"][i] for i in range(head["chunks"]))
-                if len(blob) != head["nbytes"] or hashlib.sha256(blob).hexdigest() != head["sha256"]:
-                    return self._end_ask(sock, PeerStateArrived(ask["peer"], None, len(blob), "checksum mismatch"))
+            if head is not None and ask["got"] == head["pieces"]:
                 try:
-                    state = deserialize_state(blob)
+                    state = unflatten_state(head["skeleton"], ask["buffers"])
                 except Exception as e:  # a damaged or foreign payload: the joiner asks the shards
-                    return self._end_ask(sock, PeerStateArrived(ask["peer"], None, len(blob), repr(e)[:200]))
-                return self._end_ask(sock, PeerStateArrived(ask["peer"], state, len(blob)))
+                    return self._end_ask(sock, PeerStateArrived(ask["peer"], None, 0, repr(e)[:200]))
+                return self._end_ask(sock, PeerStateArrived(ask["peer"], state, sum(head["sizes"])))

@@ -208,7 +208,7 @@ def test_a_joining_learner_takes_a_peers_adamw_state_and_versions(tmp_path, redi
         assert loaded[0]["optimizer_digest"] == served[0]["optimizer_digest"] == joined[0]["optimizer_digest"]
         assert loaded[0]["life_steps"] > 0  # the peer's place in the per-life ramp, not a fresh start
         assert joined[0]["versions_max"] >= served[0]["versions_max"] > 0
-        assert r.hget(keys.learner("b"), "bootstrap") == "peer a"
+        wait_until(lambda: r.hget(keys.learner("b"), "bootstrap") == "peer a", 10, what="b's counters say so")
         b0 = int(r.hget(keys.learner("b"), "merged_contributions") or 0)
         wait_until(lambda: int(r.hget(keys.learner("b"), "merged_contributions") or 0) > b0 + 2, 60,
                    interval_s=0.1, what="b contributing")
