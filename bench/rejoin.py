@@ -132,8 +132,18 @@ def main(argv: Sequence[str]) -> int:
                 except subprocess.TimeoutExpired:
                     p.kill()
     medians = {k: round(statistics.median(row[k] for row in rows), 3) for k in PHASES}
+    costs = []   # what serving a joiner cost the peer: its next 20 steps against its step time before
+    for log in work.glob("*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            if '"learner.bootstrap_serve_cost"' in line:
+                e = json.loads(line)
+                if e.get("slowdown") is not None:
+                    costs.append(e["slowdown"])
+    if costs:
+        medians["peer_slowdown"] = round(statistics.median(costs), 4)
+        medians["peer_slowdown_max"] = round(max(costs), 4)
     if args.json:
-        print(json.dumps({"restarts": rows, "median_s": medians}, indent=2))
+        print(json.dumps({"restarts": rows, "median_s": medians, "peer_slowdowns": costs}, indent=2))
     else:
         print("median seconds from restart: " + ", ".join(f"{k} {v:.2f}" for k, v in medians.items()))
     return 0

@@ -40,6 +40,8 @@ from tasks.contract import Task, TaskError, batch_to, bind_task, build_model, ch
 
 
 FETCH_RETRY_S = 1.0
+SERVE_COST_STEPS = 20
+"""Steps over which a learner that served its state to a joiner measures what it cost it."""
 
 
 class LearnerRefused(RuntimeError):
@@ -150,6 +152,7 @@ class Learner:
         self._sched: Any = None
         self._boot_optimizer: dict[str, Any] | None = None
         self._boot_life_steps = 0
+        self._serve_watch: dict[str, Any] | None = None
         self.incarnation = secrets.token_hex(4)
         """This process's life under ``self.id``: a restart with the same id is a new incarnation."""
 
@@ -386,6 +389,8 @@ class Learner:
             ema = self.stats.step_ema_s
             iter_s = time.perf_counter() - t_iter
             self.stats.train_s += min(iter_s, 3 * ema) if ema > 0 else iter_s  # a frozen step is no work
+            if self._serve_watch is not None:
+                self._watch_serve_cost(iter_s)
             self.stats.step_ema_s = step_s if ema == 0 else 0.9 * ema + 0.1 * step_s
             lv = float(loss_sum)                             # one host sync per step
             self.stats.loss_ema = lv if self.stats.steps == 1 else 0.95 * self.stats.loss_ema + 0.05 * lv
@@ -491,7 +496,21 @@ class Learner:
                  "bases": list(self.base_values),  # merged values: replaced, never written in place
                  "optimizer": opt_state, "life_steps": int(self._sched.last_epoch), "steps": self.stats.steps}
         self.stats.bootstraps_served += 1
+        self._serve_watch = {"to": want.requester, "ema_before": self.stats.step_ema_s, "iters": []}
         return PeerState(want.identity, want.requester, state, time.perf_counter() - t0)
+
+    def _watch_serve_cost(self, iter_s: float, n: int = SERVE_COST_STEPS) -> None:
+        """What serving a joiner cost our own training: the mean of the next ``n`` iterations
+        (the one that took the snapshot included) against the step time before it."""
+        w = self._serve_watch
+        w["iters"].append(iter_s)
+        if len(w["iters"]) < n:
+            return
+        self._serve_watch = None
+        mean = sum(w["iters"]) / len(w["iters"])
+        before = w["ema_before"]
+        self.log.info("learner.bootstrap_serve_cost", to=w["to"], steps=n, mean_step_s=round(mean, 5),
+                      step_before_s=round(before, 5), slowdown=round(mean / before - 1.0, 4) if before else None)
 
     def _bootstrap_from_peer(self) -> bool:
         """Take a training peer's state (bases at their versions, AdamW state, ramp position);

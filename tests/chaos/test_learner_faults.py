@@ -318,3 +318,38 @@ def test_ddloco_chaos_against_a_cluster_started_by_hand(tmp_path, redis_server):
             except ProcessLookupError:
                 pass
         d.stop_all()
+
+
+def test_fetch_fragments_follows_a_shard_that_comes_back_on_another_endpoint(tmp_path, redis_server):
+    """The request path with a real shard process: the shard dies while a fetch is under way and
+    comes back on another port; the fetch follows the new endpoint and completes."""
+    import threading
+    from common.rpc import fetch_fragments
+    d = Daemons(tmp_path, redis_server.url)
+    r = control.connect(redis_server.url)
+    keys = Keys("chaos")
+    syncer = ["syncer", *d.net, "--config", str(d.cfg), "--checkpoint-dir", str(tmp_path / "ck")]
+    try:
+        d.start("broker", "broker", "--xsub", d.xsub, "--xpub", d.xpub)
+        d.start("syncer", *syncer, "--rpc-bind", f"tcp://127.0.0.1:{free_port()}")
+        wait_until(lambda: control.shard_endpoints(r, keys)[0] == 1, 60, interval_s=0.1, what="shard registered")
+        before = control.shard_endpoints(r, keys)[1][0]
+        assert len(fetch_fragments(r, keys, 4, timeout_s=20)) == 4
+        os.kill(d.procs["syncer"].pid, signal.SIGKILL)
+        d.procs["syncer"].wait(timeout=10)
+        result: dict = {}
+
+        def fetch() -> None:
+            try:
+                result["frags"] = fetch_fragments(r, keys, 4, timeout_s=90)
+            except Exception as e:   # noqa: BLE001 - the test reports it
+                result["error"] = e
+        t = threading.Thread(target=fetch)
+        t.start()
+        d.start("syncer", *syncer, "--rpc-bind", f"tcp://127.0.0.1:{free_port()}")
+        t.join(timeout=120)
+        assert "error" not in result, repr(result.get("error"))
+        assert len(result["frags"]) == 4
+        assert control.shard_endpoints(r, keys)[1][0] != before
+    finally:
+        d.stop_all()
