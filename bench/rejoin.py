@@ -81,8 +81,7 @@ def main(argv: Sequence[str]) -> int:
                 spare.stdin.write((json.dumps({"learner_id": f"l{i}", "data_shard": i}) + "\n").encode())
                 spare.stdin.flush()
                 procs[f"l{i}"] = spare
-                start_spare()
-                return
+                return   # the next spare starts after this rejoin is measured (its boot takes CPU)
             start(f"l{i}", "learner", *net, "--learner-id", f"l{i}", "--data-shard", str(i),
                   "--step-time-floor-ms", str(args.step_time_floor_ms))
         r = control.connect(redis_srv.url)
@@ -113,6 +112,9 @@ def main(argv: Sequence[str]) -> int:
                 _wait(lambda: r.hget(keys.learner(lid), "incarnation") not in (None, old), 120, "new incarnation")
                 merged_at = _wait(lambda: (lambda v: v if v and float(v) > t_restart else None)(
                     r.hget(keys.learner(lid), "last_merged_at")), 120, "first merged contribution")
+                if args.standby:
+                    time.sleep(2.0)   # the serving peer's next 20 steps, undisturbed by a booting spare
+                    start_spare()
                 _wait(lambda: "first_answer" in json.loads(r.hget(keys.learner(lid), "boot_phases") or "{}"), 10,
                       "the first answer in the counters (next heartbeat)")
                 h = r.hgetall(keys.learner(lid))
