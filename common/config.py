@@ -319,6 +319,11 @@ class SyncerOptions:
     fresh: bool = False
     """Start over from the initial model (ignore the checkpoint and the learners' copies); versions
     still go up, so learners adopt it."""
+    tokens_per_step_max: int = 0
+    """Robust merge: the most tokens an answer may claim per inner step (0: twice the task's
+    first batch × inner_grad_accum)."""
+    max_steps_factor: int = 8
+    """Robust merge: an answer weighs as at most this × H × (versions since its base + 1) steps."""
     downtime_gap_s: float = 5.0
     """(reporting) a gap between merges longer than this counts as global downtime."""
 
@@ -326,6 +331,8 @@ class SyncerOptions:
         _check(self.shards >= 1, "syncer.shards must be >= 1")
         _check(0 <= self.shard < self.shards, "syncer.shard must be in [0, shards)")
         _check(self.checkpoint_every_merges >= 1, "syncer.checkpoint_every_merges must be >= 1")
+        _check(self.tokens_per_step_max >= 0, "syncer.tokens_per_step_max must be >= 0")
+        _check(self.max_steps_factor >= 1, "syncer.max_steps_factor must be >= 1")
         _check(self.initial_step_time_s > 0, "syncer.initial_step_time_s must be > 0")
 
 

@@ -307,6 +307,8 @@ class Monitor:
             "bytes_down": int(sum(_f(h, "bytes_out") for h in shards.values())),
             "dropped_messages": int(sum(_f(h, "dropped") for h in shards.values())
                                     + sum(_f(h, "malformed") for h in lives)),
+            "rejections": {k.removeprefix("rejected_"): int(sum(_f(h, k) for h in shards.values()))
+                           for k in sorted({k for h in shards.values() for k in h if k.startswith("rejected_")})},
             "failures_injected": {},
             "versions_regressed": int(sum(_f(h, "versions_regressed") for h in lives)),
             "learner_processes": len({(lid, h.get("incarnation")) for (lid, _), h in self.lives.items()}

@@ -198,10 +198,12 @@ class Learner:
     def warm_up(self) -> None:
         """A standby process: pay the lazy first-use costs now (the first AdamW construction
         imports torch's compiler stack: seconds), not after a failure."""
-        w = torch.zeros(1, requires_grad=True)
+        w = torch.nn.Parameter(torch.zeros(1))   # no random init: the run's RNG streams stay as they were
+        holder = torch.nn.Module()
+        holder.w = w
         opt, sched = make_inner_optimizer([w], self.algo)
         (w * 2.0).sum().backward()
-        apply_step(torch.nn.Linear(1, 1), opt, sched)
+        apply_step(holder, opt, sched)
         opt.load_state_dict(opt.state_dict())
 
     def assign(self, *, learner_id: str, data_shard: int | None = None, max_steps: int | None = None,

@@ -30,9 +30,10 @@ from common.fragments import Fragment, gather, model_plan, owned_fragments, plan
 from common.keys import Keys
 from common.log import get_logger
 from common.merge import contribution_weights, outer_update
+from common.robust import NormClipper, bound_claims
 from common.quorum import Decision, Ema, QuorumPolicy, RoundView, decide_round, due_fragments, grace_window_s
 from common import quant
-from tasks.contract import Task, TaskError, bind_task, build_model
+from tasks.contract import Task, TaskError, bind_task, build_model, count_tokens
 
 CONTROL_REFRESH_S = 0.5
 HOLDING = ("training", "blocked", "flushing")
@@ -75,6 +76,8 @@ class FragmentState:
     next_round: int = 0
     recovery: "Recovery | None" = None
     """Set while the shard collects live learners' copies at start (no rounds meanwhile)."""
+    clipper: NormClipper = field(default_factory=NormClipper)
+    """Recent outer-gradient norms of this fragment (robust merge)."""
 
 
 @dataclass
@@ -108,11 +111,14 @@ class ShardStats:
     bytes_out: int = 0
     requests: int = 0
     requests_deferred: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    """Answers refused or clipped by the robust-merge rules, by reason (common.robust.REASONS)."""
     """Fragment requests left unanswered while the fragment was recovering (asked again)."""
 
     @property
     def dropped(self) -> int:
-        return self.malformed + self.late_answers + self.stale_base + self.wrong_run + self.nonfinite_rounds
+        refused = self.rejected.get("nonfinite_delta", 0)   # the others are cut, still merged
+        return self.malformed + self.late_answers + self.stale_base + self.wrong_run + self.nonfinite_rounds + refused
 
 
 class LatestWriter:
@@ -201,7 +207,16 @@ class Shard:
         self.task, self.run = bind_task(run, self.task)
         model, self.plan = initial_state(self.run, self.task)
         self.plan_digest = plan_digest(self.plan)
+        self.tokens_per_step_bound = self._tokens_per_step_bound()
         return model
+
+    def _tokens_per_step_bound(self) -> float:
+        """The most tokens an answer may claim per inner step: ``syncer.tokens_per_step_max``, else
+        the task's first batch × ``inner_grad_accum`` × 2 (slack for batches that vary in size)."""
+        if self.options.tokens_per_step_max > 0:
+            return float(self.options.tokens_per_step_max)
+        batch = next(iter(self.task.batches(0, self.run.task.seed, 0)))
+        return 2.0 * count_tokens(self.task, batch) * self.run.algo.inner_grad_accum
 
     def __enter__(self) -> "Shard":
         if self._run_arg is not None:
@@ -587,13 +602,29 @@ class Shard:
         except wire.WireError as e:
             self._count_malformed(e)
             return
+        if not bool(torch.isfinite(delta).all()):   # e.g. an int4 scale that decodes to inf: this answer only
+            self._reject("nonfinite_delta", msg.sender, f.spec.index)
+            return
+        steps, tokens, cut = bound_claims(
+            steps=msg.steps, tokens=msg.tokens, tokens_per_step_bound=self.tokens_per_step_bound,
+            max_steps=self.options.max_steps_factor * self.run.algo.sync_every_steps * (f.version - msg.base + 1))
+        for reason in cut:
+            self._reject(reason, msg.sender, f.spec.index, steps=msg.steps, tokens=msg.tokens)
         now = self.clock()
-        rnd.answers[msg.sender] = Answer(sender=msg.sender, base=msg.base, steps=msg.steps, tokens=msg.tokens,
+        rnd.answers[msg.sender] = Answer(sender=msg.sender, base=msg.base, steps=steps, tokens=tokens,
                                          delta=delta, received_at=now)
         self.stats.answers += 1
         if rnd.quorum_at is None and len(rnd.answers) >= self.policy.quorum:
             rnd.quorum_at = now
             self.xi_quorum.update(now - rnd.opened_at)
+
+    def _reject(self, reason: str, sender: str, fragment: int, **detail: Any) -> None:
+        """Count an answer refused, or its claims or outer gradient cut, by the robust-merge rules."""
+        self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + 1
+        n = self.stats.rejected[reason]
+        if n <= 10 or n % 100 == 0:   # bounded logging whatever a sender does
+            self.log.warning("syncer.answer_rejected", reason=reason, learner=sender[:64], fragment=fragment,
+                             count=n, **detail)
 
     def _count_malformed(self, err: Exception) -> None:
         self.stats.malformed += 1
@@ -636,6 +667,10 @@ class Shard:
         answers = list(rnd.answers.values())
         # Outer gradient of each contributor against the CURRENT value: Δ_m = Θ_p − (Θ_p^{base_m} + δ_m)
         outer = torch.stack([f.theta - (f.history[a.base] + a.delta) for a in answers])  # [M, numel]
+        for m, a in enumerate(answers):   # robust: no contributor moves Θ more than a few rounds do
+            outer[m], clipped = f.clipper.clip(outer[m])
+            if clipped:
+                self._reject("clipped", a.sender, f.spec.index)
         weights = contribution_weights([a.tokens for a in answers], [a.steps for a in answers])  # [M]
         if float(weights.sum()) <= 0.0:
             f.round = None
@@ -706,6 +741,7 @@ class Shard:
                 "rpc": self.rpc_endpoint, "shards": self.options.shards, "pid": os.getpid(),
                 "plan": self.plan_digest, "checkpoint": str(self.checkpoint_path or ""), "epoch": self.epoch,
                 "versions_behind": self.stats.versions_behind, "checkpoints": self.stats.checkpoints,
+                **{f"rejected_{k}": v for k, v in self.stats.rejected.items()},
                 "status": "running", "merges": self.stats.merges, "dropped": self.stats.dropped,
                 "malformed": self.stats.malformed, "late_answers": self.stats.late_answers,
                 "stale_base": self.stats.stale_base, "bytes_out": self.stats.bytes_out,

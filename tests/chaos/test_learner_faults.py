@@ -230,7 +230,7 @@ def test_up_chaos_injects_every_kind_restarts_it_and_nothing_goes_back(tmp_path)
     res = subprocess.run([sys.executable, "-m", "ddloco", "up", "--config", str(cfg), "--learners", "3",
                           "--syncers", "2", "--minutes", "0.75", "--step-time-floor-ms", "20", "--run-id", "chaos-up",
                           "--chaos", spec, "--report", str(report), "--quiet",
-                          "--extra-learners", "1", "--extra-at", "8", "--extra-for", "28"],
+                          "--extra-learners", "1", "--extra-at", "4", "--extra-for", "38"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rep = json.loads((report / "report.json").read_text())

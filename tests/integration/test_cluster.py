@@ -478,3 +478,88 @@ def test_recovery_does_not_wait_for_a_learner_that_is_still_joining(make_cluster
         stop.set()
         t.join(timeout=5)
     assert not cluster.errors, cluster.errors
+
+
+def _rogue_network() -> type:
+    """A learner's network thread that lies: 2^64-1 tokens, 1e30 deltas, and int4 payloads that
+    decode to inf, in turn."""
+    import queue as queue_mod
+    import struct
+    import zlib
+    from dataclasses import replace as dc_replace
+    from learner.network import Answer, NetworkThread
+
+    class RogueNetwork(NetworkThread):
+        sent = {"tokens": 0, "huge": 0, "inf": 0}
+
+        def send(self, pub, client, unsent_fetch, peer=None):
+            items = []
+            while True:
+                try:
+                    items.append(self.outbox.get_nowait())
+                except queue_mod.Empty:
+                    break
+            for item in items:
+                if isinstance(item, Answer):
+                    n = sum(self.sent.values()) % 3
+                    if n == 0:
+                        item = dc_replace(item, tokens=2**64 - 1)
+                        self.sent["tokens"] += 1
+                    elif n == 1:
+                        item = dc_replace(item, snapshot=item.base_values + 1e30)
+                        self.sent["huge"] += 1
+                    else:
+                        # a valid int4 message whose first block has the largest finite bf16 scale
+                        # and the value 7: it decodes to inf (the encoder would never write it)
+                        frames = wire.encode(
+                            kind=wire.UPDATE, run=self.endpoints.run_id, sender=self.id, fragment=item.fragment,
+                            values=item.snapshot - item.base_values, codec="int4", epoch=item.epoch,
+                            round=item.round, attempt=item.attempt, base=item.base, steps=item.steps,
+                            tokens=item.tokens)
+                        q, scales = bytearray(memoryview(frames[2])), bytearray(memoryview(frames[3]))
+                        q[0] = 0x77
+                        scales[0:2] = struct.pack("<H", 0x7F7F)
+                        header = msgpack.unpackb(frames[1], raw=False)
+                        header["crc"] = zlib.crc32(bytes(scales), zlib.crc32(bytes(q)))
+                        pub.send_multipart([frames[0], msgpack.packb(header, use_bin_type=True), bytes(q),
+                                            bytes(scales)])
+                        self.sent["inf"] += 1
+                        continue
+                self.outbox.put(item)
+            super().send(pub, client, unsent_fetch, peer)
+    return RogueNetwork
+
+
+def test_a_lying_learner_does_not_move_the_global_model(make_cluster):
+    """Robust merge: a member claiming 2^64-1 tokens, sending 1e30 deltas or payloads that decode
+    to inf is cut or dropped per answer; the honest learner's merges go on and Θ stays sane."""
+    from learner.core import Learner
+    network = _rogue_network()
+    cluster = make_cluster(ASYNC)
+    shard = cluster.start_shard(0, 1)
+    honest = cluster.learner("honest", 0, step_time_floor_ms=5)
+    cluster.start_learner(honest)
+    wait_until(lambda: min(_versions(cluster).values()) >= 12, 60, what="honest merges first (robust statistics)")
+    norms0 = {p: float(f.theta.norm()) for p, f in shard.frags.items()}
+
+    class RogueLearner(Learner):
+        network_class = network
+    base = cluster.learner("rogue", 1, step_time_floor_ms=5)
+    rogue = RogueLearner(endpoints=base.endpoints, options=base.options, task=base.task, run=base._run_arg,
+                         stop=base.stop)
+    cluster.start_learner(rogue)
+    wait_until(lambda: min(network.sent.values()) >= 5, 60,
+               what=f"every kind of lie sent (sent {network.sent}, rogue answers {rogue.stats.answers}, "
+                    f"errors {cluster.errors})")
+    v = _versions(cluster)
+    wait_until(lambda: all(_versions(cluster)[p] >= v[p] + 5 for p in v), 60, what="merges go on")
+    rej = shard.stats.rejected
+    assert rej.get("tokens_claim", 0) >= 1 and rej.get("nonfinite_delta", 0) >= 1 and rej.get("clipped", 0) >= 1, rej
+    assert shard.stats.nonfinite_rounds == 0        # one bad answer is dropped, never the round
+    for p, f in shard.frags.items():
+        assert bool(torch.isfinite(f.theta).all())
+        assert float(f.theta.norm()) < 2.0 * norms0[p], (p, float(f.theta.norm()), norms0[p])
+    r = control.connect(cluster.endpoints.redis_url)
+    wait_until(lambda: int(control.shard_table(r, Keys(cluster.endpoints.run_id))[0].get("rejected_clipped", 0)) > 0,
+               10, what="the counts in Redis")
+    assert not cluster.errors, cluster.errors

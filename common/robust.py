@@ -1,0 +1,72 @@
+"""Robust merge (ALGORITHM §5, "Robust merge"): what one answer may claim and move.
+
+A shard checks every answer before it can weigh in a merge:
+
+- its decoded delta is finite (one bad answer is dropped, never the round);
+- its step claim is clamped to ``max_steps_factor × H × (versions since its base + 1)`` and its
+  token claim to ``c_steps × tokens_per_step_bound`` (the run's tokens per inner step: the task's
+  batch × ``inner_grad_accum``, × 2 for batches that vary in size): clamped, not refused, so an
+  honest learner whose rounds stalled still counts, and a lie weighs no more than that;
+
+and at the merge, each contributor's outer gradient Δ_m is clipped to ``factor ×`` the median
+norm of the fragment's last ``window`` accepted outer gradients (after ``min_samples``), so a
+finite but huge delta (1e30) moves Θ no more than a few ordinary rounds do.
+
+Rejections and cuts are counted by reason (``REASONS``); the counts go to Redis and the report.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+REASONS = ("nonfinite_delta", "tokens_claim", "steps_claim", "clipped")
+
+
+def bound_claims(*, steps: int, tokens: int, tokens_per_step_bound: float,
+                 max_steps: int) -> tuple[int, int, list[str]]:
+    """(steps, tokens) as an answer may weigh in the merge, and the reasons they were cut.
+
+    Claims are clamped, not refused: a learner that legitimately kept training while its rounds
+    stalled (a shard down) still contributes, with the weight of ``max_steps`` steps at most, and
+    a lie buys no more than that."""
+    cut = []
+    tokens = max(int(tokens), 0)
+    bound = int(steps * tokens_per_step_bound)
+    if tokens > bound:                       # more tokens than the steps it claims could hold
+        tokens, cut = bound, cut + ["tokens_claim"]
+    if steps > max_steps:                    # more steps than a learner can take in that time:
+        tokens = int(tokens * max_steps / steps)   # weigh as max_steps of the same kind
+        steps, cut = max_steps, cut + ["steps_claim"]
+    return steps, tokens, cut
+
+
+@dataclass
+class NormClipper:
+    """Per fragment: clip outer-gradient norms to ``factor ×`` the median of recent ones."""
+
+    factor: float = 4.0
+    window: int = 32
+    min_samples: int = 8
+    norms: deque = field(default_factory=lambda: deque(maxlen=32))
+
+    def __post_init__(self) -> None:
+        self.norms = deque(self.norms, maxlen=self.window)
+
+    def bound(self) -> float | None:
+        if len(self.norms) < self.min_samples:
+            return None
+        return self.factor * statistics.median(self.norms)
+
+    def clip(self, outer: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(the outer gradient, scaled down to the bound if above it; whether it was)."""
+        norm = float(torch.linalg.vector_norm(outer))
+        bound = self.bound()
+        clipped = bound is not None and norm > bound > 0.0
+        if clipped:
+            outer = outer * (bound / norm)
+            norm = bound / self.factor   # recorded as the median: repeated attacks cannot drag it up
+        self.norms.append(norm)
+        return outer, clipped
