@@ -215,7 +215,8 @@ def _standby(cfg: ConfigFile, opts: LearnerOptions, task: Any, run: Any, stop: t
     from learner.core import Learner
     learner = Learner(endpoints=cfg.endpoints, options=override(opts, learner_id=opts.learner_id or "standby"),
                       task=task, run=run, stop=stop)
-    learner.prepare()   # includes the warm-up of the first AdamW construction
+    learner.prepare()
+    learner.warm_up()   # the first AdamW construction imports torch's compiler stack: seconds
     print(json.dumps({"event": "learner.standby_ready", "pid": os.getpid()}), flush=True)
     line = ""
     while not stop.is_set() and not line:
