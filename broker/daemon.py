@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from common import wire
 from common.log import get_logger
 
 
@@ -32,6 +33,10 @@ class BrokerOptions:
     most) while bounding memory when fragments are large."""
     stats_interval_s: float = 10.0
     """Log counters this often (only when they changed)."""
+
+
+KNOWN_KINDS = frozenset(wire.KINDS)
+"""Message kinds counted by name; any other topic is counted as "other"."""
 
 
 @dataclass
@@ -101,6 +106,8 @@ class Broker:
                 self.stats.messages += 1
                 self.stats.bytes += sum(len(f.buffer) for f in frames)
                 kind = bytes(frames[0].buffer).partition(b"|")[2].partition(b".")[0].decode(errors="replace")
+                if kind not in KNOWN_KINDS:
+                    kind = "other"   # whatever a publisher invents: bounded memory, bounded log lines
                 self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0) + 1
         if self.xpub in events:
             while True:

@@ -563,3 +563,28 @@ def test_a_lying_learner_does_not_move_the_global_model(make_cluster):
     wait_until(lambda: int(control.shard_table(r, Keys(cluster.endpoints.run_id))[0].get("rejected_clipped", 0)) > 0,
                10, what="the counts in Redis")
     assert not cluster.errors, cluster.errors
+
+
+def test_invented_topic_kinds_keep_the_brokers_counters_bounded(make_cluster):
+    """Anyone who reaches the broker chooses its topics: 5,000 invented kinds must not become
+    5,000 counters (memory, and a log line per stats interval)."""
+    cluster = make_cluster(ASYNC)
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.connect(cluster.endpoints.broker_pub)
+    sub = ctx.socket(zmq.SUB)                      # a subscriber, so the broker forwards at all
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(cluster.endpoints.broker_sub)
+    try:
+        def flood() -> bool:
+            for i in range(5_000):
+                pub.send_multipart([f"t|kind{i}.0".encode(), b"x"])
+            return cluster.broker.stats.messages >= 5_000
+        wait_until(flood, 30, interval_s=0.2, what="the broker forwarding the flood")
+        kinds = cluster.broker.stats.by_kind
+        assert set(kinds) <= set(wire.KINDS) | {"other"}, sorted(kinds)[:10]
+        assert kinds["other"] >= 5_000
+    finally:
+        ctx.destroy(linger=0)
