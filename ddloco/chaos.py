@@ -520,9 +520,13 @@ def main(argv: Sequence[str]) -> int:
         return 2
     ep = override(cfg.endpoints, redis_url=args.redis_url, run_id=args.run_id, broker_pub=args.broker_pub)
     keys = Keys(ep.run_id)
-    r = control.connect(ep.redis_url)
-    learners = sorted(control.live_learners(r, keys))
-    shards = int(r.hget(keys.config, "shards") or len(control.shard_table(r, keys)) or 1)
+    try:
+        r = control.connect(ep.redis_url)
+        learners = sorted(control.live_learners(r, keys))
+        shards = int(r.hget(keys.config, "shards") or len(control.shard_table(r, keys)) or 1)
+    except redis.RedisError as e:
+        print(f"ddloco chaos: Redis at {ep.redis_url} failed: {e}", file=__import__("sys").stderr)
+        return 1
     if not learners:
         print(f"ddloco chaos: run {ep.run_id!r} at {ep.redis_url} has no live learner", file=__import__("sys").stderr)
         return 1
