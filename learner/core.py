@@ -198,7 +198,7 @@ class Learner:
         """A standby process: pay the lazy first-use costs now (the first AdamW construction
         imports torch's compiler stack: seconds), not after a failure. (Not done by every learner
         before it joins: in 5 `make demo` runs that way the final eval loss was 2.31-2.43 against
-        2.25-2.31 without; the cause is not understood.)"""
+        2.25-2.33 without; the cause is not understood.)"""
         w = torch.nn.Parameter(torch.zeros(1))   # no random init: the run's RNG streams stay as they were
         holder = torch.nn.Module()
         holder.w = w
