@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import redis
 
@@ -222,6 +222,15 @@ def run_layout(r: redis.Redis, keys: Keys) -> list[tuple[str, tuple[int, ...], s
     """The layout recorded by ``record_layout`` (None if none yet)."""
     blob = r.hget(keys.config, "layout")
     return None if not blob else [(n, tuple(s), k) for n, s, k in json.loads(blob)]
+
+
+def fragment_versions(r: redis.Redis, keys: Keys, fragments: Iterable[int]) -> dict[int, int | None]:
+    """The version the run recorded for each fragment (None: not recorded, e.g. Redis restarted)."""
+    fragments = list(fragments)
+    pipe = r.pipeline(transaction=False)
+    for p in fragments:
+        pipe.hget(keys.fragment(p), "version")
+    return {p: None if v is None else int(v) for p, v in zip(fragments, pipe.execute())}
 
 
 def data_position(r: redis.Redis, keys: Keys, learner_id: str) -> int:

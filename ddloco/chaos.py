@@ -29,6 +29,7 @@ import random
 import signal
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, fields
@@ -295,14 +296,10 @@ class ChaosRunner(threading.Thread):
             return None
 
     def _observe(self, now: float) -> None:
-        pipe = self.r.pipeline(transaction=False)
         n = int(self.r.hget(self.keys.config, "fragments") or 0) or len(self._frag_max)
-        for p in range(n):
-            pipe.hget(self.keys.fragment(p), "version")
-        for p, v in enumerate(pipe.execute()):
+        for p, v in control.fragment_versions(self.r, self.keys, range(n)).items():
             if v is None:
                 continue  # Redis restarted: the shard writes it again
-            v = int(v)
             top = self._frag_max.get(p, -1)
             if v < top:
                 self.shard_versions_regressed += 1
@@ -516,7 +513,7 @@ def main(argv: Sequence[str]) -> int:
         spec = parse_chaos(args.spec)
         cfg = load_config(args.config)
     except ConfigError as e:
-        print(f"ddloco chaos: {e}", file=__import__("sys").stderr)
+        print(f"ddloco chaos: {e}", file=sys.stderr)
         return 2
     ep = override(cfg.endpoints, redis_url=args.redis_url, run_id=args.run_id, broker_pub=args.broker_pub)
     keys = Keys(ep.run_id)
@@ -525,10 +522,10 @@ def main(argv: Sequence[str]) -> int:
         learners = sorted(control.live_learners(r, keys))
         shards = int(r.hget(keys.config, "shards") or len(control.shard_table(r, keys)) or 1)
     except redis.RedisError as e:
-        print(f"ddloco chaos: Redis at {ep.redis_url} failed: {e}", file=__import__("sys").stderr)
+        print(f"ddloco chaos: Redis at {ep.redis_url} failed: {e}", file=sys.stderr)
         return 1
     if not learners:
-        print(f"ddloco chaos: run {ep.run_id!r} at {ep.redis_url} has no live learner", file=__import__("sys").stderr)
+        print(f"ddloco chaos: run {ep.run_id!r} at {ep.redis_url} has no live learner", file=sys.stderr)
         return 1
     faults = plan_faults(spec, duration_s=args.minutes * 60, learners=learners, shards=shards)
     print(f"chaos      {len(faults)} faults over {args.minutes:g} min on {len(learners)} learners, {shards} shards "

@@ -190,10 +190,7 @@ class Monitor:
 
     def merges(self) -> int:
         try:
-            pipe = self.r.pipeline(transaction=False)
-            for p in range(len(self.plan)):
-                pipe.hget(self.keys.fragment(p), "version")
-            return sum(int(v or 0) for v in pipe.execute())
+            return sum(v or 0 for v in control.fragment_versions(self.r, self.keys, range(len(self.plan))).values())
         except redis.RedisError:
             return -1
 

@@ -595,15 +595,12 @@ class Learner:
     def _fetch_behind(self) -> None:
         """Fragments the run has merged past the peer's copy: ask their shards now."""
         try:
-            pipe = self.redis.pipeline(transaction=False)
-            for p in range(len(self.plan)):
-                pipe.hget(self.keys.fragment(p), "version")
-            recorded = pipe.execute()
+            recorded = control.fragment_versions(self.redis, self.keys, range(len(self.plan)))
         except redis.RedisError:
             return
-        for p, v in enumerate(recorded):
-            if v is not None and int(v) > self.base_version[p]:
-                self._request_fetch(p, int(self.base_epoch[p]), int(v))
+        for p, v in recorded.items():
+            if v is not None and v > self.base_version[p]:
+                self._request_fetch(p, int(self.base_epoch[p]), v)
 
     def _request_fetch(self, p: int, epoch: int, version: int) -> None:
         """Ask the owning shard for fragment p; repeated only after FETCH_RETRY_S (lost request,

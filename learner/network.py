@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -358,7 +359,7 @@ class NetworkThread:
             peer.send_multipart([item.identity, b"busy"])
             return
         import msgpack
-        t0 = __import__("time").perf_counter()
+        t0 = time.perf_counter()
         tensors: list[torch.Tensor] = []
         skeleton = flatten_state(item.state, tensors)
         views = [memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"") for t in tensors]
@@ -375,7 +376,7 @@ class NetworkThread:
             self.log.info("learner.bootstrap_served", to=item.requester, bytes=nbytes, chunks=len(pieces),
                           optimizer_digest=optimizer_digest(item.state["optimizer"]),
                           snapshot_s=round(item.snapshot_s, 4),
-                          send_s=round(__import__("time").perf_counter() - t0, 4),
+                          send_s=round(time.perf_counter() - t0, 4),
                           versions_max=max(item.state["versions"]) if item.state["versions"] else -1)
 
     def ask_peer(self, item: AskPeer) -> None:
@@ -402,7 +403,7 @@ class NetworkThread:
             except zmq.Again:
                 return
             kind = frames[0]
-            self.peer_progress_at = __import__("time").monotonic()
+            self.peer_progress_at = time.monotonic()
             if kind == b"busy":
                 return self._end_ask(sock, PeerStateArrived(ask["peer"], None, 0, "the peer is not ready"))
             try:

@@ -379,10 +379,7 @@ class Shard:
 
     def _recorded_versions(self) -> dict[int, int]:
         """The newest version the run recorded for each owned fragment (0 when none)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for p in self.frags:
-            pipe.hget(self.keys.fragment(p), "version")
-        return {p: int(v or 0) for p, v in zip(self.frags, pipe.execute())}
+        return {p: v or 0 for p, v in control.fragment_versions(self.redis, self.keys, self.frags).items()}
 
     def _start_recovery(self, recorded: dict[int, int], loaded: bool) -> None:
         """Versions never go back. ``--fresh``: the initial model, above every recorded version.
