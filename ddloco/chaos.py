@@ -308,6 +308,8 @@ class ChaosRunner(threading.Thread):
             self._frag_max[p] = max(top, v)
         if not self._watch:
             return
+        # the stream once per pass (every 50 ms), from the oldest fault still watched
+        merges = self._merges_since(min(w["killed_at"] for w in self._watch))
         live = None
         for w in list(self._watch):
             rec = w["rec"]
@@ -321,7 +323,7 @@ class ChaosRunner(threading.Thread):
                     if replaced or lid not in live:
                         rec["detect_s"] = round(now - w["killed_at"], 3)
                 if w["what"] == "learner_kill" and "rejoin_s" not in rec:
-                    t = self._first_merge_of_new_life(lid, h, w)
+                    t = self._first_merge_of_new_life(lid, h, w, merges)
                     if t is not None:
                         rec["rejoin_s"] = round(t - w["restarted_at"], 3)
                 if w["what"] == "stall" and "rejoin_s" not in rec and now > w["resume_at"]:
@@ -333,7 +335,8 @@ class ChaosRunner(threading.Thread):
             elif w["what"] == "shard":
                 if "detect_s" not in rec and self._lease_holder(w["shard"]) not in (None, w["holder"]):
                     rec["detect_s"] = round(now - w["killed_at"], 3)  # the lease moved to the new life
-                merged = [e for e in self._merges_since(w["killed_at"]) if int(e.get("shard", -1)) == w["shard"]]
+                merged = [e for e in merges
+                          if int(e.get("shard", -1)) == w["shard"] and float(e["t"]) >= w["killed_at"]]
                 if merged and "back_s" not in rec:
                     rec["back_s"] = round(float(merged[0]["t"]) - w["killed_at"], 3)
                 if "back_s" in rec and "detect_s" in rec:
@@ -343,14 +346,15 @@ class ChaosRunner(threading.Thread):
         start = f"{int(t * 1000)}-0"
         return [e for _, e in self.r.xrange(self.keys.events, min=start) if e.get("kind") == "merge"]
 
-    def _first_merge_of_new_life(self, lid: str, h: dict[str, str], w: dict[str, Any]) -> float | None:
+    def _first_merge_of_new_life(self, lid: str, h: dict[str, str], w: dict[str, Any],
+                                 merges: list[dict[str, Any]]) -> float | None:
         """When the replacement's first answer was merged: the merge of the round it first
         answered (an answer the killed process sent is never taken for the replacement's)."""
         if h.get("incarnation") in (None, w["inc"]) or not h.get("first_answer"):
             return None
         frag, rnd, at = h["first_answer"].split(":")
-        for e in self._merges_since(float(at) - 0.001):
-            if lid in json.loads(e.get("contributors", "[]")):
+        for e in merges:
+            if float(e["t"]) >= float(at) - 0.001 and lid in json.loads(e.get("contributors", "[]")):
                 # that round; or, when that answer came too late, the next merge well after it
                 if int(e["fragment"]) == int(frag) and int(e["round"]) == int(rnd) or float(e["t"]) > float(at) + 1.0:
                     return float(e["t"])
