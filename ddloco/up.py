@@ -141,6 +141,8 @@ class Supervisor:
         self.spares_started = 0
         self.spares_used = 0
         self.hung_replaced = 0
+        self.last_beat: dict[str, tuple[int, float, str]] = {}
+        """Learner id -> (pid, time, status) of the last heartbeat seen from that process."""
         self.halted = False
         """The run is ending: nothing is replaced any more."""
         self.lock = threading.RLock()
@@ -237,21 +239,26 @@ class Supervisor:
                      say: Callable[[str], None]) -> list[str]:
         """Kill and replace learner processes that are alive but whose heartbeat stopped more
         than ``after_s`` ago while another learner's is fresh (the process is frozen, Redis is
-        not down). Returns the learner ids replaced."""
+        not down). The last heartbeat seen of each process is remembered, so a learner frozen
+        when Redis restarted empty (its entry gone, never rewritten) is still replaced.
+        Returns the learner ids replaced."""
         now = time.time()
-        beats = {lid: float(h.get("updated_at") or 0) for lid, h in learners.items() if lid in self.slots}
-        if not beats or max(beats.values()) < now - 2.0:
+        for lid, h in learners.items():
+            if lid in self.slots and h.get("pid"):
+                self.last_beat[lid] = (int(h["pid"]), float(h.get("updated_at") or 0), str(h.get("status")))
+        fresh = [float(h.get("updated_at") or 0) for lid, h in learners.items() if lid in self.slots]
+        if not fresh or max(fresh) < now - 2.0:
             return []
         out = []
         with self.lock:
             for c in self.learners():
-                seen = beats.get(c.name, 0.0)
-                status = learners.get(c.name, {}).get("status")
-                if (c.alive() and seen and now - seen > after_s and status in ("training", "blocked")
-                        and int(learners[c.name].get("pid") or -1) == c.pid):
+                pid, seen, status = self.last_beat.get(c.name, (-1, 0.0, ""))
+                if (c.alive() and pid == c.pid and seen and now - seen > after_s
+                        and status in ("training", "blocked")):
                     c.proc.kill()
                     self.restart(c.name)
                     self.hung_replaced += 1
+                    self.last_beat.pop(c.name, None)
                     out.append(c.name)
                     say(f"hung       {c.name} (pid {c.pid}): no heartbeat for {now - seen:.1f}s; killed and replaced")
         return out

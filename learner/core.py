@@ -713,6 +713,10 @@ class Learner:
                 ours = self.stats.tokens
                 # epochs never go back, even when Redis restarted empty: put back the newest we saw
                 control.raise_counter(pipe, self.keys.epochs, int(self.base_epoch.max()))
+                # and the fragments' versions: a shard restarting from an older checkpoint sees it is behind
+                for p in range(len(self.base_values)):
+                    if self.base_values[p] is not None and self.base_version[p] > 0:
+                        pipe.hsetnx(self.keys.fragment(p), "version", int(self.base_version[p]))
                 pipe.incrby(self.keys.tokens, ours - self._tokens_reported)   # the run's global token count
                 total = pipe.execute()[-1]
                 self._tokens_reported = ours

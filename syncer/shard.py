@@ -36,6 +36,9 @@ from common import quant
 from tasks.contract import Task, TaskError, bind_task, build_model, count_tokens
 
 CONTROL_REFRESH_S = 0.5
+RECOVERY_QUIET_S = 3.0
+"""A restarted shard that is not behind the run's record starts merging when no learner holding
+copies has been live for this long (after a Redis restart, learners come back within a heartbeat)."""
 HOLDING = ("training", "blocked", "flushing")
 """Learner statuses that hold a copy of every fragment (recovery waits for their answers)."""
 
@@ -87,6 +90,8 @@ class Recovery:
     recorded: int
     """The newest version the run recorded for the fragment (Redis)."""
     deadline: float
+    quiet_until: float = 0.0
+    """Not behind the record: if no learner holding copies is live by then, there is none to ask."""
     asked_at: float = -1e9
     answered: set[str] = field(default_factory=set)
     best: tuple[int, str, torch.Tensor] | None = None
@@ -383,9 +388,13 @@ class Shard:
 
     def _start_recovery(self, recorded: dict[int, int], loaded: bool) -> None:
         """Versions never go back. ``--fresh``: the initial model, above every recorded version.
-        Otherwise each fragment asks the live learners for their copies before its first round,
-        for ``recovery_timeout_s`` when the run recorded a newer version than the checkpoint
-        holds (or there is no checkpoint), for a few seconds when there are live learners."""
+        Otherwise each fragment asks the live learners for their copies before its first round
+        when the run recorded a newer version than the checkpoint holds, learners are live or a
+        checkpoint was loaded (Redis may have lost the record), and waits until every live learner
+        holding copies answered (none live for ``RECOVERY_QUIET_S``: none to ask, unless behind),
+        for ``recovery_timeout_s`` at most
+        (a frozen learner leaves the live set when its heartbeat expires; a loaded machine may
+        take seconds to answer, and ending early would move every learner back)."""
         now = self.clock()
         live = control.live_learners(self.redis, self.keys)
         for p, f in self.frags.items():
@@ -394,9 +403,9 @@ class Shard:
                 f.history = {f.version: f.theta.clone()}
                 continue
             behind = recorded[p] > f.version
-            if behind or live:
-                wait = self.options.recovery_timeout_s if behind else min(3.0, self.options.recovery_timeout_s)
-                f.recovery = Recovery(recorded=recorded[p], deadline=now + wait)
+            if behind or live or loaded:  # a checkpoint may be older than the copies learners hold
+                f.recovery = Recovery(recorded=recorded[p], deadline=now + self.options.recovery_timeout_s,
+                                      quiet_until=0.0 if behind else now + RECOVERY_QUIET_S)
         if self.options.fresh:
             self.log.warning("syncer.fresh_start", versions={p: f.version for p, f in self.frags.items()})
         self._momentum_source = "checkpoint" if loaded else "zero"
@@ -408,7 +417,8 @@ class Shard:
                 continue
             # the learners that hold copies: a joining one has none yet (it waits for us)
             live = {lid for lid, h in self.live.items() if h.get("status") in HOLDING}
-            done = now >= rec.deadline or (bool(live) and live <= rec.answered)  # every live learner answered
+            done = (now >= rec.deadline or (bool(live) and live <= rec.answered)  # every live learner answered
+                    or (not live and rec.quiet_until and now >= rec.quiet_until))  # none to ask
             if not done:
                 if now - rec.asked_at >= 1.0:  # lost, or learners joining meanwhile: ask again
                     self._publish(wire.encode(kind=wire.NEED, run=self.endpoints.run_id, sender=self.id,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import msgpack
 import pytest
@@ -259,6 +260,37 @@ def test_a_restarted_shard_never_goes_back_it_recovers_the_learners_copies(make_
     assert control.read_events(r, Keys(cluster.endpoints.run_id), kind="recover")
     wait_until(lambda: all(f.version > crashed_at[p] + 1 for p, f in restarted.frags.items()), 60,
                what="every fragment merged past the crash point")
+    assert learner.stats.versions_regressed == 0
+    assert not cluster.errors, cluster.errors
+
+
+def test_recovery_waits_for_a_slow_learners_copy_even_when_redis_lost_the_record(make_cluster, redis_server):
+    """The shard died with unsaved merges and Redis restarted empty meanwhile (the recorded
+    versions are gone, the learner puts them back). The learner is loaded and answers NEED 4 s
+    late: the restarted shard waits for the live learner's copy instead of resuming from its older
+    checkpoint, so nobody is moved back."""
+    cluster = make_cluster(ASYNC)
+    shard = cluster.start_shard(0, 1, checkpoint_every_merges=5)
+    learner = cluster.learner("l0", 0, step_time_floor_ms=5)
+    cluster.start_learner(learner)
+    crashed_at = _crash_shard_after_unsaved_merges(cluster, shard)
+    redis_server.restart_empty()
+    r = control.connect(redis_server.url)
+    keys = Keys(cluster.endpoints.run_id)
+    wait_until(lambda: "l0" in control.live_learners(r, keys), 20, what="learner membership rebuilt")
+    real_handle = learner._handle
+    stalled = []
+
+    def slow_handle(item):   # the learner's training thread, busy on a loaded machine for 4 s
+        if type(item).__name__ == "StateRequested" and not stalled:
+            stalled.append(item)
+            time.sleep(4.0)
+        real_handle(item)
+    learner._handle = slow_handle
+    restarted = cluster.start_shard(0, 1, recovery_timeout_s=30.0)
+    wait_until(lambda: all(f.recovery is None for f in restarted.frags.values()), 40, what="recovery done")
+    assert all(restarted.frags[p].version >= crashed_at[p] for p in crashed_at), \
+        ({p: f.version for p, f in restarted.frags.items()}, crashed_at)
     assert learner.stats.versions_regressed == 0
     assert not cluster.errors, cluster.errors
 

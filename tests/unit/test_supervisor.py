@@ -1,0 +1,48 @@
+"""The hung-learner watchdog of ``ddloco up`` (real child processes, heartbeats given as data)."""
+import sys
+import time
+
+from ddloco.up import Child, Supervisor
+
+
+def _supervisor(tmp_path):
+    (tmp_path / "logs").mkdir()
+    argv = lambda lid, index: [sys.executable, "-c", "import time; time.sleep(60)"]  # noqa: E731
+    slots = {"a": {"index": 0}, "b": {"index": 1}}
+    sup = Supervisor(workdir=tmp_path, learner_argv=argv, slots=slots, steps=0)
+    for lid in slots:
+        sup.add(Child(lid, argv(lid, 0), sup.log(lid)))
+    return sup
+
+
+def _beat(sup, lid, age_s, status="training"):
+    c = next(c for c in sup.learners() if c.name == lid)
+    return {"pid": str(c.pid), "updated_at": str(time.time() - age_s), "status": status}
+
+
+def test_a_learner_frozen_across_a_redis_wipe_is_still_replaced(tmp_path):
+    """Its entry was seen fresh, then Redis restarted empty: only the live learner re-registers.
+    The frozen process is replaced once its last heartbeat seen is older than the limit."""
+    sup = _supervisor(tmp_path)
+    try:
+        frozen = next(c for c in sup.learners() if c.name == "a")
+        assert sup.replace_hung({"a": _beat(sup, "a", 0.5), "b": _beat(sup, "b", 0.1)}, 5.0, print) == []
+        sup.last_beat["a"] = (frozen.pid, time.time() - 6.0, "training")   # as if 6 s went by
+        assert sup.replace_hung({"b": _beat(sup, "b", 0.1)}, 5.0, print) == ["a"]  # "a" missing: Redis wiped
+        assert sup.hung_replaced == 1 and frozen.wait(5.0) is not None
+        new = next(c for c in sup.learners() if c.name == "a")
+        assert new.pid != frozen.pid and new.alive()
+    finally:
+        for c in sup.children:
+            c.kill()
+
+
+def test_no_replacement_while_every_heartbeat_is_stale_or_the_learner_is_not_training(tmp_path):
+    sup = _supervisor(tmp_path)
+    try:
+        assert sup.replace_hung({"a": _beat(sup, "a", 9), "b": _beat(sup, "b", 9)}, 5.0, print) == []  # Redis down?
+        assert sup.replace_hung({"a": _beat(sup, "a", 9, "joining"), "b": _beat(sup, "b", 0.1)}, 5.0, print) == []
+        assert sup.hung_replaced == 0 and all(c.alive() for c in sup.learners())
+    finally:
+        for c in sup.children:
+            c.kill()
