@@ -5,17 +5,24 @@ endpoint; subscribers connect SUB sockets to the XPUB endpoint. Subscriptions fl
 upstream. The XPUB side never blocks: a slow subscriber loses messages at its high-water mark
 (counted by receivers through versions and repaired), it never stalls the others. That is why
 XPUB_NODROP is deliberately not set (see DESIGN.md, pitfalls).
+
+With CURVE keys (``keys_dir``) both sockets are CURVE servers: only the run's listed keys connect
+(refused handshakes are counted, ``auth_failures``), and a published message goes on only if its
+kind suits the publisher's role and its header names the publisher as sender
+(``common.security.authorize``); everything else is dropped and counted by reason (``refused``).
 """
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
 from common import wire
 from common.log import get_logger
+from common.security import Security, ZapHandler, authorize
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +40,13 @@ class BrokerOptions:
     most) while bounding memory when fragments are large."""
     stats_interval_s: float = 10.0
     """Log counters this often (only when they changed)."""
+    keys_dir: str = ""
+    """CURVE keys made by ``ddloco keys`` (the broker's secret, the run's allow list); empty: no
+    authentication or encryption (``--insecure``)."""
+    redis_url: str = ""
+    run_id: str = ""
+    """With both: the counters also go to the run's ``broker`` hash in Redis every second (what
+    ``ddloco up`` reports as ``auth_failures`` and ``broker_refused``)."""
 
 
 KNOWN_KINDS = frozenset(wire.KINDS)
@@ -45,10 +59,15 @@ class BrokerStats:
     bytes: int = 0
     subscriptions: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
+    refused: dict[str, int] = field(default_factory=dict)
+    """Published messages dropped by the role rules, by reason (a fixed set of keys)."""
+    auth_failures: dict[str, int] = field(default_factory=dict)
+    """CURVE handshakes refused by the ZAP handler, by reason (a fixed set of keys)."""
 
     def as_dict(self) -> dict:
         return {"messages": self.messages, "bytes": self.bytes, "subscriptions": self.subscriptions,
-                "by_kind": dict(self.by_kind)}
+                "by_kind": dict(self.by_kind), "refused": dict(self.refused),
+                "auth_failures": dict(self.auth_failures)}
 
 
 class Broker:
@@ -62,15 +81,26 @@ class Broker:
         self.xsub_endpoint = ""
         self.xpub_endpoint = ""
         self._last_stats = (0.0, -1)
+        self._last_redis = 0.0
+        self._redis: Any = None
+        self.security = Security(options.keys_dir, "broker") if options.keys_dir else None
+        self.zap: ZapHandler | None = None
 
     def __enter__(self) -> "Broker":
         self._ctx = zmq.Context()
+        if self.security is not None:
+            self.zap = self.security.start_zap(self._ctx)
         self.xsub = self._ctx.socket(zmq.XSUB)
         self.xpub = self._ctx.socket(zmq.XPUB)
         for s in (self.xsub, self.xpub):
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDHWM, self.options.hwm_messages)
             s.setsockopt(zmq.RCVHWM, self.options.hwm_messages)
+            if self.security is not None:
+                self.security.server(s, "broker")
+        if self.options.redis_url and self.options.run_id:
+            from common import control
+            self._redis = control.connect(self.options.redis_url)
         self.xsub.bind(self.options.xsub_bind)
         self.xpub.bind(self.options.xpub_bind)
         self.xsub_endpoint = self.xsub.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -79,12 +109,17 @@ class Broker:
         self.poller.register(self.xsub, zmq.POLLIN)
         self.poller.register(self.xpub, zmq.POLLIN)
         self.log.info("broker.started", xsub=self.xsub_endpoint, xpub=self.xpub_endpoint,
-                      hwm=self.options.hwm_messages)
+                      hwm=self.options.hwm_messages, curve=self.security is not None)
+        if self.security is None:
+            self.log.warning("broker.insecure", detail="no CURVE: anyone who reaches these ports can publish "
+                             "and subscribe (--insecure)")
         return self
 
     def __exit__(self, *exc) -> None:
         self.log.info("broker.stopped", **self.stats.as_dict())
         if self._ctx is not None:
+            if self.security is not None:
+                self.security.stop_zap(self._ctx)
             self._ctx.destroy(linger=0)
             self._ctx = None
 
@@ -98,6 +133,11 @@ class Broker:
                     frames = self.xsub.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
+                if self.security is not None:
+                    reason = self._refusal(frames)
+                    if reason is not None:
+                        self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
+                        continue
                 try:
                     self.xpub.send_multipart(frames, zmq.NOBLOCK, copy=False)
                 except zmq.Again:
@@ -120,12 +160,41 @@ class Broker:
         self._maybe_log_stats()
         return n
 
+    @staticmethod
+    def _refusal(frames: list[zmq.Frame]) -> str | None:
+        if len(frames) < 2:
+            return "malformed"
+        try:
+            user = frames[0].get("User-Id")
+        except (zmq.ZMQError, AttributeError):
+            user = ""
+        return authorize(user or "", bytes(frames[0].buffer), bytes(frames[1].buffer))
+
     def _maybe_log_stats(self) -> None:
         now = time.monotonic()
+        if self.zap is not None:
+            self.stats.auth_failures = dict(self.zap.failures)
+        if self._redis is not None and now - self._last_redis >= 1.0:
+            self._last_redis = now
+            self._publish_stats()
         last_t, last_n = self._last_stats
         if now - last_t >= self.options.stats_interval_s and self.stats.messages != last_n:
             self._last_stats = (now, self.stats.messages)
             self.log.info("broker.stats", **self.stats.as_dict())
+
+
+    def _publish_stats(self) -> None:
+        import json
+        import redis as redis_lib
+        from common.keys import Keys
+        st = self.stats
+        try:
+            self._redis.hset(Keys(self.options.run_id).broker, mapping={
+                "messages": st.messages, "bytes": st.bytes, "refused": json.dumps(st.refused),
+                "auth_failures": sum(st.auth_failures.values()), "auth_failures_by_reason": json.dumps(st.auth_failures),
+                "curve": int(self.security is not None), "updated_at": time.time()})
+        except redis_lib.RedisError:
+            pass  # Redis restarting: the next second writes it again
 
 
 def run_broker(options: BrokerOptions, stop: threading.Event) -> BrokerStats:

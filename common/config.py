@@ -223,6 +223,10 @@ class Endpoints:
     """Broker XSUB endpoint: publishers connect here."""
     broker_sub: str = "tcp://127.0.0.1:5556"
     """Broker XPUB endpoint: subscribers connect here."""
+    keys_dir: str = ""
+    """CurveZMQ keys made by ``ddloco keys`` (this member's secret, the run's allow list of public
+    keys): every ZeroMQ socket is then authenticated and encrypted. Empty: no CURVE, which the
+    command line allows only with ``--insecure`` (the Python API leaves it to the caller)."""
 
     def __post_init__(self) -> None:
         _check(bool(re.fullmatch(r"[A-Za-z0-9._-]{1,64}", self.run_id)),

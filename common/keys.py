@@ -17,6 +17,8 @@ hash slot). Redis holds coordination state only, never the model.
 | shard:<k>:lease              | string | holder of shard k (one live process per shard), with TTL |
 | frag:<p>                     | hash   | version, round, shard, merged_at, contributors           |
 | events                       | stream | join, leave, merge, drop, refuse, failure (capped)       |
+| broker                       | hash   | the broker's counters: messages, refused by reason,      |
+|                              |        | auth_failures (written every second when it has a run)   |
 | epochs                       | string | counter: every shard start takes the next epoch          |
 | tokens                       | string | the run's global token count (learners INCRBY; shards    |
 |                              |        | checkpoint it and raise it back after a restart)         |
@@ -36,6 +38,10 @@ class Keys:
     @property
     def config(self) -> str:
         return self.prefix + "config"
+
+    @property
+    def broker(self) -> str:
+        return self.prefix + "broker"
 
     @property
     def learners(self) -> str:

@@ -71,10 +71,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _command(host: str, port: int, command: bytes, timeout_s: float) -> bytes | None:
-    """Send one inline command and return the raw reply (None if nothing answers)."""
+def _command(host: str, port: int, command: bytes, timeout_s: float, password: str = "") -> bytes | None:
+    """Send one inline command (after AUTH when a password is given) and return the raw reply
+    (None if nothing answers)."""
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as s:
+            if password:
+                s.sendall(b"AUTH " + password.encode() + b"\r\n")
+                if not s.recv(1024).startswith(b"+OK"):
+                    return None
             s.sendall(command + b"\r\n")
             reply = s.recv(65536)
             if reply.startswith(b"$"):  # bulk string: read up to its announced length
@@ -96,9 +101,9 @@ def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
     return reply is not None and reply.startswith(b"+PONG")
 
 
-def server_pid(host: str, port: int, timeout_s: float = 0.5) -> int | None:
+def server_pid(host: str, port: int, timeout_s: float = 0.5, password: str = "") -> int | None:
     """Process id reported by the Redis server on (host, port) (INFO server), None if none."""
-    reply = _command(host, port, b"INFO server", timeout_s) or b""
+    reply = _command(host, port, b"INFO server", timeout_s, password) or b""
     for line in reply.splitlines():
         if line.startswith(b"process_id:"):
             return int(line.split(b":", 1)[1])
@@ -113,7 +118,12 @@ class EmbeddedRedis:
     """
 
     def __init__(self, *, port: int = 0, host: str = "127.0.0.1",
-                 log_dir: str | None = None) -> None:
+                 log_dir: str | None = None, password: str = "", users: dict[str, str] | None = None) -> None:
+        self.password = password
+        """``requirepass`` of the default user (empty: none; ``up`` gives a random one)."""
+        self.users = dict(users or {})
+        """ACL users: name -> rules (``on >password ~pattern +@all ...``); written into the server's
+        config file, so a restart keeps them."""
         self.host = host
         self.port = port
         self._fixed_port = port != 0
@@ -126,8 +136,12 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        """``redis://host:port/0``."""
-        return f"redis://{self.host}:{self.port}/0"
+        """``redis://host:port/0`` (``redis://:password@host:port/0`` with a password)."""
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    def user_url(self, user: str, password: str) -> str:
+        return f"redis://{user}:{password}@{self.host}:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -167,7 +181,15 @@ class EmbeddedRedis:
         self._log_path = os.path.join(log_dir, f"redis-{self.port}.log")
         cmd = [self._binary, "--port", str(self.port), "--bind", self.host, "--save", "",
                "--appendonly", "no", "--dir", self._tmp, "--daemonize", "no",
-               "--protected-mode", "no"]
+               "--protected-mode", "yes" if self.password else "no"]
+        if self.password or self.users:  # on argv they would show in ps: a private config file instead
+            conf = os.path.join(self._tmp, "auth.conf")
+            with open(os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                if self.password:
+                    f.write(f"requirepass {self.password}\n")
+                for name, rules in self.users.items():
+                    f.write(f"user {name} {rules}\n")
+            cmd.insert(1, conf)
         parent = os.getpid()
         with open(self._log_path, "ab") as out:
             self._proc = subprocess.Popen(
@@ -175,7 +197,7 @@ class EmbeddedRedis:
                 start_new_session=True,  # Ctrl-C in a terminal reaches the owner, not Redis
                 preexec_fn=lambda: die_with_parent(parent))
         while True:
-            if server_pid(self.host, self.port) == self._proc.pid:  # ours, not a stranger's
+            if server_pid(self.host, self.port, password=self.password) == self._proc.pid:  # ours, not a stranger's
                 return "ready"
             try:  # waits on the process: returns early if it exits
                 self._proc.wait(timeout=_POLL_S)

@@ -19,8 +19,10 @@ from common.keys import Keys
 class FragmentClient:
     """Owns one DEALER per shard endpoint; not thread-safe (use from one thread)."""
 
-    def __init__(self, ctx: zmq.Context, *, run_id: str, sender: str) -> None:
+    def __init__(self, ctx: zmq.Context, *, run_id: str, sender: str, security: Any = None) -> None:
         self.ctx = ctx
+        self.security = security
+        """``common.security.Security``: each DEALER is a CURVE client of shard k's key."""
         self.run_id = run_id
         self.sender = sender
         self.shards = 0
@@ -43,6 +45,8 @@ class FragmentClient:
             s = self.ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.RCVHWM, 10_000)
+            if self.security is not None:
+                self.security.client(s, f"shard{k}")
             s.connect(ep)
             self.sockets[k] = s
             self.endpoints[k] = ep
@@ -100,10 +104,11 @@ class FragmentClient:
 
 
 def fetch_fragments(r: Any, keys: Keys, n_fragments: int, *, timeout_s: float = 10.0,
-                    sender: str = "monitor") -> dict[int, tuple[int, torch.Tensor]]:
-    """Blocking: current (version, value) of every fragment, from the shards. Raises TimeoutError."""
+                    sender: str = "monitor", security: Any = None) -> dict[int, tuple[int, torch.Tensor]]:
+    """Blocking: current (version, value) of every fragment, from the shards. Raises TimeoutError.
+    ``security``: the caller's CURVE identity (``common.security.Security``) when the run has keys."""
     ctx = zmq.Context()
-    client = FragmentClient(ctx, run_id=keys.run_id, sender=sender)
+    client = FragmentClient(ctx, run_id=keys.run_id, sender=sender, security=security)
     got: dict[int, tuple[int, torch.Tensor]] = {}
     try:
         deadline = time.monotonic() + timeout_s

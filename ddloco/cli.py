@@ -2,6 +2,7 @@
 
     ddloco up       a whole local cluster (Redis, broker, S shards, M learners) + report
     ddloco status   live view of a run from Redis
+    ddloco keys     CurveZMQ key pairs for a run's members (the allow list)
     ddloco broker   the ZeroMQ forwarder daemon
     ddloco syncer   one syncer shard daemon
     ddloco learner  one learner daemon (--task: a built-in or your MODULE:ATTR)
@@ -32,7 +33,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", metavar="FILE.toml", help="TOML config file (sections task, algo, endpoints, "
                    "learner, syncer, up); flags override it")
     g.add_argument("--run-id", help="run identifier (namespaces Redis keys and messages)")
-    g.add_argument("--redis-url", help="Redis URL, e.g. redis://host:6379/0")
+    g.add_argument("--redis-url", help="Redis URL, e.g. redis://host:6379/0, redis://user:password@host:6379/0 or "
+                   "rediss://... (TLS); env DDLOCO_REDIS_URL keeps a password off the command line")
+    g.add_argument("--keys", metavar="DIR", help="CurveZMQ keys made by `ddloco keys` (env DDLOCO_KEYS): this "
+                   "member's secret and the run's allow list")
+    g.add_argument("--insecure", action="store_true", help="no CURVE authentication or encryption (env "
+                   "DDLOCO_INSECURE=1); logged. Without it a daemon refuses to start with no --keys")
     g.add_argument("--broker-pub", help="broker XSUB endpoint publishers connect to, e.g. tcp://host:5555")
     g.add_argument("--broker-sub", help="broker XPUB endpoint subscribers connect to, e.g. tcp://host:5556")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -84,8 +90,10 @@ def _task_from_args(args: argparse.Namespace, task: TaskConfig) -> TaskConfig:
 
 def _resolve(args: argparse.Namespace) -> ConfigFile:
     cfg = load_config(args.config)
-    endpoints = override(cfg.endpoints, run_id=args.run_id, redis_url=args.redis_url,
-                         broker_pub=args.broker_pub, broker_sub=args.broker_sub)
+    endpoints = override(cfg.endpoints, run_id=args.run_id,
+                         redis_url=args.redis_url or os.environ.get("DDLOCO_REDIS_URL") or None,
+                         broker_pub=args.broker_pub, broker_sub=args.broker_sub,
+                         keys_dir=getattr(args, "keys", None) or os.environ.get("DDLOCO_KEYS") or None)
     run = cfg.run
     if hasattr(args, "quorum"):
         algo = override(run.algo, fragments=args.fragments, sync_every_steps=args.sync_every, tau=args.tau,
@@ -125,6 +133,22 @@ def _run_and_task(cfg: ConfigFile, args: argparse.Namespace, *, starts_run: bool
     return None, None
 
 
+def _insecure(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "insecure", False)) or os.environ.get("DDLOCO_INSECURE", "") not in ("", "0")
+
+
+def _security_check(endpoints: Endpoints, args: argparse.Namespace, who: str) -> None:
+    """Secure by default: a daemon without keys refuses to start unless --insecure says so."""
+    from common.log import get_logger
+    if endpoints.keys_dir:
+        return
+    if not _insecure(args):
+        raise ConfigError("no CurveZMQ keys: pass --keys DIR (make them with `ddloco keys --dir DIR ...`) "
+                          "or run with --insecure")
+    get_logger(who).warning(f"{who}.insecure", detail="--insecure: ZeroMQ traffic is neither authenticated nor "
+                            "encrypted; anyone who reaches the endpoints can join, read and publish")
+
+
 def _setup_logging(args: argparse.Namespace) -> None:
     from common.log import configure_logging
     fmt = {"auto": None, "json": True, "console": False}[args.log_format]
@@ -135,10 +159,20 @@ def _setup_logging(args: argparse.Namespace) -> None:
 def cmd_broker(args: argparse.Namespace) -> int:
     from broker.daemon import BrokerOptions, run_broker
     from common.lifecycle import install_stop_handlers
+    from common.security import SecurityError
     _setup_logging(args)
+    cfg = _resolve(args)
+    _security_check(cfg.endpoints, args, "broker")
     stop = threading.Event()
     install_stop_handlers(stop)
-    run_broker(BrokerOptions(xsub_bind=args.xsub, xpub_bind=args.xpub, hwm_messages=args.hwm), stop)
+    try:
+        run_broker(BrokerOptions(xsub_bind=args.xsub, xpub_bind=args.xpub, hwm_messages=args.hwm,
+                                 keys_dir=cfg.endpoints.keys_dir,
+                                 redis_url=cfg.endpoints.redis_url if args.run_id else "",
+                                 run_id=args.run_id or ""), stop)
+    except SecurityError as e:
+        print(f"ddloco broker: {e}", file=sys.stderr)
+        return EXIT_USAGE
     return 0
 
 
@@ -152,6 +186,7 @@ def cmd_syncer(args: argparse.Namespace) -> int:
                     checkpoint_every_merges=args.checkpoint_every, rpc_bind=args.rpc_bind,
                     advertise_host=args.advertise_host, fresh=True if args.fresh else None)
     _setup_logging(args)
+    _security_check(cfg.endpoints, args, "syncer")
     stop = threading.Event()
     install_stop_handlers(stop)
     run, task = _run_and_task(cfg, args, starts_run=not args.join)
@@ -183,6 +218,7 @@ def cmd_learner(args: argparse.Namespace) -> int:
                     device=args.device, autocast=args.autocast, peer_bind=args.peer_bind,
                     advertise_host=args.advertise_host)
     _setup_logging(args)
+    _security_check(cfg.endpoints, args, "learner")
     stop = threading.Event()
     install_stop_handlers(stop)
     run, task = _run_and_task(cfg, args, starts_run=False)
@@ -274,7 +310,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     cfg = override(cfg, learner=override(cfg.learner, device=args.device))
     return run_up(override(cfg, up=up), external_redis=args.redis_url is not None,
                   step_time_floor_ms=args.step_time_floor_ms, slowdowns=slow, quiet=args.quiet, resume=resume,
-                  chaos=chaos, extra=extra)
+                  chaos=chaos, extra=extra, insecure=_insecure(args))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -301,6 +337,18 @@ def cmd_export(argv: Sequence[str]) -> int:
 def cmd_sim(argv: Sequence[str]) -> int:
     from sim.cli import main as sim_main
     return sim_main(list(argv))
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from common.security import create_keys
+    ids = [x for x in (args.learner_ids or "").split(",") if x] + [f"{args.prefix}{i}" for i in range(args.learners)]
+    made = create_keys(args.dir, learners=ids, shards=args.shards, monitors=["monitor"], overwrite=args.force)
+    root = os.path.abspath(args.dir)
+    print(f"keys       {len(made)} new key pair(s) in {root}" + (f": {', '.join(made)}" if made else " (all existed)"))
+    print(f"public     {root}/public/<role>/<name>.key: the allow list; copy the whole public/ tree to every host")
+    print(f"secret     {root}/secret/<name>.key_secret: give each host only the secrets of the members it runs")
+    print("use        every daemon with --keys DIR (or DDLOCO_KEYS=DIR); revoke a member by deleting its public file")
+    return 0
 
 
 # ---------------------------------------------------------------------------- parser
@@ -343,6 +391,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("keys", help="create CurveZMQ key pairs for a run's members",
+                       description="One key pair per member, in a folder per role: DIR/public/{broker,shard,learner,"
+                                   "monitor}/<name>.key (the allow list, for every host) and DIR/secret/<name>.key_secret "
+                                   "(each member's own). Names: broker, shard<k>, the learner ids, monitor. Existing "
+                                   "pairs are kept (add learners later by running it again).")
+    p.add_argument("--dir", required=True, help="keys directory (created)")
+    p.add_argument("--shards", type=int, default=1, help="shard keys shard0..shard<S-1> (default 1)")
+    p.add_argument("--learners", type=int, default=0, help="learner keys <prefix>0..<prefix><N-1>")
+    p.add_argument("--prefix", default="learner-", help="learner id prefix for --learners (default learner-, as "
+                   "`ddloco up` names them)")
+    p.add_argument("--learner-ids", help="comma list of learner ids to make keys for")
+    p.add_argument("--force", action="store_true", help="replace existing key pairs (revokes the old ones)")
+    p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("broker", help="run the ZeroMQ forwarder daemon")
     _add_common(p)
@@ -417,10 +479,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return chaos_main(argv[1:])
     args = build_parser().parse_args(argv)
     from common.fragments import FragmentationError
+    from common.security import SecurityError
     from tasks.contract import TaskError
     try:
         return args.func(args)
-    except (ConfigError, TaskError, FragmentationError) as e:
+    except (ConfigError, TaskError, FragmentationError, SecurityError) as e:
         print(f"ddloco {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

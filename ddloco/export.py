@@ -13,6 +13,7 @@ format (no pickle: safe to load from anyone); ``pt`` is ``torch.save`` of the st
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -45,10 +46,13 @@ def _assemble(run: RunConfig, task: Task | None, values: dict[int, torch.Tensor]
     return model.eval()
 
 
-def from_live_run(redis_url: str, run_id: str, *, task: Task | None = None,
-                  timeout_s: float = 30.0) -> tuple[torch.nn.Module, dict[int, int]]:
-    """The global model as the running shards hold it now, and each fragment's version."""
+def from_live_run(redis_url: str, run_id: str, *, task: Task | None = None, timeout_s: float = 30.0,
+                  keys_dir: str = "") -> tuple[torch.nn.Module, dict[int, int]]:
+    """The global model as the running shards hold it now, and each fragment's version.
+    ``keys_dir``: the run's CURVE keys (this reads as the ``monitor`` member)."""
     from common.rpc import fetch_fragments
+    from common.security import Security
+    security = Security(keys_dir, "monitor") if keys_dir else None
     r = control.connect(redis_url)
     keys = Keys(run_id)
     try:
@@ -56,7 +60,7 @@ def from_live_run(redis_url: str, run_id: str, *, task: Task | None = None,
         task, run = bind_task(run, task)
         n = run.algo.fragments
         try:
-            frags = fetch_fragments(r, keys, n, timeout_s=timeout_s, sender="export")
+            frags = fetch_fragments(r, keys, n, timeout_s=timeout_s, sender="export", security=security)
         except TimeoutError as e:
             raise ExportError(f"{e} (are the run's syncers up?)") from None
     finally:
@@ -165,8 +169,11 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--format", choices=FORMATS, default=None,
                     help="safetensors (default; .pt files default to pt) or pt (torch.save of the state dict)")
     src = ap.add_argument_group("source: a live run, or a stopped one's checkpoints")
-    src.add_argument("--redis-url", help="the live run's Redis")
+    src.add_argument("--redis-url", default=os.environ.get("DDLOCO_REDIS_URL"),
+                     help="the live run's Redis (env DDLOCO_REDIS_URL)")
     src.add_argument("--run-id", help="the run (required with --redis-url; picks one run in --checkpoint-dir)")
+    src.add_argument("--keys", default=os.environ.get("DDLOCO_KEYS", ""), metavar="DIR",
+                     help="a live run's CURVE keys (env DDLOCO_KEYS): read as the monitor member")
     src.add_argument("--broker-pub", "--broker-sub", dest="_broker", help=argparse.SUPPRESS)  # accepted, unused
     src.add_argument("--task", help="the run's task as MODULE:ATTR, when its config has no spec (a run started "
                      "from Python with a Task object); default: the spec in the run's config")
@@ -178,17 +185,18 @@ def main(argv: Sequence[str]) -> int:
     import redis
     from common.config import ConfigError
     from tasks.contract import load_task, parse_task_args
+    from common.security import SecurityError
     try:
         task = load_task(args.task, parse_task_args(args.task_arg)) if args.task else None
         if args.checkpoint_dir:
             model, versions = from_checkpoints(args.checkpoint_dir, args.run_id, task=task)
         elif args.redis_url and args.run_id:
-            model, versions = from_live_run(args.redis_url, args.run_id, task=task)
+            model, versions = from_live_run(args.redis_url, args.run_id, task=task, keys_dir=args.keys)
         else:
             print("ddloco export: give --checkpoint-dir, or --redis-url and --run-id", file=sys.stderr)
             return 2
         path = save_state(model, args.out, fmt)
-    except (ExportError, TaskError, control.RunConfigMissing) as e:
+    except (ExportError, TaskError, control.RunConfigMissing, SecurityError) as e:
         print(f"ddloco export: {e}", file=sys.stderr)
         return 1
     except redis.RedisError as e:

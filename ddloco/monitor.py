@@ -15,6 +15,7 @@ from common.config import ConfigFile
 from common.fragments import model_plan, scatter, state_tensors
 from common.keys import Keys
 from common.rpc import fetch_fragments
+from common.security import Security
 from tasks.contract import Task, build_model, evaluate
 
 
@@ -31,6 +32,7 @@ class Monitor:
         self.cfg = cfg
         self.r = r
         self.keys = keys
+        self.security = Security(cfg.endpoints.keys_dir, "monitor") if cfg.endpoints.keys_dir else None
         self.learner_ids = learner_ids
         self.say = say
         self.task = task
@@ -70,7 +72,7 @@ class Monitor:
         if not initial or self.resumed:
             try:
                 # a periodic evaluation skips rather than stall the monitor (a shard may be recovering)
-                frags = fetch_fragments(self.r, self.keys, len(self.plan),
+                frags = fetch_fragments(self.r, self.keys, len(self.plan), security=self.security,
                                         timeout_s=60.0 if initial or final else 5.0)
             except (TimeoutError, redis.RedisError) as e:
                 self.say(f"eval       skipped: {e}")

@@ -8,6 +8,7 @@ learners finish (--steps) or time runs out (--minutes) -> final evaluation -> sh
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,8 +24,18 @@ import json
 from common.config import ConfigError, ConfigFile, dump_toml, override
 from common.keys import Keys
 from common.lifecycle import die_with_parent
+from common.security import redis_acl_rules
 from ddloco.monitor import Monitor
 from ddloco.report import write_report
+
+
+ROLE_ENV: dict[str, dict[str, str]] = {}
+"""Extra environment of ``up``'s children by role (broker, shard, learner): their Redis URL with
+the role's ACL user and password, kept off the command line. Set by ``run_up`` for its run."""
+
+
+def _role(name: str) -> str:
+    return "broker" if name == "broker" else "shard" if name.startswith("shard") else "learner"
 
 
 class Child:
@@ -37,7 +48,8 @@ class Child:
         self.log_path = log_path
         self._log = open(log_path, "ab" if append else "wb")
         env = {**{k: v for k, v in os.environ.items() if k not in ("DDLOCO_TASK", "DDLOCO_TASK_ARGS")},
-               "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # the task comes with the config file
+               "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",  # the task comes with the config file
+               **ROLE_ENV.get(_role(name), {})}
         # own session: Ctrl-C reaches `up` only, which then stops each child once (SIGTERM);
         # the parent-death signal still stops children if `up` itself is killed
         parent = os.getpid()
@@ -277,6 +289,19 @@ class Supervisor:
         self.redis_srv.restart_empty()
 
 
+def _broker_counters(r: Any, keys: Keys) -> dict[str, Any]:
+    """The broker's security counters (its ``broker`` hash): refused CURVE handshakes
+    (``auth_failures``, by reason) and published messages dropped by the role rules."""
+    import redis as redis_lib
+    try:
+        h = r.hgetall(keys.broker)
+    except redis_lib.RedisError:
+        h = {}
+    return {"auth_failures": int(h.get("auth_failures") or 0),
+            "auth_failures_by_reason": json.loads(h.get("auth_failures_by_reason") or "{}"),
+            "broker_refused": json.loads(h.get("refused") or "{}")}
+
+
 STATE_FILE = "state.json"
 """Written into a run's work directory at the end of ``up``: what ``up --resume`` continues from."""
 
@@ -293,7 +318,7 @@ def find_resumable(run_id: str, runs_dir: Path = Path("runs")) -> Path:
 
 def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float | None = None,
            slowdowns: list[float] | None = None, quiet: bool = False, resume: Path | None = None,
-           chaos: Any = None, extra: tuple[int, float, float] | None = None) -> int:
+           chaos: Any = None, extra: tuple[int, float, float] | None = None, insecure: bool = False) -> int:
     """A whole cluster until the learners' step budget or the time cap; ``resume`` is the work
     directory of a stopped run to continue (same run id, shard checkpoints, learner positions)."""
     from common.redis_server import EmbeddedRedis, free_port
@@ -318,12 +343,23 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
     extras: list[Child] = []
     t_start = time.time()
     try:
+        ROLE_ENV.clear()
         if not external_redis:
-            redis_srv = EmbeddedRedis(log_dir=str(workdir / "logs")).start()
-            say(f"redis      embedded at {redis_srv.url} (no persistence)")
+            users: dict[str, str] = {}
+            password = ""
+            if not insecure:  # a random password, and an ACL user per role limited to this run's keys
+                password = secrets.token_urlsafe(24)
+                role_pw = {role: secrets.token_urlsafe(24) for role in ("broker", "shard", "learner")}
+                users = {role: f"on >{pw} {redis_acl_rules(cfg.endpoints.run_id)}" for role, pw in role_pw.items()}
+            redis_srv = EmbeddedRedis(log_dir=str(workdir / "logs"), password=password, users=users).start()
+            for role in users:
+                ROLE_ENV[role] = {"DDLOCO_REDIS_URL": redis_srv.user_url(role, role_pw[role])}
+            say(f"redis      embedded at redis://{redis_srv.host}:{redis_srv.port}/0 (no persistence"
+                + (", a password and an ACL user per role" if password else ", no password") + ")")
         redis_url = redis_srv.url if redis_srv else cfg.endpoints.redis_url
         p_pub, p_sub = free_port(), free_port()
-        endpoints = override(cfg.endpoints, redis_url=redis_url, broker_pub=f"tcp://127.0.0.1:{p_pub}",
+        shown_url = f"redis://{redis_srv.host}:{redis_srv.port}/0" if redis_srv else redis_url  # no password in files
+        endpoints = override(cfg.endpoints, redis_url=shown_url, broker_pub=f"tcp://127.0.0.1:{p_pub}",
                              broker_sub=f"tcp://127.0.0.1:{p_sub}")
         previous: dict[str, Any] = {}
         if resume is not None:
@@ -365,6 +401,20 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         learner_ids = [f"learner-{i}" for i in range(up.learners)]
         slots = {lid: {"index": i, "slowdown": slow[i % len(slow)] if slow else None}
                  for i, lid in enumerate(learner_ids)}
+        if insecure:
+            common_args.append("--insecure")
+            say("security   --insecure: no CURVE on ZeroMQ sockets" + ("" if redis_srv is None else
+                ", Redis without a password") + " (anyone who reaches the ports can join)")
+        else:  # secure by default: a key pair per member, CURVE on every socket, the allow list of this run
+            from common.security import create_keys
+            keys_dir = (resume / "keys") if resume is not None and (resume / "keys").is_dir() else workdir / "keys"
+            create_keys(keys_dir, learners=learner_ids + [f"extra-{j}" for j in range(extra[0] if extra else 0)],
+                        shards=up.syncers, monitors=["monitor"])
+            endpoints = override(endpoints, keys_dir=str(keys_dir.absolute()))
+            cfg = replace(cfg, endpoints=endpoints)
+            cfg_path.write_text(dump_toml(cfg))
+            say(f"security   CURVE keys in {keys_dir}" + ("" if redis_srv is None else
+                "; embedded Redis with a random password (in each daemon's environment)"))
 
         def learner_argv(lid: str, index: int) -> list[str]:
             argv = _ddloco("learner", *common_args, "--learner-id", lid, "--data-shard", str(index),
@@ -377,8 +427,9 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         sup = Supervisor(workdir=workdir, learner_argv=learner_argv, slots=slots, steps=up.steps,
                          checkpoint_dir=syncer.checkpoint_dir, run_id=endpoints.run_id, shards=up.syncers,
                          redis_srv=redis_srv)
-        sup.add(Child("broker", _ddloco("broker", "--xsub", f"tcp://127.0.0.1:{p_pub}",
-                                        "--xpub", f"tcp://127.0.0.1:{p_sub}", "--log-format", "json"), log("broker")))
+        sup.add(Child("broker", _ddloco("broker", *common_args, "--xsub", f"tcp://127.0.0.1:{p_pub}",
+                                        "--xpub", f"tcp://127.0.0.1:{p_sub}", "--run-id", endpoints.run_id),
+                      log("broker")))
         for k in range(up.syncers):
             sup.add(Child(f"shard{k}", _ddloco("syncer", *common_args, "--shard", str(k), "--shards", str(up.syncers)),
                           log(f"syncer-{k}")))
@@ -494,6 +545,8 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
                 e["t"] = round(e["t"] + chaos_runner.report_t0, 3)
                 monitor.marks.append((e["t"], e["kind"], e["target"]))
         report["hung_replaced"] = sup.hung_replaced
+        report["security"] = {"curve": not insecure, "redis_auth": bool(redis_srv is not None and redis_srv.password)}
+        report.update(_broker_counters(r, keys))
         if extra is not None and extra[0] > 0:
             report["extra_learners"] = monitor.extra_effect(extra)
         if redis_srv is not None:
@@ -530,5 +583,6 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         stop_chaos.set()  # after the processes it restarted are stopped (their parent-death signal)
         if redis_srv is not None:
             redis_srv.stop()
+        ROLE_ENV.clear()
         for s, h in prev_handlers.items():
             signal.signal(s, h)

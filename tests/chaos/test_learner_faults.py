@@ -11,6 +11,7 @@ import pytest
 from common import control
 from common.keys import Keys
 from common.redis_server import free_port
+from common.security import create_keys
 from tests.conftest import TINY_TOML, wait_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -38,15 +39,18 @@ class Daemons:
                     "--run-id", "chaos", "--log-format", "json"]
         self.tmp = tmp_path
         self.procs: dict[str, subprocess.Popen] = {}
+        self.keys = tmp_path / "keys"    # secure by default: CURVE keys for every member
+        create_keys(self.keys, shards=1)
 
     def start(self, name: str, *argv: str) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "ab")
         p = subprocess.Popen([sys.executable, "-m", "ddloco", *argv], stdout=log, stderr=subprocess.STDOUT,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                             env={**os.environ, "PYTHONUNBUFFERED": "1", "DDLOCO_KEYS": str(self.keys)})
         self.procs[name] = p
         return p
 
     def learner(self, name: str) -> subprocess.Popen:
+        create_keys(self.keys, learners=[name], broker=False, monitors=())
         return self.start(name, "learner", *self.net, "--config", str(self.cfg), "--learner-id", name)
 
     def stop_all(self) -> None:

@@ -67,7 +67,7 @@ def test_daemons_by_hand_status_and_refused_learner(tmp_path, redis_server):
     pub, sub = free_port(), free_port()
     net = ["--redis-url", redis_server.url, "--broker-pub", f"tcp://127.0.0.1:{pub}",
            "--broker-sub", f"tcp://127.0.0.1:{sub}", "--run-id", "byhand", "--log-format", "json"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DDLOCO_INSECURE": "1"}
     procs = [subprocess.Popen([sys.executable, "-m", "broker", "--xsub", f"tcp://127.0.0.1:{pub}",
                                "--xpub", f"tcp://127.0.0.1:{sub}"], env=env, stderr=subprocess.DEVNULL),
              subprocess.Popen([sys.executable, "-m", "syncer", "--config", str(cfg), *net,
