@@ -75,9 +75,24 @@ def bench_merge(numel: int, repeats: int, learners: Sequence[int] = (2, 4, 8)) -
     return rows
 
 
-def _broker_run(frames: list[Any], *, stalled: int, messages: int) -> tuple[int, float]:
+def _lo_bytes() -> int:
+    """Bytes received on the loopback interface so far (Linux), 0 where unknown."""
+    try:
+        for line in open("/proc/net/dev"):
+            name, _, rest = line.partition(":")
+            if name.strip() == "lo":
+                return int(rest.split()[0])
+    except OSError:
+        pass
+    return 0
+
+
+def _broker_run(frames: list[Any], *, stalled: int, messages: int, keys_dir: str = "",
+                wire_bytes: list[int] | None = None) -> tuple[int, float]:
     """One run: ``messages`` sent through a fresh broker to two live subscribers and ``stalled``
-    subscribers that never read. Returns (messages both live subscribers got, seconds)."""
+    subscribers that never read. Returns (messages both live subscribers got, seconds).
+    ``keys_dir``: CURVE on every socket (the publisher is learner ``b``, the subscribers the
+    monitor); ``wire_bytes`` gets the loopback bytes of the timed part appended."""
     import threading
 
     import zmq
@@ -89,7 +104,7 @@ def _broker_run(frames: list[Any], *, stalled: int, messages: int) -> tuple[int,
     stop, ready = threading.Event(), threading.Event()
 
     def forward() -> None:
-        with Broker(BrokerOptions(xsub_bind=pub_ep, xpub_bind=sub_ep, stats_interval_s=1e9)) as b:
+        with Broker(BrokerOptions(xsub_bind=pub_ep, xpub_bind=sub_ep, stats_interval_s=1e9, keys_dir=keys_dir)) as b:
             ready.set()
             while not stop.is_set():
                 b.poll_once(10)
@@ -97,16 +112,24 @@ def _broker_run(frames: list[Any], *, stalled: int, messages: int) -> tuple[int,
     t.start()
     ready.wait(10)
     ctx = zmq.Context()
+    sub_sec = pub_sec = None
+    if keys_dir:
+        from common.security import Security
+        sub_sec, pub_sec = Security(keys_dir, "monitor"), Security(keys_dir, "b")
     try:
         subs = []
         for _ in range(2 + stalled):
             s = ctx.socket(zmq.SUB)
             s.setsockopt(zmq.RCVHWM, 100)
             s.setsockopt(zmq.SUBSCRIBE, b"bench|")
+            if sub_sec is not None:
+                sub_sec.client(s, "broker")
             s.connect(sub_ep)
             subs.append(s)
         pub = ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, 10_000)
+        if pub_sec is not None:
+            pub_sec.client(pub, "broker")
         pub.connect(pub_ep)
         live = subs[:2]
         while True:  # slow joiner: send probes until both live subscriptions deliver
@@ -117,6 +140,7 @@ def _broker_run(frames: list[Any], *, stalled: int, messages: int) -> tuple[int,
             while s.poll(200):
                 s.recv_multipart()
         got = [0, 0]
+        last = [0.0, 0.0]
         done = [threading.Event(), threading.Event()]
 
         def read(i: int) -> None:  # a learner's network thread: reads all the time
@@ -124,8 +148,10 @@ def _broker_run(frames: list[Any], *, stalled: int, messages: int) -> tuple[int,
             while got[i] < messages and s.poll(2000):
                 s.recv_multipart(copy=False)
                 got[i] += 1
+                last[i] = time.perf_counter()
             done[i].set()
         readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
+        lo0 = _lo_bytes()
         t0 = time.perf_counter()
         for r in readers:
             r.start()
@@ -133,7 +159,9 @@ def _broker_run(frames: list[Any], *, stalled: int, messages: int) -> tuple[int,
             pub.send_multipart(frames, copy=False)
         for d in done:
             d.wait(60)
-        t1 = time.perf_counter()
+        t1 = max(last) if min(got) else time.perf_counter()  # the last arrival, not the idle wait after drops
+        if wire_bytes is not None:
+            wire_bytes.append(_lo_bytes() - lo0)
         for r in readers:
             r.join(5)
         return min(got), t1 - t0
@@ -168,7 +196,40 @@ def bench_broker(numel: int, repeats: int, messages: int = 1000) -> list[dict[st
     return rows
 
 
-BENCHES = {"codec": bench_codec, "wire": bench_wire, "merge": bench_merge, "broker": bench_broker}
+def bench_curve(numel: int, repeats: int, messages: int = 1000) -> list[dict[str, Any]]:
+    """The broker path (publisher -> broker -> 2 live subscribers) with and without CurveZMQ on
+    every socket and the broker's role check: time and loopback bytes for ``messages`` int4
+    answers of ``numel`` values, and of 7,520-value ones (``ddloco up``'s tiny demo model).
+    Median of 5 runs per row, runs interleaved."""
+    import tempfile
+    from common.security import create_keys
+    rows = []
+    with tempfile.TemporaryDirectory() as keys_dir:
+        create_keys(keys_dir, learners=["b"])
+        for n in sorted({numel, 7520}):
+            x = torch.randn(n, generator=torch.Generator().manual_seed(2))
+            frames = wire.encode(kind=wire.UPDATE, run="bench", sender="b", fragment=0, values=x, codec="int4",
+                                 round=1, base=0, steps=24, tokens=24 * 1024)
+            size = wire.message_nbytes(frames)
+            runs: dict[bool, list[tuple[int, float, int]]] = {False: [], True: []}
+            for _ in range(5):
+                for curve in (False, True):
+                    wb: list[int] = []
+                    got, dt = _broker_run(frames, stalled=0, messages=messages, keys_dir=keys_dir if curve else "",
+                                          wire_bytes=wb)
+                    runs[curve].append((got, dt, wb[0]))
+            for curve, rs in runs.items():
+                dt = statistics.median(r[1] for r in rs)
+                rows.append({"curve": curve, "numel": n, "message_bytes": size, "messages": messages,
+                             "delivered_min": min(r[0] for r in rs), "seconds_median": dt,
+                             "seconds_min": min(r[1] for r in rs), "seconds_max": max(r[1] for r in rs),
+                             "messages_per_s": messages / dt,
+                             "loopback_bytes_per_message": statistics.median(r[2] for r in rs) / messages / 3})
+    return rows
+
+
+BENCHES = {"codec": bench_codec, "wire": bench_wire, "merge": bench_merge, "broker": bench_broker,
+           "curve": bench_curve}
 
 
 def _print_table(name: str, rows: list[dict[str, Any]]) -> None:

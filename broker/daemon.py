@@ -85,6 +85,7 @@ class Broker:
         self._redis: Any = None
         self.security = Security(options.keys_dir, "broker") if options.keys_dir else None
         self.zap: ZapHandler | None = None
+        self._handshake_failures: dict[str, int] = {}
 
     def __enter__(self) -> "Broker":
         self._ctx = zmq.Context()
@@ -108,6 +109,12 @@ class Broker:
         self.poller = zmq.Poller()
         self.poller.register(self.xsub, zmq.POLLIN)
         self.poller.register(self.xpub, zmq.POLLIN)
+        self._monitors = []
+        if self.security is not None:  # handshakes refused before ZAP (a client without CURVE, garbage)
+            events = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            self._monitors = [s.get_monitor_socket(events) for s in (self.xsub, self.xpub)]
+            for m in self._monitors:
+                self.poller.register(m, zmq.POLLIN)
         self.log.info("broker.started", xsub=self.xsub_endpoint, xpub=self.xpub_endpoint,
                       hwm=self.options.hwm_messages, curve=self.security is not None)
         if self.security is None:
@@ -118,6 +125,8 @@ class Broker:
     def __exit__(self, *exc) -> None:
         self.log.info("broker.stopped", **self.stats.as_dict())
         if self._ctx is not None:
+            for m in self._monitors:
+                m.close(linger=0)
             if self.security is not None:
                 self.security.stop_zap(self._ctx)
             self._ctx.destroy(linger=0)
@@ -149,6 +158,9 @@ class Broker:
                 if kind not in KNOWN_KINDS:
                     kind = "other"   # whatever a publisher invents: bounded memory, bounded log lines
                 self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0) + 1
+        for m in self._monitors:
+            if m in events:
+                self._on_monitor(m)
         if self.xpub in events:
             while True:
                 try:
@@ -159,6 +171,18 @@ class Broker:
                 self.xsub.send_multipart(sub)
         self._maybe_log_stats()
         return n
+
+    def _on_monitor(self, m: zmq.Socket) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+        for _ in range(1000):
+            try:
+                ev = recv_monitor_message(m, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except (zmq.ZMQError, ValueError):
+                continue
+            reason = "protocol" if ev.get("event") == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL else "handshake"
+            self._handshake_failures[reason] = self._handshake_failures.get(reason, 0) + 1
 
     @staticmethod
     def _refusal(frames: list[zmq.Frame]) -> str | None:
@@ -173,7 +197,7 @@ class Broker:
     def _maybe_log_stats(self) -> None:
         now = time.monotonic()
         if self.zap is not None:
-            self.stats.auth_failures = dict(self.zap.failures)
+            self.stats.auth_failures = {**self.zap.failures, **self._handshake_failures}
         if self._redis is not None and now - self._last_redis >= 1.0:
             self._last_redis = now
             self._publish_stats()

@@ -6,6 +6,8 @@ restarts empty is rebuilt without losing training progress.
 """
 from __future__ import annotations
 
+import re
+
 import json
 import time
 from typing import Any, Iterable, Mapping
@@ -22,6 +24,11 @@ class ConfigMismatch(RuntimeError):
 
 class RunConfigMissing(RuntimeError):
     """No run config in Redis (the run was not started, or wrong run id / Redis URL)."""
+
+
+def redact(url: str) -> str:
+    """``url`` without its password, for messages and logs (``redis://user:***@host:6379/0``)."""
+    return re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", url or "")
 
 
 def connect(url: str, *, timeout_s: float = 2.0) -> redis.Redis:

@@ -15,7 +15,8 @@ server (broker XSUB/XPUB, shard RPC ROUTER, learner peer ROUTER) whose ZAP handl
 client only if its public key is in ``public/<role>/`` for a role that socket serves, and tags
 its messages with the User-Id ``<role>:<id>``; the broker then checks that a message's kind
 suits the role and that its header's sender is that id (``authorize``). Adding a member is adding
-its public file; revoking one is deleting it (read again within ``RELOAD_S``).
+its public file before the member starts (libzmq does not retry a refused handshake); revoking one
+is deleting it (refused at its next connection: connections already open stay open).
 """
 from __future__ import annotations
 
@@ -34,8 +35,6 @@ import zmq.auth
 
 ROLES = ("broker", "shard", "learner", "monitor")
 NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
-RELOAD_S = 2.0
-"""A revoked or added public key takes effect within this long."""
 
 DOMAINS = {
     "broker": ("shard", "learner", "monitor"),   # broker XSUB/XPUB: every member
@@ -86,8 +85,10 @@ class AllowList:
     by_key: dict[bytes, tuple[str, str]] = field(default_factory=dict)
     by_name: dict[str, bytes] = field(default_factory=dict)
     loaded_at: float = 0.0
+    signature: tuple = ()
 
     def load(self) -> "AllowList":
+        sig = self._signature()
         by_key: dict[bytes, tuple[str, str]] = {}
         by_name: dict[str, bytes] = {}
         for role in ROLES:
@@ -102,10 +103,24 @@ class AllowList:
                 by_key[public] = (role, f.stem)
                 by_name[f.stem] = public
         self.by_key, self.by_name, self.loaded_at = by_key, by_name, time.monotonic()
+        self.signature = sig
         return self
 
+    def _signature(self) -> tuple:
+        """What changes when a public key file is added, removed or replaced."""
+        out = []
+        for role in ROLES:
+            d = self.root / "public" / role
+            try:
+                out.append((role, d.stat().st_mtime_ns, tuple(sorted((f.name, f.stat().st_mtime_ns)
+                                                                     for f in os.scandir(d)))))
+            except OSError:
+                out.append((role, None, ()))
+        return tuple(out)
+
     def maybe_reload(self) -> None:
-        if time.monotonic() - self.loaded_at >= RELOAD_S:
+        """Read the allow list again if a file in it changed (a member added or revoked)."""
+        if self._signature() != self.signature:
             self.load()
 
     def public(self, name: str) -> bytes:
@@ -182,14 +197,14 @@ class ZapHandler(threading.Thread):
         self.failures: dict[str, int] = {}
         self.admitted = 0
         self.ready = threading.Event()
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     @property
     def auth_failures(self) -> int:
         return sum(self.failures.values())
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=2.0)
 
     def run(self) -> None:
@@ -198,7 +213,7 @@ class ZapHandler(threading.Thread):
         sock.bind(self.ENDPOINT)
         self.ready.set()
         try:
-            while not self._stop.is_set():
+            while not self._halt.is_set():
                 if not sock.poll(100):
                     continue
                 try:

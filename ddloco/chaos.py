@@ -506,7 +506,7 @@ def main(argv: Sequence[str]) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("spec", help="comma-separated key=value (see above)")
     ap.add_argument("--config", help="TOML config file (its endpoints)")
-    ap.add_argument("--redis-url")
+    ap.add_argument("--redis-url", default=os.environ.get("DDLOCO_REDIS_URL"), help="env DDLOCO_REDIS_URL")
     ap.add_argument("--run-id")
     ap.add_argument("--broker-pub", help="the broker's XSUB endpoint (finds the broker process by its port)")
     ap.add_argument("--minutes", type=float, default=4.0, help="length of the schedule (default 4)")
@@ -526,10 +526,10 @@ def main(argv: Sequence[str]) -> int:
         learners = sorted(control.live_learners(r, keys))
         shards = int(r.hget(keys.config, "shards") or len(control.shard_table(r, keys)) or 1)
     except redis.RedisError as e:
-        print(f"ddloco chaos: Redis at {ep.redis_url} failed: {e}", file=sys.stderr)
+        print(f"ddloco chaos: Redis at {control.redact(ep.redis_url)} failed: {e}", file=sys.stderr)
         return 1
     if not learners:
-        print(f"ddloco chaos: run {ep.run_id!r} at {ep.redis_url} has no live learner", file=sys.stderr)
+        print(f"ddloco chaos: run {ep.run_id!r} at {control.redact(ep.redis_url)} has no live learner", file=sys.stderr)
         return 1
     faults = plan_faults(spec, duration_s=args.minutes * 60, learners=learners, shards=shards)
     print(f"chaos      {len(faults)} faults over {args.minutes:g} min on {len(learners)} learners, {shards} shards "

@@ -11,6 +11,7 @@
     ddloco compare  quality: DDP, one learner, sync DiLoCo, our cluster at equal tokens, seeds
     ddloco export   the global model of a live or stopped run as a safetensors / torch file
     ddloco chaos    seeded failures injected into a running cluster, and what they cost
+    ddloco fuzz     seeded random and mutated frames thrown at a running cluster's endpoints
 
 Exit codes: 0 success, 1 runtime failure, 2 bad usage or config, 3 refused by the run.
 """
@@ -133,14 +134,23 @@ def _run_and_task(cfg: ConfigFile, args: argparse.Namespace, *, starts_run: bool
     return None, None
 
 
+def _redact(url: str) -> str:
+    from common.control import redact
+    return redact(url)
+
+
 def _insecure(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "insecure", False)) or os.environ.get("DDLOCO_INSECURE", "") not in ("", "0")
 
 
-def _security_check(endpoints: Endpoints, args: argparse.Namespace, who: str) -> None:
-    """Secure by default: a daemon without keys refuses to start unless --insecure says so."""
+def _security_check(endpoints: Endpoints, args: argparse.Namespace, who: str, member: str = "") -> None:
+    """Secure by default: a daemon without keys refuses to start unless --insecure says so; with
+    keys, ``member``'s secret and listing are checked before anything else starts."""
     from common.log import get_logger
     if endpoints.keys_dir:
+        if member:
+            from common.security import Security
+            Security(endpoints.keys_dir, member)  # SecurityError: exit 2 with what is missing
         return
     if not _insecure(args):
         raise ConfigError("no CurveZMQ keys: pass --keys DIR (make them with `ddloco keys --dir DIR ...`) "
@@ -162,7 +172,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
     from common.security import SecurityError
     _setup_logging(args)
     cfg = _resolve(args)
-    _security_check(cfg.endpoints, args, "broker")
+    _security_check(cfg.endpoints, args, "broker", "broker")
     stop = threading.Event()
     install_stop_handlers(stop)
     try:
@@ -186,7 +196,7 @@ def cmd_syncer(args: argparse.Namespace) -> int:
                     checkpoint_every_merges=args.checkpoint_every, rpc_bind=args.rpc_bind,
                     advertise_host=args.advertise_host, fresh=True if args.fresh else None)
     _setup_logging(args)
-    _security_check(cfg.endpoints, args, "syncer")
+    _security_check(cfg.endpoints, args, "syncer", f"shard{opts.shard}")
     stop = threading.Event()
     install_stop_handlers(stop)
     run, task = _run_and_task(cfg, args, starts_run=not args.join)
@@ -201,7 +211,7 @@ def cmd_syncer(args: argparse.Namespace) -> int:
         print(f"ddloco syncer: {e}", file=sys.stderr)
         return EXIT_FAILURE
     except redis.RedisError as e:
-        print(f"ddloco syncer: Redis at {cfg.endpoints.redis_url} failed: {e}", file=sys.stderr)
+        print(f"ddloco syncer: Redis at {_redact(cfg.endpoints.redis_url)} failed: {e}", file=sys.stderr)
         return EXIT_FAILURE
     return 0
 
@@ -218,7 +228,7 @@ def cmd_learner(args: argparse.Namespace) -> int:
                     device=args.device, autocast=args.autocast, peer_bind=args.peer_bind,
                     advertise_host=args.advertise_host)
     _setup_logging(args)
-    _security_check(cfg.endpoints, args, "learner")
+    _security_check(cfg.endpoints, args, "learner", opts.learner_id)
     stop = threading.Event()
     install_stop_handlers(stop)
     run, task = _run_and_task(cfg, args, starts_run=False)
@@ -235,7 +245,7 @@ def cmd_learner(args: argparse.Namespace) -> int:
         print(f"ddloco learner: {e}", file=sys.stderr)
         return EXIT_FAILURE
     except redis.RedisError as e:
-        print(f"ddloco learner: Redis at {cfg.endpoints.redis_url} failed: {e}", file=sys.stderr)
+        print(f"ddloco learner: Redis at {_redact(cfg.endpoints.redis_url)} failed: {e}", file=sys.stderr)
         return EXIT_FAILURE
     return 0
 
@@ -344,6 +354,13 @@ def cmd_keys(args: argparse.Namespace) -> int:
     ids = [x for x in (args.learner_ids or "").split(",") if x] + [f"{args.prefix}{i}" for i in range(args.learners)]
     made = create_keys(args.dir, learners=ids, shards=args.shards, monitors=["monitor"], overwrite=args.force)
     root = os.path.abspath(args.dir)
+    if args.redis_password:
+        import secrets
+        pw_file = os.path.join(root, "secret", "redis.password")
+        if not os.path.exists(pw_file) or args.force:
+            with open(os.open(pw_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
+                fh.write(secrets.token_urlsafe(24) + "\n")
+        print(f"redis      password in {pw_file} (0600)")
     print(f"keys       {len(made)} new key pair(s) in {root}" + (f": {', '.join(made)}" if made else " (all existed)"))
     print(f"public     {root}/public/<role>/<name>.key: the allow list; copy the whole public/ tree to every host")
     print(f"secret     {root}/secret/<name>.key_secret: give each host only the secrets of the members it runs")
@@ -404,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "`ddloco up` names them)")
     p.add_argument("--learner-ids", help="comma list of learner ids to make keys for")
     p.add_argument("--force", action="store_true", help="replace existing key pairs (revokes the old ones)")
+    p.add_argument("--redis-password", action="store_true", help="also write a random Redis password to "
+                   "DIR/secret/redis.password (kept if it exists; compose.yaml uses it)")
     p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("broker", help="run the ZeroMQ forwarder daemon")
@@ -474,6 +493,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_compare(argv[1:])
     if argv and argv[0] == "export":
         return cmd_export(argv[1:])
+    if argv and argv[0] == "fuzz":
+        from ddloco.fuzz import main as fuzz_main
+        return fuzz_main(argv[1:])
     if argv and argv[0] == "chaos":
         from ddloco.chaos import main as chaos_main
         return chaos_main(argv[1:])

@@ -200,7 +200,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"ddloco export: {e}", file=sys.stderr)
         return 1
     except redis.RedisError as e:
-        print(f"ddloco export: Redis at {args.redis_url} failed: {e}", file=sys.stderr)
+        print(f"ddloco export: Redis at {control.redact(args.redis_url)} failed: {e}", file=sys.stderr)
         return 1
     n = sum(t.numel() for t in state_tensors(model).values())
     print(f"exported   {path} ({fmt}): {len(model.state_dict())} tensors, {n:,} values, fragment versions "

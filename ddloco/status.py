@@ -45,7 +45,7 @@ def run_status(endpoints: Endpoints, *, as_json: bool) -> int:
     try:
         st = collect_status(r, keys)
     except redis.RedisError as e:
-        print(f"ddloco status: Redis at {endpoints.redis_url} failed: {e}", file=sys.stderr)
+        print(f"ddloco status: Redis at {control.redact(endpoints.redis_url)} failed: {e}", file=sys.stderr)
         return 1
     except control.RunConfigMissing as e:
         print(f"ddloco status: {e}", file=sys.stderr)

@@ -375,7 +375,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         r = control.connect(redis_url)
         keys = Keys(endpoints.run_id)
         if external_redis and r.exists(keys.config):
-            print(f"ddloco up: run {endpoints.run_id!r} already exists in {redis_url}; choose another --run-id",
+            print(f"ddloco up: run {endpoints.run_id!r} already exists in {control.redact(redis_url)}; choose another --run-id",
                   file=sys.stderr)
             return 3
         try:
@@ -415,6 +415,12 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             cfg_path.write_text(dump_toml(cfg))
             say(f"security   CURVE keys in {keys_dir}" + ("" if redis_srv is None else
                 "; embedded Redis with a random password (in each daemon's environment)"))
+        access = workdir / "access.env"   # what an operator's own commands need (status, export, chaos, fuzz)
+        with open(os.open(access, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
+            fh.write(f"DDLOCO_REDIS_URL={redis_url}\n" + (f"DDLOCO_KEYS={endpoints.keys_dir}\n" if endpoints.keys_dir
+                                                         else "DDLOCO_INSECURE=1\n"))
+        say(f"access     {access} (mode 0600): `set -a; . {access}; set +a`, then e.g. "
+            f"`ddloco status --config {cfg_path}`")
 
         def learner_argv(lid: str, index: int) -> list[str]:
             argv = _ddloco("learner", *common_args, "--learner-id", lid, "--data-shard", str(index),

@@ -33,6 +33,9 @@ from common.security import Security, SecurityError
 CHUNK_BYTES = 1 << 20
 """Peer state travels in chunks of this size (the I/O thread interleaves other traffic)."""
 MAX_STATE_BYTES = 1 << 40
+PEER_SERVE_INTERVAL_S = 1.0
+"""A learner serves its state to joining peers at most this often (others get "busy" and load
+from the shards)."""
 """A peer announcing more than this is refused (a garbled header must not allocate it)."""
 
 
@@ -198,6 +201,11 @@ class NetworkThread:
         """Where joining learners reach our state (set once the socket is bound)."""
         self.log = log
         self._asks: dict[zmq.Socket, dict[str, Any]] = {}
+        self._serve_pending = False
+        self._last_serve_at = -1e9
+        self.peer_requests_refused = 0
+        """State requests answered "busy": one serve at a time, at most one per PEER_SERVE_INTERVAL_S
+        (a member asking in a loop must not make us snapshot and queue states without end)."""
         self.peer_progress_at = 0.0
         """time.monotonic() of the last part of a peer's state that arrived (the joiner's timeout
         runs from it: a big state keeps coming, a frozen peer stops)."""
@@ -286,6 +294,7 @@ class NetworkThread:
                 return
             if isinstance(item, PeerState):
                 self.serve_state(peer, item)
+                self._serve_pending = False
                 continue
             if isinstance(item, AskPeer):
                 self.ask_peer(item)
@@ -363,6 +372,13 @@ class NetworkThread:
             if len(frames) != 3 or frames[1] != b"state?":
                 self.malformed += 1
                 continue
+            now = time.monotonic()
+            if self._serve_pending or now - self._last_serve_at < PEER_SERVE_INTERVAL_S:
+                peer.send_multipart([frames[0], b"busy"])   # one state at a time: the joiner asks the shards
+                self.peer_requests_refused += 1
+                continue
+            self._serve_pending = True
+            self._last_serve_at = now
             self.inbox.put(PeerStateWanted(frames[0], frames[2][:200].decode(errors="replace")))
 
     def serve_state(self, peer: zmq.Socket, item: PeerState) -> None:

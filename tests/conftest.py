@@ -117,7 +117,8 @@ class Cluster:
 
     def start_broker(self) -> None:
         from broker.daemon import Broker, BrokerOptions
-        opts = BrokerOptions(xsub_bind=self.endpoints.broker_pub, xpub_bind=self.endpoints.broker_sub)
+        opts = BrokerOptions(xsub_bind=self.endpoints.broker_pub, xpub_bind=self.endpoints.broker_sub,
+                             keys_dir=self.endpoints.keys_dir)
         ready = threading.Event()
 
         def loop() -> None:
@@ -159,6 +160,9 @@ class Cluster:
     def learner(self, learner_id: str, stream: int, *, max_steps: int = 0, run: RunConfig | None = None,
                 **opts: Any) -> Any:
         from learner.core import Learner
+        if self.endpoints.keys_dir:   # a listed key for every learner the test makes
+            from common.security import create_keys
+            create_keys(self.endpoints.keys_dir, learners=[learner_id], broker=False, monitors=())
         return Learner(endpoints=self.endpoints, options=LearnerOptions(learner_id=learner_id, max_steps=max_steps,
                                                                        data_shard=stream, heartbeat_interval_s=0.1,
                                                                        **opts),
@@ -180,9 +184,16 @@ class Cluster:
 def make_cluster(redis_server: EmbeddedRedis, tmp_path) -> Iterator[Callable[..., Cluster]]:
     made: list[Cluster] = []
 
-    def make(run: RunConfig, *, run_id: str = "t", task: Task | None = None) -> Cluster:
+    def make(run: RunConfig, *, run_id: str = "t", task: Task | None = None, secure: bool = False) -> Cluster:
+        """``secure``: CURVE keys for the broker, 2 shards and the monitor (learners get theirs
+        from ``Cluster.learner``), every socket authenticated and encrypted."""
+        keys_dir = ""
+        if secure:
+            from common.security import create_keys
+            keys_dir = str(tmp_path / "keys")
+            create_keys(keys_dir, shards=2)
         ep = Endpoints(run_id=run_id, redis_url=redis_server.url, broker_pub=f"tcp://127.0.0.1:{free_port()}",
-                       broker_sub=f"tcp://127.0.0.1:{free_port()}")
+                       broker_sub=f"tcp://127.0.0.1:{free_port()}", keys_dir=keys_dir)
         c = Cluster(endpoints=ep, run=run, task=task or tiny_task(), checkpoint_dir=str(tmp_path / "ckpt"))
         c.start_broker()
         made.append(c)

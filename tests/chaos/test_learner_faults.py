@@ -40,9 +40,11 @@ class Daemons:
         self.tmp = tmp_path
         self.procs: dict[str, subprocess.Popen] = {}
         self.keys = tmp_path / "keys"    # secure by default: CURVE keys for every member
-        create_keys(self.keys, shards=1)
+        create_keys(self.keys, shards=2)
 
     def start(self, name: str, *argv: str) -> subprocess.Popen:
+        if argv[0] == "learner" and "--learner-id" in argv:   # a listed key for every learner id
+            create_keys(self.keys, learners=[argv[argv.index("--learner-id") + 1]], broker=False, monitors=())
         log = open(self.tmp / f"{name}.log", "ab")
         p = subprocess.Popen([sys.executable, "-m", "ddloco", *argv], stdout=log, stderr=subprocess.STDOUT,
                              env={**os.environ, "PYTHONUNBUFFERED": "1", "DDLOCO_KEYS": str(self.keys)})
@@ -50,7 +52,6 @@ class Daemons:
         return p
 
     def learner(self, name: str) -> subprocess.Popen:
-        create_keys(self.keys, learners=[name], broker=False, monitors=())
         return self.start(name, "learner", *self.net, "--config", str(self.cfg), "--learner-id", name)
 
     def stop_all(self) -> None:

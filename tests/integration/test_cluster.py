@@ -522,7 +522,7 @@ def _rogue_network() -> type:
     from learner.network import Answer, NetworkThread
 
     class RogueNetwork(NetworkThread):
-        sent = {"tokens": 0, "huge": 0, "inf": 0}
+        sent = {"tokens": 0, "huge": 0, "inf": 0, "frag": 0, "impersonate": 0}
 
         def send(self, pub, client, unsent_fetch, peer=None):
             items = []
@@ -533,7 +533,21 @@ def _rogue_network() -> type:
                     break
             for item in items:
                 if isinstance(item, Answer):
-                    n = sum(self.sent.values()) % 3
+                    n = sum(self.sent.values()) % 5
+                    if n == 3:   # a shard's broadcast, far ahead of every real version
+                        pub.send_multipart(wire.encode(kind=wire.FRAG, run=self.endpoints.run_id, sender=self.id,
+                                                       fragment=item.fragment, values=item.snapshot * 0 + 1e3,
+                                                       codec="fp32", epoch=item.epoch, version=10**6))
+                        self.sent["frag"] += 1
+                        continue
+                    if n == 4:   # an answer under the honest learner's id
+                        pub.send_multipart(wire.encode(
+                            kind=wire.UPDATE, run=self.endpoints.run_id, sender="honest", fragment=item.fragment,
+                            values=(item.snapshot - item.base_values) * 1e6, codec="fp32", epoch=item.epoch,
+                            round=item.round, attempt=item.attempt, base=item.base, steps=item.steps,
+                            tokens=item.tokens))
+                        self.sent["impersonate"] += 1
+                        continue
                     if n == 0:
                         item = dc_replace(item, tokens=2**64 - 1)
                         self.sent["tokens"] += 1
@@ -563,11 +577,13 @@ def _rogue_network() -> type:
 
 
 def test_a_lying_learner_does_not_move_the_global_model(make_cluster):
-    """Robust merge: a member claiming 2^64-1 tokens, sending 1e30 deltas or payloads that decode
-    to inf is cut or dropped per answer; the honest learner's merges go on and Θ stays sane."""
+    """A listed learner key (CURVE on every socket) that claims 2^64-1 tokens, sends 1e30 deltas
+    or payloads that decode to inf (robust merge: cut or dropped per answer), publishes shard
+    broadcasts far ahead of the real versions, or answers under the honest learner's id (the
+    broker drops both, by reason): the honest learner's merges go on and Θ stays sane."""
     from learner.core import Learner
     network = _rogue_network()
-    cluster = make_cluster(ASYNC)
+    cluster = make_cluster(ASYNC, secure=True)
     shard = cluster.start_shard(0, 1)
     honest = cluster.learner("honest", 0, step_time_floor_ms=5)
     cluster.start_learner(honest)
@@ -588,6 +604,9 @@ def test_a_lying_learner_does_not_move_the_global_model(make_cluster):
     rej = shard.stats.rejected
     assert rej.get("tokens_claim", 0) >= 1 and rej.get("nonfinite_delta", 0) >= 1 and rej.get("clipped", 0) >= 1, rej
     assert shard.stats.nonfinite_rounds == 0        # one bad answer is dropped, never the round
+    refused = cluster.broker.stats.refused
+    assert refused.get("wrong_role", 0) >= 5 and refused.get("sender_mismatch", 0) >= 5, refused
+    assert int(honest.base_version.max()) < 10**6   # the forged broadcasts never reached it
     for p, f in shard.frags.items():
         assert bool(torch.isfinite(f.theta).all())
         assert float(f.theta.norm()) < 2.0 * norms0[p], (p, float(f.theta.norm()), norms0[p])

@@ -1,0 +1,418 @@
+"""`ddloco fuzz`: seeded random and wire-aware mutated frames thrown at a running cluster.
+
+    ddloco fuzz --config runs/<run>/config.toml --count 1000000 --seconds 600 --report DIR
+
+Targets (found through Redis): the broker's publisher side, every shard's fragment RPC and every
+learner's peer endpoint. Inputs are real messages of the run (answers, copies, broadcasts,
+requests, peer state requests, built with the run's fragment sizes) mutated the way a broken or
+hostile peer would (bytes flipped, frames cut, added, dropped or swapped, header fields given
+huge, negative, non-finite or wrongly typed values, checksums fixed up after a mutation so the
+payload decoders are reached), plus purely random frames, plus fresh connections with unlisted
+keys or no CURVE at all. With keys the fuzzer is a listed learner (``fuzzer``: a compromised
+member, the strongest position short of a stolen shard key); its key is added to the allow list.
+
+Every 2 s it samples the cluster's processes (from Redis, and the broker by its port): a process
+gone is a crash, a live process whose heartbeat stopped is a hang, resident memory is compared
+with the start (growth), and training must go on (merges and learner steps keep rising).
+Writes DIR/fuzz.json; exit code 0 only with no crash, no hang and training going on.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import struct
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import msgpack
+import torch
+import zmq
+
+from common import control, wire
+from common.config import Endpoints
+from common.keys import Keys
+
+WEIRD = [0, -1, 1, 2**31, 2**63 - 1, 2**64 - 1, -(2**63), 10**30, float("nan"), float("inf"), -float("inf"),
+         1e308, "", "x" * 300, "\x00", b"\xff" * 8, [], [1, 2, 3], {}, {"a": 1}, None, True, 1.5]
+
+
+def templates(run: str, sender: str, numels: Sequence[int], rng: random.Random) -> list[tuple[str, list[bytes]]]:
+    """(target, frames) of well-formed messages: what each endpoint is meant to receive."""
+    out: list[tuple[str, list[bytes]]] = []
+    for p, n in enumerate(numels):
+        v = torch.randn(n) * 0.01
+        for codec in ("int4", "fp32", "bf16", "int8"):
+            out.append(("broker", _bytes(wire.encode(kind=wire.UPDATE, run=run, sender=sender, fragment=p, values=v,
+                                                     codec=codec, epoch=1, round=rng.randrange(8), base=1, steps=4,
+                                                     tokens=256))))
+        out.append(("broker", _bytes(wire.encode(kind=wire.HAVE, run=run, sender=sender, fragment=p, values=v,
+                                                 codec="fp32", epoch=1, version=1))))
+        out.append(("broker", _bytes(wire.encode(kind=wire.FRAG, run=run, sender=sender, fragment=p, values=v,
+                                                 codec="fp32", epoch=1, version=10**6))))
+        out.append(("broker", _bytes(wire.encode(kind=wire.OPEN, run=run, sender=sender, fragment=p, epoch=1,
+                                                 round=0, version=1))))
+        out.append(("shard", _bytes(wire.encode(kind=wire.GET, run=run, sender=sender, fragment=p))))
+    out.append(("peer", [b"state?", sender.encode()]))
+    out.append(("peer", [b"state?"]))
+    return out
+
+
+def _bytes(frames: list[Any]) -> list[bytes]:
+    return [bytes(memoryview(f)) if not isinstance(f, bytes) else f for f in frames]
+
+
+def _fix_crc(frames: list[bytes]) -> list[bytes]:
+    """Recompute a wire header's CRC over the (mutated) payload, so the decoders behind it run."""
+    try:
+        head = msgpack.unpackb(frames[1], raw=False, strict_map_key=False)
+        if isinstance(head, dict) and "crc" in head:
+            crc = 0
+            for f in frames[2:]:
+                crc = zlib.crc32(f, crc)
+            head["crc"] = crc
+            head["sizes"] = [len(f) for f in frames[2:]]
+            return [frames[0], msgpack.packb(head, use_bin_type=True), *frames[2:]]
+    except Exception:
+        pass
+    return frames
+
+
+def mutate(frames: list[bytes], rng: random.Random) -> list[bytes]:
+    """One to three wire-aware mutations of a message."""
+    fr = [bytearray(f) for f in frames]
+    for _ in range(rng.randint(1, 3)):
+        op = rng.randrange(10)
+        i = rng.randrange(len(fr)) if fr else 0
+        if op == 0 and fr and fr[i]:                       # flip bytes
+            for _ in range(rng.randint(1, 8)):
+                j = rng.randrange(len(fr[i]))
+                fr[i][j] = rng.randrange(256)
+        elif op == 1 and fr:                               # cut a frame
+            fr[i] = fr[i][:rng.randrange(len(fr[i]) + 1)]
+        elif op == 2 and fr:                               # extend a frame
+            fr[i] += bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
+        elif op == 3 and len(fr) > 1:                      # drop a frame
+            del fr[i]
+        elif op == 4:                                      # add a frame
+            fr.insert(rng.randrange(len(fr) + 1), bytearray(rng.randbytes(rng.randint(0, 128))))
+        elif op in (5, 6) and len(fr) > 1:                 # a header field gets a weird value
+            try:
+                head = msgpack.unpackb(bytes(fr[1]), raw=False, strict_map_key=False)
+                if isinstance(head, dict) and head:
+                    key = rng.choice(list(head))
+                    if rng.random() < 0.15:
+                        del head[key]
+                    else:
+                        head[key] = rng.choice(WEIRD)
+                    fr[1] = bytearray(msgpack.packb(head, use_bin_type=True))
+            except Exception:
+                fr[1] = bytearray(rng.randbytes(rng.randint(0, 64)))
+        elif op == 7 and fr:                               # topic: another kind, fragment or run
+            t = bytes(fr[0]).split(b"|", 1)
+            kind = rng.choice([b"upd", b"have", b"frag", b"open", b"need", b"get", b"zzz", b""])
+            frag = rng.choice([b"0000", b"9999", b"-001", b"abcd", b""])
+            fr[0] = bytearray((t[0] if rng.random() < 0.8 else rng.randbytes(4)) + b"|" + kind + b"." + frag)
+        elif op == 8 and len(fr) > 2:                      # swap payload frames
+            j = rng.randrange(2, len(fr))
+            fr[i], fr[j] = fr[j], fr[i]
+        else:                                              # int4/bf16 scales at the extremes
+            if len(fr) > 3 and len(fr[3]) >= 2:
+                fr[3][0:2] = struct.pack("<H", rng.choice([0x7F7F, 0xFF7F, 0x7F80, 0xFFFF, 0x0001]))
+    out = [bytes(f) for f in fr]
+    return _fix_crc(out) if rng.random() < 0.5 else out
+
+
+def random_frames(rng: random.Random) -> list[bytes]:
+    return [rng.randbytes(rng.choice([0, 1, 4, 16, 64, 300])) for _ in range(rng.randint(1, 6))]
+
+
+@dataclass
+class Sample:
+    t: float
+    alive: dict[str, bool]
+    rss_kb: dict[str, int]
+    merges: int
+    steps: int
+    beats: dict[str, bool]
+
+
+@dataclass
+class FuzzReport:
+    seed: int
+    inputs: dict[str, int] = field(default_factory=dict)
+    dropped_at_send: int = 0
+    handshakes_tried: int = 0
+    seconds: float = 0.0
+    crashes: list[str] = field(default_factory=list)
+    hangs: list[str] = field(default_factory=list)
+    rss_kb_start: dict[str, int] = field(default_factory=dict)
+    rss_kb_end: dict[str, int] = field(default_factory=dict)
+    rss_kb_max: dict[str, int] = field(default_factory=dict)
+    merges: tuple[int, int] = (0, 0)
+    learner_steps: tuple[int, int] = (0, 0)
+    training_went_on: bool = False
+    broker: dict[str, Any] = field(default_factory=dict)
+    shards_refused: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.inputs.values())
+
+    @property
+    def ok(self) -> bool:
+        return not self.crashes and not self.hangs and self.training_went_on
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d.update(total=self.total, ok=self.ok, memory_growth_kb={
+            k: self.rss_kb_end.get(k, 0) - v for k, v in self.rss_kb_start.items()})
+        return d
+
+
+def _rss_kb(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class ClusterWatch:
+    """Samples the run's processes through Redis (and the broker by its port on this machine)."""
+
+    def __init__(self, r: Any, keys: Keys, broker_pub: str, *, pids: Callable[[], dict[str, int]] | None = None):
+        self.r = r
+        self.keys = keys
+        self.broker_pub = broker_pub
+        self._pids = pids
+        self.known: dict[str, int] = {}
+
+    def pids(self) -> dict[str, int]:
+        if self._pids is not None:
+            return self._pids()
+        out = {}
+        for k, h in control.shard_table(self.r, self.keys).items():
+            if h.get("pid") and h.get("status") != "stopped":
+                out[f"shard{k}"] = int(h["pid"])
+        for lid, h in control.live_learners(self.r, self.keys).items():
+            if h.get("pid"):
+                out[lid] = int(h["pid"])
+        from ddloco.chaos import ProcessTargets
+        bp = ProcessTargets(self.r, self.keys, redis_url="", broker_pub=self.broker_pub, log_dir=Path(".")).pid("broker")
+        if bp:
+            out["broker"] = bp
+        return out
+
+    def sample(self) -> Sample:
+        now = time.time()
+        if not self.known:
+            self.known = self.pids()
+        alive = {n: Path(f"/proc/{p}").exists() and _state(p) != "Z" for n, p in self.known.items()}
+        beats: dict[str, bool] = {}
+        shards = control.shard_table(self.r, self.keys)
+        for n in self.known:
+            if n.startswith("shard"):
+                h = shards.get(int(n.removeprefix("shard")), {})
+                beats[n] = now - float(h.get("heartbeat_at") or 0) < 10.0
+            elif n != "broker":
+                beats[n] = bool(self.r.exists(self.keys.heartbeat(n)))
+        merges = sum(int(h.get("merges") or 0) for h in shards.values())
+        steps = sum(int(float(h.get("steps") or 0)) for h in control.live_learners(self.r, self.keys).values())
+        return Sample(now, alive, {n: _rss_kb(p) for n, p in self.known.items()}, merges, steps, beats)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "X"
+
+
+def run_fuzz(endpoints: Endpoints, *, count: int, seconds: float, seed: int = 0, say: Callable[[str], None] = print,
+             watch: ClusterWatch | None = None, numels: Sequence[int] | None = None) -> FuzzReport:
+    """Throw ``count`` inputs (or for ``seconds``, whichever ends first) at the run's endpoints."""
+    from common.security import Security, create_keys
+    rng = random.Random(seed)
+    r = control.connect(endpoints.redis_url)
+    keys = Keys(endpoints.run_id)
+    if numels is None:
+        from common.fragments import model_plan
+        from tasks.contract import bind_task, build_model
+        task, run = bind_task(control.fetch_run_config(r, keys, wait_s=30.0))
+        numels = [f.numel for f in model_plan(build_model(task, run.task.seed), task.embedding_names,
+                                             run.algo.fragments)]
+    sec = None
+    if endpoints.keys_dir:
+        create_keys(endpoints.keys_dir, learners=["fuzzer"], broker=False, monitors=())
+        sec = Security(endpoints.keys_dir, "fuzzer")
+    watch = watch or ClusterWatch(r, keys, endpoints.broker_pub)
+    rep = FuzzReport(seed=seed, inputs={"broker": 0, "shard": 0, "peer": 0, "random": 0, "handshake": 0})
+    tmpl = templates(endpoints.run_id, "fuzzer", numels, rng)
+    by_target = {t: [f for tt, f in tmpl if tt == t] for t in ("broker", "shard", "peer")}
+    ctx = zmq.Context()
+
+    def sock(kind: int, endpoint: str, server: str | None, mode: str = "listed") -> zmq.Socket:
+        s = ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 10_000)
+        if sec is not None and mode != "plain":
+            if mode == "listed":
+                sec.client(s, server)
+            else:                                   # a key nobody listed
+                s.curve_serverkey = sec.allow.public(server)
+                s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
+        s.connect(endpoint)
+        return s
+
+    pub = sock(zmq.PUB, endpoints.broker_pub, "broker")
+    dealers: dict[str, zmq.Socket] = {}
+
+    def refresh_targets() -> None:
+        _, eps = control.shard_endpoints(r, keys)
+        for k, ep in eps.items():
+            name = f"shard{k}"
+            if name not in dealers:
+                dealers[name] = sock(zmq.DEALER, ep, name)
+        for lid, h in control.live_learners(r, keys).items():
+            if h.get("peer") and lid not in dealers and lid != "fuzzer":
+                dealers[lid] = sock(zmq.DEALER, h["peer"], lid)
+
+    refresh_targets()
+    first = watch.sample()
+    rep.rss_kb_start = dict(first.rss_kb)
+    rep.rss_kb_max = dict(first.rss_kb)
+    rep.merges = (first.merges, first.merges)
+    rep.learner_steps = (first.steps, first.steps)
+    t0 = time.monotonic()
+    last_sample = t0
+    n = 0
+    say(f"fuzz       seed {seed}: up to {count:,} inputs for up to {seconds:g}s at the broker, "
+        f"{sum(1 for d in dealers if d.startswith('shard'))} shard(s), "
+        f"{sum(1 for d in dealers if not d.startswith('shard'))} learner peer endpoint(s); CURVE "
+        + ("on (as listed learner 'fuzzer')" if sec else "off"))
+    try:
+        while n < count and time.monotonic() - t0 < seconds:
+            roll = rng.random()
+            if roll < 0.0005:                        # a fresh connection: unlisted key or no CURVE
+                mode = rng.choice(["unlisted", "plain"])
+                s = sock(zmq.PUB, endpoints.broker_pub, "broker", mode)
+                try:
+                    s.send_multipart(rng.choice(by_target["broker"]), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                s.close(linger=0)
+                rep.handshakes_tried += 1
+                rep.inputs["handshake"] += 1
+                n += 1
+                continue
+            if roll < 0.6:
+                target, s = "broker", pub
+            else:
+                names = list(dealers)
+                if not names:
+                    target, s = "broker", pub
+                else:
+                    name = rng.choice(names)
+                    target, s = ("shard" if name.startswith("shard") else "peer"), dealers[name]
+            if rng.random() < 0.1:
+                frames, bucket = random_frames(rng), "random"
+                if target == "broker" and rng.random() < 0.5:   # a routable topic, random rest
+                    frames[0] = rng.choice(by_target["broker"])[0]
+            else:
+                frames, bucket = mutate(rng.choice(by_target[target]), rng), target
+            if not frames or (target == "broker" and len(frames) < 1):
+                frames = [b""]
+            try:
+                s.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                rep.dropped_at_send += 1
+            rep.inputs[bucket] += 1
+            n += 1
+            if n % 256 == 0:
+                for d in list(dealers.values()):    # replies (GET answers, "busy") are read and dropped
+                    while d.poll(0):
+                        d.recv_multipart()
+            now = time.monotonic()
+            if now - last_sample >= 2.0:
+                last_sample = now
+                _take(watch.sample(), rep)
+                say(f"[{now - t0:6.1f}s] {n:,} inputs | merges {rep.merges[1]:,} | steps {rep.learner_steps[1]:,}"
+                        f" | crashes {len(rep.crashes)} | hangs {len(rep.hangs)}")
+                refresh_targets()
+        # after the storm: does training go on? (merges and steps still rising)
+        end = time.monotonic() + 6.0
+        s0 = s1 = watch.sample()
+        _take(s0, rep)
+        while time.monotonic() < end:
+            time.sleep(0.5)
+            s1 = watch.sample()
+            _take(s1, rep)
+            if s1.merges > s0.merges and s1.steps > s0.steps:
+                break
+        rep.training_went_on = rep.merges[1] > rep.merges[0] and rep.learner_steps[1] > rep.learner_steps[0] \
+            and s1.merges > s0.merges
+        rep.seconds = round(time.monotonic() - t0, 2)
+        h = r.hgetall(keys.broker)
+        rep.broker = {"refused": json.loads(h.get("refused") or "{}"),
+                      "auth_failures": json.loads(h.get("auth_failures_by_reason") or "{}")}
+        for k, sh in control.shard_table(r, keys).items():
+            for key, v in sh.items():
+                if key.startswith("rejected_") or key in ("malformed", "wrong_run", "dropped"):
+                    rep.shards_refused[key] = rep.shards_refused.get(key, 0) + int(float(v))
+    finally:
+        ctx.destroy(linger=0)
+    return rep
+
+
+def _take(s: Sample, rep: FuzzReport) -> None:
+    for name, ok in s.alive.items():
+        if not ok and name not in rep.crashes:
+            rep.crashes.append(name)
+    for name, ok in s.beats.items():
+        if s.alive.get(name) and not ok and name not in rep.hangs:
+            rep.hangs.append(name)
+    for name, kb in s.rss_kb.items():
+        if kb:
+            rep.rss_kb_end[name] = kb
+            rep.rss_kb_max[name] = max(rep.rss_kb_max.get(name, 0), kb)
+    rep.merges = (rep.merges[0], max(rep.merges[1], s.merges))
+    rep.learner_steps = (rep.learner_steps[0], max(rep.learner_steps[1], s.steps))
+
+
+def main(argv: Sequence[str]) -> int:
+    from ddloco.cli import _add_common, _resolve
+    ap = argparse.ArgumentParser(prog="ddloco fuzz", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_common(ap)
+    ap.add_argument("--count", type=int, default=100_000, help="inputs to send (default 100,000)")
+    ap.add_argument("--seconds", type=float, default=300.0, help="stop after this long (default 300)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--report", metavar="DIR", help="write DIR/fuzz.json")
+    args = ap.parse_args(list(argv))
+    cfg = _resolve(args)
+    import redis
+    try:
+        rep = run_fuzz(cfg.endpoints, count=args.count, seconds=args.seconds, seed=args.seed)
+    except (redis.RedisError, control.RunConfigMissing) as e:
+        print(f"ddloco fuzz: Redis at {control.redact(cfg.endpoints.redis_url)}: {e}", file=sys.stderr)
+        return 1
+    d = rep.to_dict()
+    if args.report:
+        os.makedirs(args.report, exist_ok=True)
+        Path(args.report, "fuzz.json").write_text(json.dumps(d, indent=2, default=str))
+    growth = d["memory_growth_kb"]
+    print(f"done       {rep.total:,} inputs in {rep.seconds:g}s ({ {k: v for k, v in rep.inputs.items() if v} }); "
+          f"crashes {rep.crashes or 0}, hangs {rep.hangs or 0}; memory growth "
+          + ", ".join(f"{k} {v / 1024:+.1f} MiB" for k, v in sorted(growth.items()))
+          + f"; merges {rep.merges[0]:,} -> {rep.merges[1]:,}, learner steps {rep.learner_steps[0]:,} -> "
+          f"{rep.learner_steps[1]:,}: training went on: {rep.training_went_on}")
+    print(f"refused    broker {rep.broker}; shards {rep.shards_refused}")
+    return 0 if rep.ok else 1
