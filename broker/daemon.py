@@ -181,8 +181,8 @@ class Broker:
                 return
             except (zmq.ZMQError, ValueError):
                 continue
-            reason = "protocol" if ev.get("event") == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL else "handshake"
-            self._handshake_failures[reason] = self._handshake_failures.get(reason, 0) + 1
+            del ev   # a client without CURVE, or not speaking ZMTP: refused before ZAP
+            self._handshake_failures["handshake"] = self._handshake_failures.get("handshake", 0) + 1
 
     @staticmethod
     def _refusal(frames: list[zmq.Frame]) -> str | None:

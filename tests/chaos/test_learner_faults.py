@@ -11,7 +11,7 @@ import pytest
 from common import control
 from common.keys import Keys
 from common.redis_server import free_port
-from common.security import create_keys
+from common.security import Security, create_keys
 from tests.conftest import TINY_TOML, wait_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -339,14 +339,14 @@ def test_fetch_fragments_follows_a_shard_that_comes_back_on_another_endpoint(tmp
         d.start("syncer", *syncer, "--rpc-bind", f"tcp://127.0.0.1:{free_port()}")
         wait_until(lambda: control.shard_endpoints(r, keys)[0] == 1, 60, interval_s=0.1, what="shard registered")
         before = control.shard_endpoints(r, keys)[1][0]
-        assert len(fetch_fragments(r, keys, 4, timeout_s=20)) == 4
+        assert len(fetch_fragments(r, keys, 4, timeout_s=20, security=Security(d.keys, "monitor"))) == 4
         os.kill(d.procs["syncer"].pid, signal.SIGKILL)
         d.procs["syncer"].wait(timeout=10)
         result: dict = {}
 
         def fetch() -> None:
             try:
-                result["frags"] = fetch_fragments(r, keys, 4, timeout_s=90)
+                result["frags"] = fetch_fragments(r, keys, 4, timeout_s=90, security=Security(d.keys, "monitor"))
             except Exception as e:   # noqa: BLE001 - the test reports it
                 result["error"] = e
         t = threading.Thread(target=fetch)

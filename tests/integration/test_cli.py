@@ -65,7 +65,7 @@ def test_daemons_by_hand_status_and_refused_learner(tmp_path, redis_server):
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(TINY)
     pub, sub = free_port(), free_port()
-    net = ["--redis-url", redis_server.url, "--broker-pub", f"tcp://127.0.0.1:{pub}",
+    net = ["--insecure", "--redis-url", redis_server.url, "--broker-pub", f"tcp://127.0.0.1:{pub}",
            "--broker-sub", f"tcp://127.0.0.1:{sub}", "--run-id", "byhand", "--log-format", "json"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DDLOCO_INSECURE": "1"}
     procs = [subprocess.Popen([sys.executable, "-m", "broker", "--xsub", f"tcp://127.0.0.1:{pub}",

@@ -52,8 +52,11 @@ def test_only_listed_keys_get_through_the_broker_and_each_role_sends_only_its_ki
         good = _curve_pub(ctx, ep.broker_pub, broker_key, (alice.public, alice.secret))
         bad = _curve_pub(ctx, ep.broker_pub, broker_key, (mallory.public, mallory.secret))
         b = cluster.broker
-        wait_until(lambda: b.stats.auth_failures.get("unknown_key", 0) >= 1
-                   and b.stats.auth_failures.get("protocol", 0) >= 1, 10, what="both outsiders refused")
+        try:
+            wait_until(lambda: b.stats.auth_failures.get("unknown_key", 0) >= 1
+                       and b.stats.auth_failures.get("handshake", 0) >= 1, 10, what="both outsiders refused")
+        except AssertionError as e:
+            raise AssertionError(f"{e}: counted {b.stats.auth_failures}") from None
         forged = wire.encode(kind=wire.FRAG, run=run, sender="mallory", fragment=0, values=torch.ones(8),
                              codec="fp32", epoch=1, version=10**6)
         invented = [f"{run}|zzz.0000".encode(), msgpack.packb({"from": "mallory"})]

@@ -170,7 +170,7 @@ def test_bad_tasks_exit_2_with_one_line_and_write_nothing_to_redis(tmp_path, red
         "    return Task(name='tiny', model=lambda: torch.nn.Linear(2, 1),\n"
         "                batches=lambda s, seed, start: iter([torch.ones(2, 2)] * 3), loss=lambda m, b: m(b).mean())\n"
         "not_a_task = 3\n")
-    net = ["--redis-url", redis_server.url, "--run-id", "bad", "--broker-pub", f"tcp://127.0.0.1:{free_port()}",
+    net = ["--insecure", "--redis-url", redis_server.url, "--run-id", "bad", "--broker-pub", f"tcp://127.0.0.1:{free_port()}",
            "--broker-sub", f"tcp://127.0.0.1:{free_port()}"]
     cases = [("learner", ["--task", "nosuchmodule:task"], "cannot import task module 'nosuchmodule'"),
              ("learner", ["--task", "badtask:not_a_task"], "is a int, not a Task"),
@@ -250,12 +250,12 @@ def test_cli_learner_and_export_given_only_task_join_a_run_started_from_python(t
     cluster.start_shard(0, 1)
     net = ["--redis-url", cluster.endpoints.redis_url, "--run-id", "pyrun", "--broker-pub",
            cluster.endpoints.broker_pub, "--broker-sub", cluster.endpoints.broker_sub]
-    res = ddloco("learner", *net, "--task", "usertask:task", "--learner-id", "cli", "--steps", "12",
+    res = ddloco("learner", *net, "--insecure", "--task", "usertask:task", "--learner-id", "cli", "--steps", "12",
                  cwd=tmp_path, timeout=120)
     assert res.returncode == 0, res.stderr[-1500:]
     r = control.connect(cluster.endpoints.redis_url)
     assert int(r.hget(Keys("pyrun").learner("cli"), "merged_contributions") or 0) >= 1
-    other = ddloco("learner", *net, "--task", "usertask:task", "--task-arg", "width=9", "--steps", "2",
+    other = ddloco("learner", *net, "--insecure", "--task", "usertask:task", "--task-arg", "width=9", "--steps", "2",
                    cwd=tmp_path, timeout=120)
     assert other.returncode == 3 and "width=9 (run has 8)" in other.stderr, other.stderr[-1500:]
     out = tmp_path / "m.safetensors"
