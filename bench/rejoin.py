@@ -60,7 +60,9 @@ def main(argv: Sequence[str]) -> int:
         pub, sub = free_port(), free_port()
         net = ["--redis-url", redis_srv.url, "--broker-pub", f"tcp://127.0.0.1:{pub}",
                "--broker-sub", f"tcp://127.0.0.1:{sub}", "--run-id", "rejoin", "--log-format", "json"]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        from common.security import create_keys
+        create_keys(work / "keys", shards=args.syncers, learners=[f"l{i}" for i in range(args.learners)])
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "DDLOCO_KEYS": str(work / "keys")}
 
         def start(name: str, *argv: str, stdin: bool = False) -> None:
             log = open(work / f"{name}.log", "ab")

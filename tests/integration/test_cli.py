@@ -23,7 +23,8 @@ def ddloco(*args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ddloco", *args], capture_output=True, text=True, **kw)
 
 
-@pytest.mark.parametrize("command", ["up", "status", "broker", "syncer", "learner", "sim", "bench", "export", "compare"])
+@pytest.mark.parametrize("command", ["up", "status", "keys", "broker", "syncer", "learner", "sim", "bench", "export",
+                                     "compare", "fuzz", "chaos"])
 def test_every_command_has_help(command):
     res = ddloco(command, "--help", timeout=60)
     assert res.returncode == 0, res.stderr
@@ -57,6 +58,14 @@ def test_up_runs_a_cluster_writes_report_and_leaves_no_process(tmp_path):
     assert rep["processes_left"] == []
     for png in ("eval_loss.png", "merges.png", "timeline.png"):
         assert (report / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # secure by default: CURVE keys per member, a Redis password, nothing refused in a clean run
+    assert rep["security"] == {"curve": True, "redis_auth": True}
+    assert rep["auth_failures"] == 0 and rep["broker_refused"] == {}
+    run_dir = next((tmp_path / "runs").iterdir())
+    assert (run_dir / "keys" / "public" / "learner" / "learner-1.key").exists()
+    toml = (run_dir / "config.toml").read_text()
+    assert "keys_dir" in toml and "@" not in toml.split("redis_url", 1)[1].split("\n", 1)[0]  # no password in files
+    assert oct((run_dir / "access.env").stat().st_mode & 0o777) == "0o600"
     pids = [int(h["pid"]) for h in rep["learner_stats"].values()] + [int(h["pid"]) for h in rep["shard_stats"].values()]
     assert not [p for p in pids if Path(f"/proc/{p}").exists()]
 

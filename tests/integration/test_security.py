@@ -1,7 +1,6 @@
 """CurveZMQ, the ZAP allow list and the broker's role rules, with real sockets."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -131,25 +130,6 @@ def test_daemons_refuse_to_start_without_keys_unless_insecure(tmp_path):
                           "--learner-id", "nobody", "--run-id", "x", "--redis-url", "redis://127.0.0.1:1/0"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "no secret key for 'nobody'" in res.stderr, res.stderr[-2000:]
-
-
-def test_up_is_secure_by_default_and_reports_the_counters(tmp_path):
-    """`ddloco up` makes keys and a Redis password (none of it in the files it writes)."""
-    from tests.conftest import TINY_TOML
-    cfg = tmp_path / "tiny.toml"
-    cfg.write_text(TINY_TOML + "\n[learner]\nstep_time_floor_ms = 20.0\n")
-    res = subprocess.run([sys.executable, "-m", "ddloco", "up", "--config", str(cfg), "--learners", "2", "--syncers",
-                          "1", "--steps", "40", "--report", str(tmp_path / "rep"), "--quiet"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
-    assert rep["security"] == {"curve": True, "redis_auth": True}
-    assert rep["auth_failures"] == 0 and rep["broker_refused"] == {}
-    assert rep["eval_loss_final"] < rep["eval_loss_initial"]
-    run_dir = next((tmp_path / "runs").iterdir())
-    assert (run_dir / "keys" / "public" / "learner" / "learner-1.key").exists()
-    toml = (run_dir / "config.toml").read_text()
-    assert "keys_dir" in toml and "@" not in toml.split("redis_url", 1)[1].split("\n", 1)[0]  # no password in files
 
 
 def test_a_small_seeded_fuzz_run_crashes_nothing_and_training_goes_on(make_cluster):
