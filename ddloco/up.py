@@ -358,7 +358,11 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
                 + (", a password and an ACL user per role" if password else ", no password") + ")")
         redis_url = redis_srv.url if redis_srv else cfg.endpoints.redis_url
         p_pub, p_sub = free_port(), free_port()
-        shown_url = f"redis://{redis_srv.host}:{redis_srv.port}/0" if redis_srv else redis_url  # no password in files
+        # no password in files: the daemons get the URL that has it in their environment
+        shown_url = f"redis://{redis_srv.host}:{redis_srv.port}/0" if redis_srv else control.redact(redis_url)
+        if redis_srv is None and shown_url != redis_url:
+            for role in ("broker", "shard", "learner"):
+                ROLE_ENV[role] = {"DDLOCO_REDIS_URL": redis_url}
         endpoints = override(cfg.endpoints, redis_url=shown_url, broker_pub=f"tcp://127.0.0.1:{p_pub}",
                              broker_sub=f"tcp://127.0.0.1:{p_sub}")
         previous: dict[str, Any] = {}
@@ -551,7 +555,9 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
                 e["t"] = round(e["t"] + chaos_runner.report_t0, 3)
                 monitor.marks.append((e["t"], e["kind"], e["target"]))
         report["hung_replaced"] = sup.hung_replaced
-        report["security"] = {"curve": not insecure, "redis_auth": bool(redis_srv is not None and redis_srv.password)}
+        report["security"] = {"curve": not insecure,
+                              "redis_auth": bool(redis_srv.password) if redis_srv is not None else shown_url != redis_url,
+                              "redis_tls": redis_url.startswith("rediss://")}
         report.update(_broker_counters(r, keys))
         if extra is not None and extra[0] > 0:
             report["extra_learners"] = monitor.extra_effect(extra)

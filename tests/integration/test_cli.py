@@ -59,7 +59,7 @@ def test_up_runs_a_cluster_writes_report_and_leaves_no_process(tmp_path):
     for png in ("eval_loss.png", "merges.png", "timeline.png"):
         assert (report / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # secure by default: CURVE keys per member, a Redis password, nothing refused in a clean run
-    assert rep["security"] == {"curve": True, "redis_auth": True}
+    assert rep["security"] == {"curve": True, "redis_auth": True, "redis_tls": False}
     assert rep["auth_failures"] == 0 and rep["broker_refused"] == {}
     run_dir = next((tmp_path / "runs").iterdir())
     assert (run_dir / "keys" / "public" / "learner" / "learner-1.key").exists()
