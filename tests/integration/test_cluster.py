@@ -590,6 +590,18 @@ def test_a_lying_learner_does_not_move_the_global_model(make_cluster):
     wait_until(lambda: min(_versions(cluster).values()) >= 12, 60, what="honest merges first (robust statistics)")
     norms0 = {p: float(f.theta.norm()) for p, f in shard.frags.items()}
 
+    def global_loss() -> float:   # the global model on held-out batches (a stream no learner reads)
+        from common.fragments import scatter, state_tensors
+        from tests.conftest import tiny_batches, tiny_loss
+        model = cluster.task.model()
+        params = state_tensors(model)
+        for p, f in list(shard.frags.items()):
+            scatter(params, shard.plan[p], f.theta)
+        batches = tiny_batches(99)
+        with torch.no_grad():
+            return sum(float(tiny_loss(model, next(batches))) for _ in range(8)) / 8
+    loss0 = global_loss()
+
     class RogueLearner(Learner):
         network_class = network
     base = cluster.learner("rogue", 1, step_time_floor_ms=5)
@@ -606,6 +618,9 @@ def test_a_lying_learner_does_not_move_the_global_model(make_cluster):
     assert shard.stats.nonfinite_rounds == 0        # one bad answer is dropped, never the round
     refused = cluster.broker.stats.refused
     assert refused.get("wrong_role", 0) >= 5 and refused.get("sender_mismatch", 0) >= 5, refused
+    loss1 = global_loss()
+    print(f"global held-out loss {loss0:.4f} -> {loss1:.4f}; refused {refused}; rejected {rej}")
+    assert loss1 < loss0        # the global model kept getting better through the attack
     assert int(honest.base_version.max()) < 10**6   # the forged broadcasts never reached it
     for p, f in shard.frags.items():
         assert bool(torch.isfinite(f.theta).all())
