@@ -32,9 +32,15 @@ def redact(url: str) -> str:
 
 
 def connect(url: str, *, timeout_s: float = 2.0) -> redis.Redis:
-    """A Redis client with bounded timeouts (a lost Redis must never hang a daemon)."""
+    """A Redis client with bounded timeouts (a lost Redis must never hang a daemon). A refused
+    connection is retried for about 2 s (Redis restarting: a process starting in that window
+    must not exit); a timeout is not retried."""
+    from redis.backoff import ExponentialBackoff
+    from redis.retry import Retry
     return redis.Redis.from_url(url, decode_responses=True, socket_timeout=timeout_s,
-                                socket_connect_timeout=timeout_s, health_check_interval=10)
+                                socket_connect_timeout=timeout_s, health_check_interval=10,
+                                retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 7),
+                                retry_on_error=[redis.ConnectionError])
 
 
 def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
