@@ -318,9 +318,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         if any(x < 1 for x in slow):
             raise ConfigError("--slowdowns factors must be >= 1")
     cfg = override(cfg, learner=override(cfg.learner, device=args.device))
-    return run_up(override(cfg, up=up), external_redis=args.redis_url is not None,
-                  step_time_floor_ms=args.step_time_floor_ms, slowdowns=slow, quiet=args.quiet, resume=resume,
-                  chaos=chaos, extra=extra, insecure=_insecure(args))
+    rc = run_up(override(cfg, up=up), external_redis=args.redis_url is not None,
+                step_time_floor_ms=args.step_time_floor_ms, slowdowns=slow, quiet=args.quiet, resume=resume,
+                chaos=chaos, extra=extra, insecure=_insecure(args))
+    # Everything is written and every child and Redis stopped. Rarely (after `--chaos`, on a loaded
+    # machine) the interpreter's own shutdown aborted in native code ("terminate called without an
+    # active exception", exit -6) after all of that; leave without it so the exit code is the run's.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

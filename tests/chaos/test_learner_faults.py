@@ -249,7 +249,7 @@ def test_up_chaos_injects_every_kind_restarts_it_and_nothing_goes_back(tmp_path)
     # how long start-up took, so a kill can land in the last seconds of the run)
     events = rep["chaos_events"]
     kills = [e for e in events if e["kind"] == "learner_kill"]
-    assert all(e.get("rejoin_s") is not None for e in kills if e["t"] < rep["wall_s"] - 12), events
+    assert all(e.get("rejoin_s") is not None for e in kills if e["t"] < rep["wall_s"] - 20), events
     assert len(rep["rejoin_s"]) >= 1, events
     assert len(rep["detect_s"]) == injected["learner_kill"] + 1
     assert all(s is not None for s in rep["shard_back_s"]), rep["shard_back_s"]  # both shards merging again
