@@ -703,22 +703,28 @@ class Learner:
 
     def _control_loop_body(self) -> None:
         redis_ok = True
+        restore = False
         while not self._threads_stop.is_set():
             try:
                 shards, eps = control.shard_endpoints(self.redis, self.keys)
                 with self._endpoints_lock:
                     self._shard_endpoints = (shards, eps)
                 pipe = self.redis.pipeline(transaction=False)
+                pipe.exists(self.keys.heartbeat(self.id))   # gone: Redis restarted empty (or a long stall)
                 control.beat(pipe, self.keys, self.id, self._counters(), self.options.heartbeat_ttl_s)
                 ours = self.stats.tokens
                 # epochs never go back, even when Redis restarted empty: put back the newest we saw
                 control.raise_counter(pipe, self.keys.epochs, int(self.base_epoch.max()))
-                # and the fragments' versions: a shard restarting from an older checkpoint sees it is behind
-                for p in range(len(self.base_values)):
-                    if self.base_values[p] is not None and self.base_version[p] > 0:
-                        pipe.hsetnx(self.keys.fragment(p), "version", int(self.base_version[p]))
+                # and, after Redis lost them, the fragments' versions: a shard restarting from an older
+                # checkpoint then still sees it is behind
+                if restore:
+                    for p in range(len(self.base_values)):
+                        if self.base_values[p] is not None and self.base_version[p] > 0:
+                            pipe.hsetnx(self.keys.fragment(p), "version", int(self.base_version[p]))
                 pipe.incrby(self.keys.tokens, ours - self._tokens_reported)   # the run's global token count
-                total = pipe.execute()[-1]
+                res = pipe.execute()
+                total = res[-1]
+                restore = not res[0]
                 self._tokens_reported = ours
                 self._global_tokens = (int(total), ours)
                 if not redis_ok:

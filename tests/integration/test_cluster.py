@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import msgpack
 import pytest
@@ -281,10 +280,11 @@ def test_recovery_waits_for_a_slow_learners_copy_even_when_redis_lost_the_record
     real_handle = learner._handle
     stalled = []
 
-    def slow_handle(item):   # the learner's training thread, busy on a loaded machine for 4 s
-        if type(item).__name__ == "StateRequested" and not stalled:
-            stalled.append(item)
-            time.sleep(4.0)
+    def slow_handle(item):   # the learner's training thread, busy on a loaded machine: it answers
+        if type(item).__name__ == "StateRequested" and not stalled:   # only after the shard asked
+            stalled.append(cluster.broker.stats.by_kind.get("need", 0))  # 4 times per fragment (~4 s)
+            wait_until(lambda: cluster.broker.stats.by_kind.get("need", 0) >= stalled[0] + 4 * 4, 15,
+                       what="the shard asking again and again")
         real_handle(item)
     learner._handle = slow_handle
     restarted = cluster.start_shard(0, 1, recovery_timeout_s=30.0)

@@ -7,7 +7,7 @@ from ddloco.up import Child, Supervisor
 
 def _supervisor(tmp_path):
     (tmp_path / "logs").mkdir()
-    argv = lambda lid, index: [sys.executable, "-c", "import time; time.sleep(60)"]  # noqa: E731
+    argv = lambda lid, index: [sys.executable, "-c", "import signal; signal.pause()"]  # noqa: E731
     slots = {"a": {"index": 0}, "b": {"index": 1}}
     sup = Supervisor(workdir=tmp_path, learner_argv=argv, slots=slots, steps=0)
     for lid in slots:
