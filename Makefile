@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_FLAGS ?= --report reports/demo
 
-.PHONY: demo test setup clean
+.PHONY: demo test setup clean compose-check multihost
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,15 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# Not part of `make test` (needs a container engine or root, and minutes): see the README.
+#   make compose-check -> builds the image, runs compose.yaml, trains, scales 2 -> 4 -> 1, stops
+#   make multihost     -> learners in network namespaces behind rate-limited links (root)
+compose-check: $(STAMP)
+	$(BIN)/python docker/compose_check.py
+
+multihost: $(STAMP)
+	$(BIN)/python -m bench.multihost --json reports/multihost.json
 
 clean:
 	rm -rf $(VENV) reports runs *.egg-info

@@ -8,6 +8,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -87,12 +88,57 @@ def _lo_bytes() -> int:
     return 0
 
 
+STRAGGLER_IDLE_S = 2.0
+"""A live subscriber stops waiting for the rest of a run's messages after this long without one
+(the broker or its socket dropped them under the flood). That wait is never timed."""
+
+
+@dataclass(frozen=True)
+class BrokerRun:
+    """One timed run of the broker path."""
+
+    sent: int
+    """Messages published."""
+    delivered: tuple[int, ...]
+    """Messages each live subscriber received (at most ``sent``; PUB/SUB drops under a flood)."""
+    seconds: float | None
+    """From the first send to the last message a live subscriber received; None when none arrived.
+    The idle wait for messages that never came (``STRAGGLER_IDLE_S``) is not in it."""
+
+
+def receive_until_idle(sock: Any, expected: int, idle_timeout_s: float) -> tuple[int, float | None]:
+    """Read ``sock`` until ``expected`` messages arrived or none came for ``idle_timeout_s``: (messages
+    received, ``time.perf_counter()`` at the last arrival, None if none). The idle wait ends the read
+    but is not part of the time returned."""
+    got, last = 0, None
+    while got < expected and sock.poll(int(idle_timeout_s * 1000)):
+        sock.recv_multipart(copy=False)
+        got += 1
+        last = time.perf_counter()
+    return got, last
+
+
+def summarize_broker_runs(runs: Sequence[BrokerRun], message_bytes: int) -> dict[str, Any]:
+    """Delivered counts, timings and rates of ``runs``: every rate counts the messages a subscriber
+    actually received over the time from the first send to the last arrival (messages dropped are
+    reported as delivered counts, never as throughput)."""
+    timed = [r for r in runs if r.seconds]
+    rates = [statistics.fmean(r.delivered) / r.seconds for r in timed]   # messages/s per live subscriber
+    seconds = [r.seconds for r in timed]
+    return {"delivered_to_live_min": min(min(r.delivered) for r in runs),
+            "delivered_to_live_median": statistics.median(statistics.fmean(r.delivered) for r in runs),
+            "seconds_median": statistics.median(seconds) if seconds else None,
+            "seconds_min": min(seconds) if seconds else None, "seconds_max": max(seconds) if seconds else None,
+            "messages_per_s_per_subscriber": statistics.median(rates) if rates else None,
+            "MB_per_s_per_subscriber": statistics.median(rates) * message_bytes / 1e6 if rates else None,
+            "straggler_wait_s": STRAGGLER_IDLE_S}
+
+
 def _broker_run(frames: list[Any], *, stalled: int, messages: int, keys_dir: str = "",
-                wire_bytes: list[int] | None = None) -> tuple[int, float]:
+                wire_bytes: list[int] | None = None, idle_timeout_s: float = STRAGGLER_IDLE_S) -> BrokerRun:
     """One run: ``messages`` sent through a fresh broker to two live subscribers and ``stalled``
-    subscribers that never read. Returns (messages both live subscribers got, seconds).
-    ``keys_dir``: CURVE on every socket (the publisher is learner ``b``, the subscribers the
-    monitor); ``wire_bytes`` gets the loopback bytes of the timed part appended."""
+    subscribers that never read. ``keys_dir``: CURVE on every socket (the publisher is learner
+    ``b``, the subscribers the monitor); ``wire_bytes`` gets the loopback bytes of the run appended."""
     import threading
 
     import zmq
@@ -139,32 +185,24 @@ def _broker_run(frames: list[Any], *, stalled: int, messages: int, keys_dir: str
         for s in live:
             while s.poll(200):
                 s.recv_multipart()
-        got = [0, 0]
-        last = [0.0, 0.0]
-        done = [threading.Event(), threading.Event()]
+        received: list[tuple[int, float | None]] = [(0, None), (0, None)]
 
         def read(i: int) -> None:  # a learner's network thread: reads all the time
-            s = live[i]
-            while got[i] < messages and s.poll(2000):
-                s.recv_multipart(copy=False)
-                got[i] += 1
-                last[i] = time.perf_counter()
-            done[i].set()
+            received[i] = receive_until_idle(live[i], messages, idle_timeout_s)
         readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
-        lo0 = _lo_bytes()
-        t0 = time.perf_counter()
         for r in readers:
             r.start()
+        lo0 = _lo_bytes()
+        t0 = time.perf_counter()   # the first send
         for _ in range(messages):
             pub.send_multipart(frames, copy=False)
-        for d in done:
-            d.wait(60)
-        t1 = max(last) if min(got) else time.perf_counter()  # the last arrival, not the idle wait after drops
+        for r in readers:
+            r.join(60 + idle_timeout_s)
         if wire_bytes is not None:
             wire_bytes.append(_lo_bytes() - lo0)
-        for r in readers:
-            r.join(5)
-        return min(got), t1 - t0
+        arrivals = [last for _, last in received if last is not None]
+        return BrokerRun(sent=messages, delivered=tuple(n for n, _ in received),
+                         seconds=max(arrivals) - t0 if arrivals else None)
     finally:
         ctx.destroy(linger=0)
         stop.set()
@@ -175,25 +213,20 @@ def bench_broker(numel: int, repeats: int, messages: int = 1000) -> list[dict[st
     """Broker throughput with int4 fragment messages to two live subscribers (reader threads),
     with and without a subscriber that never reads (a frozen learner): the live ones must not be
     slowed by it. The publisher floods as fast as it can, far above a run's rate (one fragment
-    per learner step), so PUB/SUB may drop under this overload; ``delivered_to_live_min`` says
-    how many arrived. Median of 5 runs per row, runs interleaved."""
+    per learner step), so PUB/SUB may drop under this overload: ``delivered_to_live_min`` says
+    how many arrived, and the rates count only those, over the time from the first send to the
+    last arrival (the wait for messages that never came is not timed). Median of 5 runs per
+    row, runs interleaved."""
     x = torch.randn(numel, generator=torch.Generator().manual_seed(2))
     frames = wire.encode(kind=wire.UPDATE, run="bench", sender="b", fragment=0, values=x, codec="int4",
                          round=1, base=0, steps=24, tokens=24 * 1024)
     size = wire.message_nbytes(frames)
-    runs: dict[int, list[tuple[int, float]]] = {0: [], 1: []}
+    runs: dict[int, list[BrokerRun]] = {0: [], 1: []}
     for _ in range(5):
         for stalled in (0, 1):
             runs[stalled].append(_broker_run(frames, stalled=stalled, messages=messages))
-    rows = []
-    for stalled, rs in runs.items():
-        delivered = min(n for n, _ in rs)
-        dt = statistics.median(s for _, s in rs)
-        rows.append({"stalled_subscribers": stalled, "messages": messages, "message_bytes": size,
-                     "delivered_to_live_min": delivered, "seconds_median": dt,
-                     "seconds_min": min(s for _, s in rs), "seconds_max": max(s for _, s in rs),
-                     "MB_per_s_per_subscriber": messages * size / dt / 1e6})
-    return rows
+    return [{"stalled_subscribers": stalled, "messages": messages, "message_bytes": size,
+             **summarize_broker_runs(rs, size)} for stalled, rs in runs.items()]
 
 
 def bench_curve(numel: int, repeats: int, messages: int = 1000) -> list[dict[str, Any]]:
@@ -211,20 +244,21 @@ def bench_curve(numel: int, repeats: int, messages: int = 1000) -> list[dict[str
             frames = wire.encode(kind=wire.UPDATE, run="bench", sender="b", fragment=0, values=x, codec="int4",
                                  round=1, base=0, steps=24, tokens=24 * 1024)
             size = wire.message_nbytes(frames)
-            runs: dict[bool, list[tuple[int, float, int]]] = {False: [], True: []}
+            runs: dict[bool, list[tuple[BrokerRun, int]]] = {False: [], True: []}
             for _ in range(5):
                 for curve in (False, True):
                     wb: list[int] = []
-                    got, dt = _broker_run(frames, stalled=0, messages=messages, keys_dir=keys_dir if curve else "",
-                                          wire_bytes=wb)
-                    runs[curve].append((got, dt, wb[0]))
+                    run = _broker_run(frames, stalled=0, messages=messages, keys_dir=keys_dir if curve else "",
+                                      wire_bytes=wb)
+                    runs[curve].append((run, wb[0]))
             for curve, rs in runs.items():
-                dt = statistics.median(r[1] for r in rs)
+                summary = summarize_broker_runs([r for r, _ in rs], size)
                 rows.append({"curve": curve, "numel": n, "message_bytes": size, "messages": messages,
-                             "delivered_min": min(r[0] for r in rs), "seconds_median": dt,
-                             "seconds_min": min(r[1] for r in rs), "seconds_max": max(r[1] for r in rs),
-                             "messages_per_s": messages / dt,
-                             "loopback_bytes_per_message": statistics.median(r[2] for r in rs) / messages / 3})
+                             "delivered_min": summary["delivered_to_live_min"],
+                             "seconds_median": summary["seconds_median"], "seconds_min": summary["seconds_min"],
+                             "seconds_max": summary["seconds_max"],
+                             "messages_per_s": summary["messages_per_s_per_subscriber"],
+                             "loopback_bytes_per_message": statistics.median(b for _, b in rs) / messages / 3})
     return rows
 
 
@@ -246,9 +280,14 @@ def _print_table(name: str, rows: list[dict[str, Any]]) -> None:
 def main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="ddloco bench", description="Micro benchmarks of the hot paths. "
                                  "Timings are medians on this machine; compare figures from one run only.")
-    ap.add_argument("name", choices=[*BENCHES, "all"], help="which benchmark")
+    ap.add_argument("name", choices=[*BENCHES, "all"], help="codec: encode/decode time, size and error of each "
+                    "codec; wire: whole-message encode/decode; merge: a syncer merge of one fragment; broker: "
+                    "throughput to 2 live subscribers, with and without one that never reads (delivered counts, "
+                    "time from the first send to the last arrival); curve: the broker path with and without "
+                    "CurveZMQ; all: every one")
     ap.add_argument("--numel", type=int, default=1 << 20, help="elements per fragment (default 1,048,576)")
-    ap.add_argument("--repeats", type=int, default=20, help="timed repeats per figure (default 20)")
+    ap.add_argument("--repeats", type=int, default=20, help="timed repeats per figure of codec, wire and merge "
+                    "(default 20; broker and curve take the median of 5 runs)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1, like a learner's helper)")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     args = ap.parse_args(list(argv))

@@ -20,8 +20,10 @@ from typing import Any
 
 import zmq
 
-from common import wire
+from common import metrics, wire
+from common.config import check_value, endpoint_problem, redis_url_problem
 from common.log import get_logger
+from common.links import keep_alive
 from common.security import Security, ZapHandler, authorize
 
 
@@ -47,6 +49,17 @@ class BrokerOptions:
     run_id: str = ""
     """With both: the counters also go to the run's ``broker`` hash in Redis every second (what
     ``ddloco up`` reports as ``auth_failures`` and ``broker_refused``)."""
+    metrics_port: int = -1
+    """Serve Prometheus metrics at ``http://metrics_host:metrics_port/metrics`` (-1: none; 0: any
+    free port, logged)."""
+    metrics_host: str = "127.0.0.1"
+    """Address of the metrics endpoint (0.0.0.0: every interface, e.g. in a container)."""
+
+    def __post_init__(self) -> None:
+        check_value("broker.xsub_bind", self.xsub_bind, endpoint_problem)
+        check_value("broker.xpub_bind", self.xpub_bind, endpoint_problem)
+        if self.redis_url:
+            check_value("broker.redis_url", self.redis_url, redis_url_problem)
 
 
 KNOWN_KINDS = frozenset(wire.KINDS)
@@ -59,6 +72,7 @@ class BrokerStats:
     bytes: int = 0
     subscriptions: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
+    bytes_by_kind: dict[str, int] = field(default_factory=dict)
     refused: dict[str, int] = field(default_factory=dict)
     """Published messages dropped by the role rules, by reason (a fixed set of keys)."""
     auth_failures: dict[str, int] = field(default_factory=dict)
@@ -86,6 +100,7 @@ class Broker:
         self.security = Security(options.keys_dir, "broker") if options.keys_dir else None
         self.zap: ZapHandler | None = None
         self._handshake_failures: dict[str, int] = {}
+        self.metrics: metrics.MetricsServer | None = None
 
     def __enter__(self) -> "Broker":
         self._ctx = zmq.Context()
@@ -94,6 +109,7 @@ class Broker:
         self.xsub = self._ctx.socket(zmq.XSUB)
         self.xpub = self._ctx.socket(zmq.XPUB)
         for s in (self.xsub, self.xpub):
+            keep_alive(s)   # a subscriber whose link went dark is dropped, not buffered for
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDHWM, self.options.hwm_messages)
             s.setsockopt(zmq.RCVHWM, self.options.hwm_messages)
@@ -120,9 +136,38 @@ class Broker:
         if self.security is None:
             self.log.warning("broker.insecure", detail="no CURVE: anyone who reaches these ports can publish "
                              "and subscribe (--insecure)")
+        try:
+            self.metrics = metrics.start(role="broker", run_id=self.options.run_id, member="broker",
+                                         read=self.readings, host=self.options.metrics_host,
+                                         port=self.options.metrics_port,
+                                         info={"curve": str(self.security is not None).lower()})
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        if self.metrics is not None:
+            self.log.info("broker.metrics", url=self.metrics.url)
         return self
 
+    def readings(self) -> list[metrics.Reading]:
+        """What ``/metrics`` shows, read on the scrape's thread (dict copies: no lock)."""
+        st = self.stats
+        return [
+            metrics.counter("broker_messages_total", "Messages forwarded from publishers to subscribers, by "
+                            "kind (topic prefix; other: unknown topics).", dict(st.by_kind), "kind"),
+            metrics.counter("broker_bytes_total", "Bytes forwarded (all frames), by message kind.",
+                            dict(st.bytes_by_kind), "kind"),
+            metrics.counter("broker_subscriptions_total", "Subscription messages passed upstream.",
+                            st.subscriptions),
+            metrics.counter("broker_refused_total", "Published messages dropped by the role rules (CURVE), by "
+                            "reason.", dict(st.refused), "reason"),
+            metrics.counter("broker_auth_failures_total", "CURVE handshakes refused, by reason.",
+                            dict(st.auth_failures), "reason"),
+        ]
+
     def __exit__(self, *exc) -> None:
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
         self.log.info("broker.stopped", **self.stats.as_dict())
         if self._ctx is not None:
             for m in self._monitors:
@@ -153,11 +198,13 @@ class Broker:
                     pass  # XPUB drops at HWM on its own; Again only without subscribers
                 n += 1
                 self.stats.messages += 1
-                self.stats.bytes += sum(len(f.buffer) for f in frames)
+                nbytes = sum(len(f.buffer) for f in frames)
+                self.stats.bytes += nbytes
                 kind = bytes(frames[0].buffer).partition(b"|")[2].partition(b".")[0].decode(errors="replace")
                 if kind not in KNOWN_KINDS:
                     kind = "other"   # whatever a publisher invents: bounded memory, bounded log lines
                 self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0) + 1
+                self.stats.bytes_by_kind[kind] = self.stats.bytes_by_kind.get(kind, 0) + nbytes
         for m in self._monitors:
             if m in events:
                 self._on_monitor(m)

@@ -1,8 +1,9 @@
 """Typed configuration: frozen keyword-only dataclasses, loadable from TOML, overridable by flags.
 
 Two kinds of config:
-- ``RunConfig`` (task + algorithm) is shared by every process of a run. Its hash is stored in
-  Redis once (SET NX); a learner or shard whose hash differs is refused with a clear error.
+- ``RunConfig`` (task + algorithm) is shared by every process of a run. Its hash (task name,
+  task config, seed, the task's data digest, every algorithm field) is stored in Redis once
+  (SET NX); a learner or shard whose hash differs is refused with a clear error.
 - ``LearnerOptions``, ``SyncerOptions``, ``Endpoints`` and ``UpOptions`` are per process.
 
 TOML layout (every section and key optional)::
@@ -23,7 +24,7 @@ import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 CODECS = ("fp32", "bf16", "int8", "int4")
 """Codec names (``common.quant`` implements them; kept here so config does not import torch)."""
@@ -45,14 +46,71 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+ZMQ_ENDPOINT_FORMS = "tcp://HOST:PORT, ipc://PATH or inproc://NAME"
+"""The ZeroMQ endpoints a daemon binds or connects to (HOST may be * or [IPv6] to bind; PORT 0 or *: any)."""
+
+REDIS_URL_FORMS = "redis://[USER:PASSWORD@]HOST:PORT/DB, rediss://... (TLS) or unix://PATH"
+"""The Redis URLs a process connects to."""
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its password, for messages and logs (``redis://user:***@host:6379/0``)."""
+    return re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", url or "")
+
+
+def check_value(name: str, value: Any, problem: Callable[[Any], str]) -> None:
+    """ConfigError "NAME 'VALUE': why" when ``problem(value)`` says what is wrong (NAME: a flag or
+    a field; a URL is shown without its password)."""
+    why = problem(value)
+    if why:
+        raise ConfigError(f"{name} {redact_url(value) if isinstance(value, str) else value!r}: {why}")
+
+
+def endpoint_problem(endpoint: Any) -> str:
+    """Why ``endpoint`` is not a ZeroMQ endpoint (``ZMQ_ENDPOINT_FORMS``); "" when it is one. The
+    one check of every endpoint flag and field, before any socket sees it."""
+    if not isinstance(endpoint, str):
+        return f"not a ZeroMQ endpoint ({ZMQ_ENDPOINT_FORMS}): a {type(endpoint).__name__}"
+    transport, sep, address = endpoint.partition("://")
+    if not sep or transport not in ("tcp", "ipc", "inproc"):
+        return f"not a ZeroMQ endpoint (expected {ZMQ_ENDPOINT_FORMS})"
+    if not address or any(c.isspace() for c in address):
+        what = {"tcp": "HOST:PORT", "ipc": "PATH", "inproc": "NAME"}[transport]
+        return f"{transport}:// needs a {what} without spaces"
+    if transport == "tcp":
+        m = re.fullmatch(r"(\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\*|\d{1,5})", address)
+        if m is None:
+            return "a tcp endpoint is tcp://HOST:PORT (HOST a name, an address, * or [IPv6])"
+        if m.group(2) != "*" and int(m.group(2)) > 65535:
+            return f"port {m.group(2)} is above 65535"
+    return ""
+
+
+def redis_url_problem(url: Any) -> str:
+    """Why ``url`` is not a Redis URL (``REDIS_URL_FORMS``); "" when it is one."""
+    if not isinstance(url, str):
+        return f"not a Redis URL ({REDIS_URL_FORMS}): a {type(url).__name__}"
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("redis", "rediss", "unix"):
+        return f"not a Redis URL (expected {REDIS_URL_FORMS})"
+    if scheme == "unix":
+        return "" if rest.split("?")[0] else "unix:// needs the socket's path"
+    from urllib.parse import urlsplit
+    try:
+        urlsplit(url).port   # a port that is not a number, or out of range, raises
+    except ValueError as e:
+        return f"bad port ({e})"
+    return ""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig:
     """Which task every learner trains.
 
     TOML: ``[task]`` with ``spec`` and ``seed``; every other key is a task arg. The run's
-    identity is (``name``, ``config``, ``seed``): ``spec`` and ``args`` say how to load the task
-    and may differ between machines (a path, a module location) as long as the task they load
-    reports the same name and config.
+    identity is (``name``, ``config``, ``seed``, ``data_digest``): ``spec`` and ``args`` say how
+    to load the task and may differ between machines (a path, a module location) as long as the
+    task they load reports the same name and config and loads the same data.
     """
 
     spec: str = "gpt"
@@ -67,9 +125,18 @@ class TaskConfig:
     config: dict[str, Any] = field(default_factory=dict)
     """``Task.config`` of the loaded task (filled in when bound); processes whose task reports
     another name or config are refused."""
+    data_digest: str = ""
+    """``Task.data_digest`` of the task that started the run: a hash of its data (the built-ins
+    hash the corpus bytes or the digits arrays they loaded); processes whose data hashes
+    differently are refused. Empty: the task gives none, the data is not checked."""
+    data_source: str = ""
+    """``Task.data_source``: where this process's data came from, named when digests differ (not
+    part of the identity: paths may differ between machines)."""
 
     def __post_init__(self) -> None:
         _check(isinstance(self.spec, str), f"task.spec must be a string, got {self.spec!r}")
+        _check(isinstance(self.data_digest, str) and isinstance(self.data_source, str),
+               "task.data_digest and task.data_source must be strings")
         _check(isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
                f"task.seed must be an int >= 0, got {self.seed!r}")
         _check(isinstance(self.args, dict), "task.args must be a table")
@@ -200,15 +267,23 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def identity(self) -> dict[str, Any]:
-        """What every process of the run must agree on: all but how the task is loaded."""
+        """What every process of the run must agree on: all but how the task is loaded and where
+        its data lies (``data_digest`` is left out when empty: the digest of a run whose task gives
+        none is what it was before data digests existed)."""
         d = self.to_dict()
-        d["task"] = {k: v for k, v in d["task"].items() if k not in ("spec", "args")}
+        d["task"] = {k: v for k, v in d["task"].items() if k not in ("spec", "args", "data_source")
+                     and not (k == "data_digest" and not v)}
         return d
 
     def digest(self) -> str:
         """Stable hash of the run's identity; processes with another digest are refused."""
         blob = json.dumps(self.identity(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+    def digest_before_data_digests(self) -> str:
+        """The digest of this run as code that did not record the task's data digest computed it:
+        a shard checkpoint written then still resumes."""
+        return dataclasses.replace(self, task=dataclasses.replace(self.task, data_digest="")).digest()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,6 +306,9 @@ class Endpoints:
     def __post_init__(self) -> None:
         _check(bool(re.fullmatch(r"[A-Za-z0-9._-]{1,64}", self.run_id)),
                f"endpoints.run_id must be 1-64 characters of A-Z a-z 0-9 . _ -, got {self.run_id!r}")
+        check_value("endpoints.redis_url", self.redis_url, redis_url_problem)
+        check_value("endpoints.broker_pub", self.broker_pub, endpoint_problem)
+        check_value("endpoints.broker_sub", self.broker_sub, endpoint_problem)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -263,7 +341,9 @@ class LearnerOptions:
     global model; give up after this long or 3 rounds' time (3·H·step time), whichever is longer
     (0 = leave at once; a stopped learner never flushes)."""
     join_timeout_s: float = 120.0
-    """Give up (exit non-zero) if the shards don't serve the current fragments within this."""
+    """Give up (exit non-zero) if the run's config does not appear in Redis, or the shards don't
+    serve the current fragments, within this. A missing run config is warned about after 3 s and
+    every 30 s (``learner.run_config_missing``, naming the runs that Redis holds)."""
     peer_bind: str = "tcp://127.0.0.1:0"
     """ROUTER endpoint serving this learner's state to joining peers (port 0: any free port)."""
     advertise_host: str = ""
@@ -274,9 +354,16 @@ class LearnerOptions:
     peer_timeout_s: float = 2.0
     """A joining learner asks the shards instead when the peer's state stops coming for this
     long (no first answer, or no next chunk)."""
+    metrics_port: int = -1
+    """Serve Prometheus metrics at ``http://metrics_host:metrics_port/metrics`` while the learner
+    runs (-1: no endpoint; 0: any free port, logged)."""
+    metrics_host: str = "127.0.0.1"
+    """Address of the metrics endpoint (0.0.0.0: every interface, e.g. in a container)."""
 
     def __post_init__(self) -> None:
         _check(self.peer_timeout_s > 0, "learner.peer_timeout_s must be > 0")
+        check_value("learner.peer_bind", self.peer_bind, endpoint_problem)
+        _check(-1 <= self.metrics_port <= 65535, "learner.metrics_port must be -1 (none), 0 (any) or a port")
         _check(self.slowdown >= 1.0, "learner.slowdown must be >= 1")
         _check(self.step_time_floor_ms >= 0.0, "learner.step_time_floor_ms must be >= 0")
         _check(self.threads >= 1, "learner.threads must be >= 1")
@@ -330,9 +417,16 @@ class SyncerOptions:
     """Robust merge: an answer weighs as at most this × H × (versions since its base + 1) steps."""
     downtime_gap_s: float = 5.0
     """(reporting) a gap between merges longer than this counts as global downtime."""
+    metrics_port: int = -1
+    """Serve Prometheus metrics at ``http://metrics_host:metrics_port/metrics`` (-1: no endpoint;
+    0: any free port, logged)."""
+    metrics_host: str = "127.0.0.1"
+    """Address of the metrics endpoint (0.0.0.0: every interface, e.g. in a container)."""
 
     def __post_init__(self) -> None:
+        _check(-1 <= self.metrics_port <= 65535, "syncer.metrics_port must be -1 (none), 0 (any) or a port")
         _check(self.shards >= 1, "syncer.shards must be >= 1")
+        check_value("syncer.rpc_bind", self.rpc_bind, endpoint_problem)
         _check(0 <= self.shard < self.shards, "syncer.shard must be in [0, shards)")
         _check(self.checkpoint_every_merges >= 1, "syncer.checkpoint_every_merges must be >= 1")
         _check(self.tokens_per_step_max >= 0, "syncer.tokens_per_step_max must be >= 0")

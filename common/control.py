@@ -6,16 +6,14 @@ restarts empty is rebuilt without losing training progress.
 """
 from __future__ import annotations
 
-import re
-
 import json
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import redis
 
-from common.config import RunConfig, run_config_from_dict
-from common.keys import EVENTS_MAXLEN, Keys
+from common.config import RunConfig, redact_url, run_config_from_dict
+from common.keys import CONFIG_KEY_PATTERN, EVENTS_MAXLEN, Keys, run_id_of_config_key
 
 
 class ConfigMismatch(RuntimeError):
@@ -28,7 +26,7 @@ class RunConfigMissing(RuntimeError):
 
 def redact(url: str) -> str:
     """``url`` without its password, for messages and logs (``redis://user:***@host:6379/0``)."""
-    return re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", url or "")
+    return redact_url(url)
 
 
 def connect(url: str, *, timeout_s: float = 2.0) -> redis.Redis:
@@ -57,6 +55,9 @@ def describe_difference(ours: RunConfig, theirs: RunConfig) -> str:
     """Human-readable list of the fields that differ, e.g. 'algo.quorum=2 (run has 1)'."""
     a, b = _flatten(ours.identity()), _flatten(theirs.identity())
     diffs = [f"{k}={a.get(k)!r} (run has {b.get(k)!r})" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    if ours.task.data_digest != theirs.task.data_digest:
+        diffs.append(f"this process's data: {ours.task.data_source or 'not described'}; the run's: "
+                     f"{theirs.task.data_source or 'not recorded'}")
     return ", ".join(diffs) or "no field differs (digest mismatch)"
 
 
@@ -84,18 +85,61 @@ def claim_shard_count(r: redis.Redis, keys: Keys, shards: int) -> None:
                              f"--shards {shards}")
 
 
-def fetch_run_config(r: redis.Redis, keys: Keys, *, wait_s: float = 0.0,
-                     stop: Any | None = None) -> RunConfig:
-    """Read the run config; wait up to ``wait_s`` for it to appear."""
-    deadline = time.monotonic() + wait_s
+RUNS_LISTED = 20
+"""At most this many run ids are named when a run id is not found."""
+
+
+def runs_in_redis(r: redis.Redis, *, limit: int = RUNS_LISTED) -> list[str] | None:
+    """Run ids that have a config in this Redis (sorted, at most ``limit``, from a SCAN of the
+    config key pattern); None when the listing fails (an ACL user may not scan)."""
+    found: set[str] = set()
+    try:
+        for key in r.scan_iter(match=CONFIG_KEY_PATTERN, count=1000):
+            run_id = run_id_of_config_key(key)
+            if run_id is not None:
+                found.add(run_id)
+                if len(found) >= limit:
+                    break
+    except redis.RedisError:
+        return None
+    return sorted(found)
+
+
+def describe_missing_run(r: redis.Redis, keys: Keys, redis_url: str, *, when: str = "") -> str:
+    """Why a run config is not found, for a person: the run id, where we looked (``when``: " yet",
+    " after 120 s"), the runs that are there."""
+    runs = runs_in_redis(r)
+    if runs is None:
+        seen = "(cannot list them)"
+    else:
+        seen = (", ".join(runs) + (", ..." if len(runs) >= RUNS_LISTED else "")) if runs else "none"
+    where = f" at {redact(redis_url)}" if redis_url else ""
+    return (f"no run config for run id {keys.run_id!r} in Redis{where}{when}: is the run id right? "
+            f"runs seen there: {seen}")
+
+
+def fetch_run_config(r: redis.Redis, keys: Keys, *, wait_s: float = 0.0, stop: Any | None = None,
+                     redis_url: str = "", on_wait: Callable[[str], None] | None = None,
+                     warn_after_s: float = 3.0, warn_every_s: float = 30.0) -> RunConfig:
+    """Read the run config; wait up to ``wait_s`` for it to appear. While it waits, ``on_wait``
+    gets ``describe_missing_run`` (the run id, ``redis_url``, the runs that are there) once
+    ``warn_after_s`` have passed, then every ``warn_every_s``: a mistyped run id is told within
+    seconds, not when the wait gives up."""
+    started = time.monotonic()
+    deadline = started + wait_s
+    next_warning = started + warn_after_s
     while True:
         blob = r.hget(keys.config, "blob")
         if blob:
             return run_config_from_dict(json.loads(blob)["config"])
-        if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
-            raise RunConfigMissing(
-                f"run {keys.run_id!r} has no config in Redis; start it with `ddloco up` or a syncer "
-                f"(check --run-id and --redis-url)")
+        now = time.monotonic()
+        if now >= deadline or (stop is not None and stop.is_set()):
+            when = f" after {now - started:.0f} s" if wait_s > 0 else ""
+            raise RunConfigMissing(f"{describe_missing_run(r, keys, redis_url, when=when)}; a run is started by "
+                                   f"`ddloco up` or a syncer (check --run-id and --redis-url)")
+        if on_wait is not None and now >= next_warning:
+            on_wait(describe_missing_run(r, keys, redis_url, when=" yet"))
+            next_warning = now + warn_every_s
         (stop.wait(0.2) if stop is not None else time.sleep(0.2))
 
 

@@ -25,7 +25,18 @@ hash slot). Redis holds coordination state only, never the model.
 """
 from __future__ import annotations
 
+import re
+
 EVENTS_MAXLEN = 20_000
+
+CONFIG_KEY_PATTERN = "ddl:{*}:config"
+"""SCAN pattern of every run's config key: which runs a Redis holds (``run_id_of_config_key``)."""
+
+
+def run_id_of_config_key(key: str) -> str | None:
+    """The run id of a key ``CONFIG_KEY_PATTERN`` matched; None for a key that only looks like one."""
+    m = re.fullmatch(r"ddl:\{([A-Za-z0-9._-]{1,64})\}:config", key)
+    return m.group(1) if m else None
 
 
 class Keys:

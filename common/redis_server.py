@@ -9,7 +9,7 @@ Caveat: PDEATHSIG fires when the *thread* that spawned the child exits. Start th
 the main thread (or a thread that lives as long as the server should).
 
 ``python -m common.redis_server --check`` prints the binary and its version, then starts,
-pings and stops a server; it exits 0 only if all of that worked.
+pings and stops a server; it exits 0 only if all of that worked. ``--which`` prints the binary.
 """
 from __future__ import annotations
 
@@ -95,9 +95,9 @@ def _command(host: str, port: int, command: bytes, timeout_s: float, password: s
         return None
 
 
-def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
-    """True if a Redis server answers PING on (host, port)."""
-    reply = _command(host, port, b"PING", timeout_s)
+def ping(host: str, port: int, timeout_s: float = 0.5, password: str = "") -> bool:
+    """True if a Redis server answers PING on (host, port) (after AUTH when a password is given)."""
+    reply = _command(host, port, b"PING", timeout_s, password)
     return reply is not None and reply.startswith(b"+PONG")
 
 
@@ -285,7 +285,17 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Embedded redis-server launcher.")
     parser.add_argument("--check", action="store_true",
                         help="print the binary and version, start+ping+stop a server")
+    parser.add_argument("--which", action="store_true",
+                        help="print the path of the redis-server binary that would be used (the "
+                             "compose file's Redis service runs it)")
     args = parser.parse_args(argv)
+    if args.which:
+        try:
+            print(find_redis_server())
+        except RedisBinaryNotFound as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
     if not args.check:
         parser.print_help()
         return 2

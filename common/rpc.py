@@ -14,6 +14,7 @@ import zmq
 from common import control, wire
 from common.fragments import owner
 from common.keys import Keys
+from common.links import keep_alive
 
 
 class FragmentClient:
@@ -29,6 +30,9 @@ class FragmentClient:
         self.endpoints: dict[int, str] = {}
         self.sockets: dict[int, zmq.Socket] = {}
         self.malformed = 0
+        self.bad_endpoints: dict[int, tuple[str, str]] = {}
+        """Shards whose advertised endpoint could not be connected to: (endpoint, why). Tried
+        again when the shard advertises another one; the caller logs them."""
 
     def set_endpoints(self, shards: int, endpoints: dict[int, str]) -> None:
         """(Re)connect to the shards' advertised endpoints; a moved shard gets a new socket."""
@@ -37,19 +41,30 @@ class FragmentClient:
             self.sockets.pop(k).close(linger=0)
             del self.endpoints[k]
         for k, ep in endpoints.items():
-            if self.endpoints.get(k) == ep:
+            if self.endpoints.get(k) == ep or self.bad_endpoints.get(k, ("",))[0] == ep:
                 continue
             old = self.sockets.pop(k, None)
             if old is not None:
                 old.close(linger=0)
-            s = self.ctx.socket(zmq.DEALER)
+            s = keep_alive(self.ctx.socket(zmq.DEALER))
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.RCVHWM, 10_000)
             if self.security is not None:
                 self.security.client(s, f"shard{k}")
-            s.connect(ep)
+            try:
+                s.connect(ep)
+            except zmq.ZMQError as e:  # what a shard advertised in Redis is not an endpoint
+                s.close(linger=0)
+                self.bad_endpoints[k] = (ep, str(e))
+                continue
+            self.bad_endpoints.pop(k, None)
             self.sockets[k] = s
             self.endpoints[k] = ep
+
+    def differs(self, shards: int, endpoints: dict[int, str]) -> bool:
+        """True when ``set_endpoints(shards, endpoints)`` would change something."""
+        known = {**{k: ep for k, (ep, _) in self.bad_endpoints.items()}, **self.endpoints}
+        return shards != self.shards or endpoints != known
 
     def sync_poller(self, poller: zmq.Poller, registered: dict[int, zmq.Socket]) -> None:
         """Keep ``poller`` registered with exactly this client's current sockets: the closed socket
@@ -118,7 +133,9 @@ def fetch_fragments(r: Any, keys: Keys, n_fragments: int, *, timeout_s: float = 
         while len(got) < n_fragments:
             now = time.monotonic()
             if now >= deadline:
-                raise TimeoutError(f"shards served {len(got)}/{n_fragments} fragments within {timeout_s}s")
+                bad = "; ".join(f"shard {k} advertises {ep!r}: {why}" for k, (ep, why) in client.bad_endpoints.items())
+                raise TimeoutError(f"shards served {len(got)}/{n_fragments} fragments within {timeout_s}s"
+                                   + (f" ({bad})" if bad else ""))
             if now - asked_at > 1.0:
                 client.set_endpoints(*control.shard_endpoints(r, keys))
                 client.sync_poller(poller, registered)

@@ -35,12 +35,15 @@ def embedded_redis(*, port: int = 0, log_dir: str | None = None) -> EmbeddedRedi
     return EmbeddedRedis(port=port, log_dir=log_dir)
 
 
-def run_broker(*, endpoints: Endpoints, stop: threading.Event, hwm_messages: int = 200) -> None:
-    """The ZeroMQ forwarder, bound at the endpoints' broker addresses, until ``stop``."""
+def run_broker(*, endpoints: Endpoints, stop: threading.Event, hwm_messages: int = 200, metrics_port: int = -1,
+               metrics_host: str = "127.0.0.1") -> None:
+    """The ZeroMQ forwarder, bound at the endpoints' broker addresses, until ``stop``; with
+    ``metrics_port`` >= 0 it serves Prometheus metrics there (shards and learners: their options'
+    ``metrics_port``)."""
     from broker.daemon import BrokerOptions
     from broker.daemon import run_broker as _run
-    _run(BrokerOptions(xsub_bind=endpoints.broker_pub, xpub_bind=endpoints.broker_sub, hwm_messages=hwm_messages),
-         stop)
+    _run(BrokerOptions(xsub_bind=endpoints.broker_pub, xpub_bind=endpoints.broker_sub, hwm_messages=hwm_messages,
+                       run_id=endpoints.run_id, metrics_port=metrics_port, metrics_host=metrics_host), stop)
 
 
 def run_shard(task: Task | None = None, *, endpoints: Endpoints, stop: threading.Event, run: RunConfig | None = None,

@@ -505,9 +505,10 @@ def main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="ddloco chaos", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("spec", help="comma-separated key=value (see above)")
-    ap.add_argument("--config", help="TOML config file (its endpoints)")
-    ap.add_argument("--redis-url", default=os.environ.get("DDLOCO_REDIS_URL"), help="env DDLOCO_REDIS_URL")
-    ap.add_argument("--run-id")
+    ap.add_argument("--config", metavar="FILE.toml", help="TOML config file (its endpoints: run id, Redis URL, broker)")
+    ap.add_argument("--redis-url", default=os.environ.get("DDLOCO_REDIS_URL"), help="the running cluster's Redis "
+                    "(env DDLOCO_REDIS_URL; default: the config's)")
+    ap.add_argument("--run-id", help="the running cluster's run id (default: the config's)")
     ap.add_argument("--broker-pub", help="the broker's XSUB endpoint (finds the broker process by its port)")
     ap.add_argument("--minutes", type=float, default=4.0, help="length of the schedule (default 4)")
     ap.add_argument("--log-dir", default="runs/chaos-logs", help="logs of the processes the harness restarts")

@@ -24,25 +24,45 @@ import threading
 from typing import Any, Sequence
 
 from common.config import (ConfigError, ConfigFile, Endpoints, LearnerOptions, SyncerOptions, TaskConfig,
-                           load_config, override)
+                           check_value, endpoint_problem, load_config, override, redis_url_problem)
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_REFUSED = 1, 2, 3
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+def _add_common(p: argparse.ArgumentParser, command: str = "") -> None:
+    """The cluster flags; ``command`` tailors what they say (a flag a command accepts but does not
+    use is hidden from its --help)."""
+    hidden = argparse.SUPPRESS
     g = p.add_argument_group("cluster")
     g.add_argument("--config", metavar="FILE.toml", help="TOML config file (sections task, algo, endpoints, "
                    "learner, syncer, up); flags override it")
-    g.add_argument("--run-id", help="run identifier (namespaces Redis keys and messages)")
+    g.add_argument("--run-id", help="with --redis-url: write the broker's counters to this run's entry in Redis"
+                   if command == "broker" else "run identifier (namespaces Redis keys and messages; default demo)")
+    redis_default = {"up": "default: an embedded Redis", "broker": "used with --run-id only"}.get(
+        command, "default redis://127.0.0.1:6379/0")
     g.add_argument("--redis-url", help="Redis URL, e.g. redis://host:6379/0, redis://user:password@host:6379/0 or "
-                   "rediss://... (TLS); env DDLOCO_REDIS_URL keeps a password off the command line")
-    g.add_argument("--keys", metavar="DIR", help="CurveZMQ keys made by `ddloco keys` (env DDLOCO_KEYS): this "
-                   "member's secret and the run's allow list")
-    g.add_argument("--insecure", action="store_true", help="no CURVE authentication or encryption (env "
-                   "DDLOCO_INSECURE=1); logged. Without it a daemon refuses to start with no --keys")
-    g.add_argument("--broker-pub", help="broker XSUB endpoint publishers connect to, e.g. tcp://host:5555")
-    g.add_argument("--broker-sub", help="broker XPUB endpoint subscribers connect to, e.g. tcp://host:5556")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+                   f"rediss://... (TLS); env DDLOCO_REDIS_URL keeps a password off the command line ({redis_default})")
+    g.add_argument("--keys", metavar="DIR", help=hidden if command == "status" else
+                   "not used by up: it makes a key pair per member in runs/<run>/keys" if command == "up" else
+                   "CurveZMQ keys made by `ddloco keys` (env DDLOCO_KEYS): this member's secret and the run's "
+                   "allow list")
+    g.add_argument("--insecure", action="store_true", help=hidden if command == "status" else
+                   "no CURVE authentication or encryption (env DDLOCO_INSECURE=1); logged. Without it a daemon "
+                   "refuses to start with no --keys")
+    if command == "up":
+        pub_help = ("endpoint the broker binds for publishers (its XSUB) and every learner and shard publishes "
+                    "to, e.g. tcp://127.0.0.1:5555 (default: a free port on 127.0.0.1; a port in use is refused)")
+        sub_help = ("endpoint the broker binds for subscribers (its XPUB) and every learner and shard "
+                    "subscribes at, e.g. tcp://127.0.0.1:5556 (default: a free port on 127.0.0.1)")
+    elif command in ("status", "broker"):   # status reads Redis only; the broker binds --xsub / --xpub
+        pub_help = sub_help = hidden
+    else:
+        pub_help = "the broker's XSUB endpoint, where this process publishes, e.g. tcp://host:5555 (default port 5555)"
+        sub_help = "the broker's XPUB endpoint, where this process subscribes, e.g. tcp://host:5556 (default port 5556)"
+    g.add_argument("--broker-pub", metavar="ENDPOINT", help=pub_help)
+    g.add_argument("--broker-sub", metavar="ENDPOINT", help=sub_help)
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="(default info)")
     g.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
                    help="auto: console on a terminal, JSON lines otherwise")
 
@@ -55,7 +75,8 @@ def _add_algo(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quorum", type=int, help="K: minimum answers per round (default 1)")
     g.add_argument("--codec", choices=["fp32", "bf16", "int8", "int4"], help="uplink codec (default int4)")
     g.add_argument("--no-grace", action="store_true", help="disable the adaptive grace window")
-    g.add_argument("--lockstep", action="store_true", help="synchronous DiLoCo baseline (learners wait every H steps)")
+    g.add_argument("--lockstep", action="store_true", help="lock-step baseline: learners wait every H steps and "
+                   "every round waits for every live learner (K = M)")
     g.add_argument("--seed", type=int, help="seed of model init and data (default 0)")
     g.add_argument("--inner-lr", type=float, help="AdamW learning rate of the inner loop (default 3e-3)")
     g.add_argument("--weight-decay", type=float, help="AdamW weight decay of the inner loop (default 0)")
@@ -139,6 +160,66 @@ def _redact(url: str) -> str:
     return redact(url)
 
 
+_ENDPOINT_FLAGS = (("redis_url", "--redis-url", redis_url_problem), ("broker_pub", "--broker-pub", endpoint_problem),
+                   ("broker_sub", "--broker-sub", endpoint_problem), ("xsub", "--xsub", endpoint_problem),
+                   ("xpub", "--xpub", endpoint_problem), ("rpc_bind", "--rpc-bind", endpoint_problem),
+                   ("peer_bind", "--peer-bind", endpoint_problem))
+"""Flags holding a Redis URL or a ZeroMQ endpoint, and the check of each (common.config)."""
+
+
+def _check_flag_values(args: argparse.Namespace) -> None:
+    """Every URL and endpoint flag (and DDLOCO_REDIS_URL) before anything starts: a bad one is one
+    line naming the flag and the value (exit 2), not a traceback from deep inside a socket."""
+    for attr, flag, problem in _ENDPOINT_FLAGS:
+        if getattr(args, attr, None) is not None:
+            check_value(flag, getattr(args, attr), problem)
+    if hasattr(args, "redis_url") and args.redis_url is None and os.environ.get("DDLOCO_REDIS_URL"):
+        check_value("DDLOCO_REDIS_URL", os.environ["DDLOCO_REDIS_URL"], redis_url_problem)
+
+
+def _redis_url_source(args: argparse.Namespace) -> str:
+    if args.redis_url is not None:
+        return "--redis-url"
+    if os.environ.get("DDLOCO_REDIS_URL"):
+        return "DDLOCO_REDIS_URL"
+    return f"[endpoints] redis_url of {args.config}" if args.config else "--redis-url (default)"
+
+
+def _check_redis_answers(args: argparse.Namespace, url: str) -> None:
+    """Redis must answer before a command starts on it (the client retries a refused connection
+    for ~2 s): else one line naming where the URL came from and the value (exit 2). A Redis lost
+    later is a runtime failure (exit 1, restarted by the supervisor)."""
+    import redis
+    from common.control import connect
+    try:
+        r = connect(url)
+        r.ping()
+        r.close()
+    except (redis.RedisError, OSError, ValueError) as e:
+        raise ConfigError(f"{_redis_url_source(args)} {_redact(url)!r}: Redis does not answer there ({e})") from None
+
+
+def _add_metrics(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("metrics")
+    g.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics at "
+                   "http://HOST:PORT/metrics (env DDLOCO_METRICS_PORT; default: none; 0: any free port, logged)")
+    g.add_argument("--metrics-host", metavar="HOST", help="address of the metrics endpoint (env "
+                   "DDLOCO_METRICS_HOST; default 127.0.0.1; 0.0.0.0 to be scraped from other hosts or containers)")
+
+
+def _metrics(args: argparse.Namespace) -> dict[str, Any]:
+    """--metrics-port / --metrics-host, else DDLOCO_METRICS_PORT / DDLOCO_METRICS_HOST (None: the
+    options' defaults, no endpoint)."""
+    port = args.metrics_port
+    raw = os.environ.get("DDLOCO_METRICS_PORT", "")
+    if port is None and raw:
+        try:
+            port = int(raw)
+        except ValueError:
+            raise ConfigError(f"DDLOCO_METRICS_PORT must be a port number, got {raw!r}") from None
+    return {"metrics_port": port, "metrics_host": args.metrics_host or os.environ.get("DDLOCO_METRICS_HOST") or None}
+
+
 def _insecure(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "insecure", False)) or os.environ.get("DDLOCO_INSECURE", "") not in ("", "0")
 
@@ -173,13 +254,15 @@ def cmd_broker(args: argparse.Namespace) -> int:
     _setup_logging(args)
     cfg = _resolve(args)
     _security_check(cfg.endpoints, args, "broker", "broker")
+    if args.run_id:  # its counters go to the run's Redis
+        _check_redis_answers(args, cfg.endpoints.redis_url)
     stop = threading.Event()
     install_stop_handlers(stop)
     try:
-        run_broker(BrokerOptions(xsub_bind=args.xsub, xpub_bind=args.xpub, hwm_messages=args.hwm,
-                                 keys_dir=cfg.endpoints.keys_dir,
-                                 redis_url=cfg.endpoints.redis_url if args.run_id else "",
-                                 run_id=args.run_id or ""), stop)
+        run_broker(override(BrokerOptions(xsub_bind=args.xsub, xpub_bind=args.xpub, hwm_messages=args.hwm,
+                                          keys_dir=cfg.endpoints.keys_dir,
+                                          redis_url=cfg.endpoints.redis_url if args.run_id else "",
+                                          run_id=args.run_id or ""), **_metrics(args)), stop)
     except SecurityError as e:
         print(f"ddloco broker: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -194,9 +277,10 @@ def cmd_syncer(args: argparse.Namespace) -> int:
     cfg = _resolve(args)
     opts = override(cfg.syncer, shard=args.shard, shards=args.shards, checkpoint_dir=args.checkpoint_dir,
                     checkpoint_every_merges=args.checkpoint_every, rpc_bind=args.rpc_bind,
-                    advertise_host=args.advertise_host, fresh=True if args.fresh else None)
+                    advertise_host=_advertise_host(args), fresh=True if args.fresh else None, **_metrics(args))
     _setup_logging(args)
     _security_check(cfg.endpoints, args, "syncer", f"shard{opts.shard}")
+    _check_redis_answers(args, cfg.endpoints.redis_url)
     stop = threading.Event()
     install_stop_handlers(stop)
     run, task = _run_and_task(cfg, args, starts_run=not args.join)
@@ -226,9 +310,11 @@ def cmd_learner(args: argparse.Namespace) -> int:
     opts = override(cfg.learner, learner_id=args.learner_id, data_shard=args.data_shard, max_steps=args.steps,
                     slowdown=args.slowdown, step_time_floor_ms=args.step_time_floor_ms, threads=args.threads,
                     device=args.device, autocast=args.autocast, peer_bind=args.peer_bind,
-                    advertise_host=args.advertise_host)
+                    advertise_host=_advertise_host(args), **_metrics(args))
     _setup_logging(args)
-    _security_check(cfg.endpoints, args, "learner", opts.learner_id)
+    # a standby's identity (and so its key) is known only when it is told whom to replace
+    _security_check(cfg.endpoints, args, "learner", "" if args.standby else opts.learner_id)
+    _check_redis_answers(args, cfg.endpoints.redis_url)
     stop = threading.Event()
     install_stop_handlers(stop)
     run, task = _run_and_task(cfg, args, starts_run=False)
@@ -239,8 +325,10 @@ def cmd_learner(args: argparse.Namespace) -> int:
             return _standby(cfg, opts, task, run, stop)
         train(endpoints=cfg.endpoints, task=task, options=opts, run=run, stop=stop)
     except LearnerRefused as e:
-        print(f"ddloco learner: {e}", file=sys.stderr)
-        return EXIT_REFUSED
+        code = _refused_exit_code(args)
+        print(f"ddloco learner: {e}" + (" (exit 0: not restarting, fix the learner's config or task and "
+                                         "start it again)" if code == 0 else ""), file=sys.stderr)
+        return code
     except (JoinTimeout, RunConfigMissing) as e:
         print(f"ddloco learner: {e}", file=sys.stderr)
         return EXIT_FAILURE
@@ -248,6 +336,22 @@ def cmd_learner(args: argparse.Namespace) -> int:
         print(f"ddloco learner: Redis at {_redact(cfg.endpoints.redis_url)} failed: {e}", file=sys.stderr)
         return EXIT_FAILURE
     return 0
+
+
+def _advertise_host(args: argparse.Namespace) -> str | None:
+    """--advertise-host, else DDLOCO_ADVERTISE_HOST (how compose passes the host's address)."""
+    return args.advertise_host or os.environ.get("DDLOCO_ADVERTISE_HOST") or None
+
+
+def _refused_exit_code(args: argparse.Namespace) -> int:
+    """Exit status of a refused learner: ``--refused-exit-code`` or DDLOCO_REFUSED_EXIT_CODE, else
+    EXIT_REFUSED. Compose sets 0 so that ``restart: on-failure`` does not restart a learner the run
+    will refuse again (a refusal needs a human; a crash or a kill is retried)."""
+    raw = args.refused_exit_code if args.refused_exit_code is not None else os.environ.get("DDLOCO_REFUSED_EXIT_CODE")
+    try:
+        return EXIT_REFUSED if raw in (None, "") else int(raw)
+    except ValueError:
+        return EXIT_REFUSED
 
 
 def _standby(cfg: ConfigFile, opts: LearnerOptions, task: Any, run: Any, stop: threading.Event) -> int:
@@ -276,15 +380,25 @@ def _standby(cfg: ConfigFile, opts: LearnerOptions, task: Any, run: Any, stop: t
     try:
         orders = json.loads(line)
         learner.assign(learner_id=str(orders["learner_id"]), data_shard=orders.get("data_shard"),
-                       max_steps=orders.get("max_steps"), slowdown=orders.get("slowdown"))
+                       max_steps=orders.get("max_steps"), slowdown=orders.get("slowdown"),
+                       metrics_port=orders.get("metrics_port"))
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"--standby: expected one JSON line with learner_id, got {line[:200]!r} ({e})") from None
+    if cfg.endpoints.keys_dir:
+        from common.security import Security
+        Security(cfg.endpoints.keys_dir, learner.id)  # SecurityError: exit 2 naming the missing key
     learner.run()
     return 0
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     from ddloco.up import find_resumable, run_up
+    if args.tensorboard:  # an optional package: refuse before anything starts
+        from ddloco.tensorboard_log import tensorboard_missing
+        missing = tensorboard_missing()
+        if missing:
+            print(missing, file=sys.stderr)
+            return EXIT_USAGE
     resume = None
     if args.resume:
         resume = find_resumable(args.resume)
@@ -293,6 +407,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         args.run_id = args.resume
     cfg = _resolve(args)
     _setup_logging(args)  # library logs (embedded Redis) to stderr; progress lines go to stdout
+    if args.redis_url is not None:   # an external Redis must answer before anything starts
+        _check_redis_answers(args, cfg.endpoints.redis_url)
     steps = args.steps
     if steps is None and args.minutes is not None:
         steps = 0  # --minutes alone: train for that long (no step budget)
@@ -320,7 +436,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     cfg = override(cfg, learner=override(cfg.learner, device=args.device))
     rc = run_up(override(cfg, up=up), external_redis=args.redis_url is not None,
                 step_time_floor_ms=args.step_time_floor_ms, slowdowns=slow, quiet=args.quiet, resume=resume,
-                chaos=chaos, extra=extra, insecure=_insecure(args))
+                chaos=chaos, extra=extra, insecure=_insecure(args), tensorboard=args.tensorboard,
+                broker_pub=args.broker_pub or "", broker_sub=args.broker_sub or "")
     # Everything is written and every child and Redis stopped. Rarely (after `--chaos`, on a loaded
     # machine) the interpreter's own shutdown aborted in native code ("terminate called without an
     # active exception", exit -6) after all of that; leave without it so the exit code is the run's.
@@ -332,7 +449,13 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from ddloco.status import run_status
     cfg = _resolve(args)
-    return run_status(cfg.endpoints, as_json=args.json)
+    if args.watch is not None and (args.json or args.watch <= 0):
+        raise ConfigError("--watch SECONDS must be > 0, without --json")
+    if args.count < 0:
+        raise ConfigError("--count must be >= 0")
+    if args.watch is None:   # --watch shows a Redis that fails in its view and asks again
+        _check_redis_answers(args, cfg.endpoints.redis_url)
+    return run_status(cfg.endpoints, as_json=args.json, watch_s=args.watch, count=args.count)
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
@@ -377,14 +500,20 @@ def cmd_keys(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ddloco", description="Decoupled DiLoCo: asynchronous, failure-tolerant "
-                                 "distributed pre-training.")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+                                 "distributed pre-training.",
+                                 epilog="Exit codes: 0 success, 1 runtime failure, 2 bad usage or config (one line "
+                                        "naming the flag or field), 3 refused by the run.")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                            help="`ddloco COMMAND --help` lists its flags")
 
     p = sub.add_parser("up", help="run a whole local cluster and write a report",
-                       description="Start Redis (embedded unless --redis-url), the broker, --syncers shards and "
-                                   "--learners learners as separate processes; show progress; stop everything at "
-                                   "the end or on Ctrl-C; write --report DIR/report.json and plots.")
-    _add_common(p)
+                       description="Start Redis (embedded unless --redis-url), the broker (on free ports unless "
+                                   "--broker-pub/--broker-sub), --syncers shards and --learners learners as "
+                                   "separate processes; show progress; stop everything at the end or on Ctrl-C; "
+                                   "write --report DIR/report.json and plots. Secure by default: CURVE keys per "
+                                   "member and, for the embedded Redis, a password, made for the run "
+                                   "(--insecure: none).")
+    _add_common(p, "up")
     _add_algo(p)
     p.add_argument("--learners", type=int, help="M: learner processes (default 4)")
     p.add_argument("--syncers", type=int, help="S: syncer shards (default 2)")
@@ -394,7 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", metavar="DIR", help="write DIR/report.json, PNG plots and DIR/model.safetensors "
                    "(the final global model)")
     p.add_argument("--step-time-floor-ms", type=float, default=None,
-                   help="emulated accelerator step time of every learner")
+                   help="emulated accelerator step time of every learner: a step never takes less (ms)")
     p.add_argument("--slowdowns", default=None, help="comma list of per-learner slowdown factors, e.g. 1,1,1.18,1.18")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--resume", metavar="RUN_ID", help="continue a stopped run: its config, the shards' checkpoints "
@@ -404,15 +533,23 @@ def build_parser() -> argparse.ArgumentParser:
                    "seed=7,learner_mtbf_s=60,stalls=3,stall_s=20,shard_kills=1,shard_wipes=1,broker_restarts=1,"
                    "redis_restarts=1 (ddloco chaos --help); the report gains the failure figures")
     p.add_argument("--extra-learners", type=int, default=0, metavar="N",
-                   help="temporary learners (scavenged capacity) started at --extra-at for --extra-for seconds")
+                   help="temporary learners (scavenged capacity) started at --extra-at for --extra-for seconds "
+                        "(default 0)")
     p.add_argument("--extra-at", type=float, metavar="SECONDS", help="when the temporary learners start")
     p.add_argument("--extra-for", type=float, metavar="SECONDS", help="how long they train")
+    p.add_argument("--tensorboard", metavar="DIR", help="also log the global model's eval loss to TensorBoard "
+                   "event files in DIR (scalar eval/loss, step = tokens); needs the tensorboard package")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("status", help="live view of a run from Redis",
-                       description="Members, their steps and last contribution, fragment versions, shards.")
-    _add_common(p)
+                       description="Members, their steps and last contribution, fragment versions, shards "
+                                   "(reads Redis only; a run id that is not there is told with the runs that are).")
+    _add_common(p, "status")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--watch", type=float, nargs="?", const=1.0, metavar="SECONDS", help="a live view redrawn every "
+                   "SECONDS (default 1) until Ctrl-C; a Redis that fails is shown in the view and asked again")
+    p.add_argument("--count", type=int, default=0, metavar="N", help="with --watch: leave after N refreshes "
+                   "(exit 0 if the last one read the run)")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("keys", help="create CurveZMQ key pairs for a run's members",
@@ -431,47 +568,67 @@ def build_parser() -> argparse.ArgumentParser:
                    "DIR/secret/redis.password (kept if it exists; compose.yaml uses it)")
     p.set_defaults(func=cmd_keys)
 
-    p = sub.add_parser("broker", help="run the ZeroMQ forwarder daemon")
-    _add_common(p)
-    p.add_argument("--xsub", default="tcp://0.0.0.0:5555", help="bind endpoint for publishers")
-    p.add_argument("--xpub", default="tcp://0.0.0.0:5556", help="bind endpoint for subscribers")
+    p = sub.add_parser("broker", help="run the ZeroMQ forwarder daemon",
+                       description="Forwards every published message to every subscriber: learners and shards "
+                                   "publish to --xsub (their --broker-pub) and subscribe at --xpub (their "
+                                   "--broker-sub). With --keys only the run's listed keys connect; with --run-id "
+                                   "its counters go to the run's Redis.")
+    _add_common(p, "broker")
+    p.add_argument("--xsub", metavar="ENDPOINT", default="tcp://0.0.0.0:5555",
+                   help="bind endpoint for publishers (default tcp://0.0.0.0:5555)")
+    p.add_argument("--xpub", metavar="ENDPOINT", default="tcp://0.0.0.0:5556",
+                   help="bind endpoint for subscribers (default tcp://0.0.0.0:5556)")
+    _add_metrics(p)
     p.add_argument("--hwm", type=int, default=200, help="high-water mark per direction and subscriber "
-                   "(messages; bounds the broker's memory for a subscriber that stops reading)")
+                   "(messages; bounds the broker's memory for a subscriber that stops reading; default 200)")
     p.set_defaults(func=cmd_broker)
 
     p = sub.add_parser("syncer", help="run one syncer shard daemon",
                        description="Owns fragments p with p % shards == shard. Publishes its run config to Redis "
                                    "(refused if the run has another one) unless --join takes the run's.")
-    _add_common(p)
+    _add_common(p, "syncer")
     _add_algo(p)
     p.add_argument("--shard", type=int, help="k: this shard's index (default 0)")
     p.add_argument("--shards", type=int, help="S: number of shards (default 1)")
     p.add_argument("--checkpoint-dir", help="atomic checkpoint directory (default runs/checkpoints)")
     p.add_argument("--checkpoint-every", type=int, help="checkpoint every N merges (default 20)")
-    p.add_argument("--rpc-bind", help="ROUTER endpoint serving full fragments (default tcp://127.0.0.1:0)")
-    p.add_argument("--advertise-host", help="host learners use to reach --rpc-bind")
+    p.add_argument("--rpc-bind", metavar="ENDPOINT", help="ROUTER endpoint serving full fragments (default "
+                   "tcp://127.0.0.1:0: any free port)")
+    p.add_argument("--advertise-host", help="host learners use to reach --rpc-bind (env DDLOCO_ADVERTISE_HOST; "
+                   "default: the bound address)")
     p.add_argument("--join", action="store_true", help="take the run config from Redis instead of publishing one")
+    _add_metrics(p)
     p.add_argument("--fresh", action="store_true", help="start over from the initial model: ignore the checkpoint "
                    "and the learners' copies (versions still go up, so learners adopt it)")
     p.set_defaults(func=cmd_syncer)
 
     p = sub.add_parser("learner", help="run one learner daemon (--task: built-in or MODULE:ATTR)",
                        description="Joins the run named by --run-id through --redis-url and the broker; takes the "
-                                   "run's config from Redis (with --config or algorithm flags it must match).")
-    _add_common(p)
+                                   "run's config from Redis (with --config or algorithm flags it must match; "
+                                   "--task must report the run's task name, config and data digest). A run id "
+                                   "not in Redis is warned about within seconds, with the runs that are there.")
+    _add_common(p, "learner")
     _add_algo(p)
     p.add_argument("--learner-id", help="unique id (default <hostname>-<pid>)")
-    p.add_argument("--data-shard", type=int, help="stream of training batches (default 0)")
+    p.add_argument("--data-shard", type=int, help="stream of training batches (default: derived from the "
+                   "learner id)")
     p.add_argument("--steps", type=int, help="stop after N inner steps (default: run until stopped)")
-    p.add_argument("--slowdown", type=float, help="emulate a slower chip (factor >= 1)")
-    p.add_argument("--step-time-floor-ms", type=float, help="emulated accelerator step time")
+    p.add_argument("--slowdown", type=float, help="emulate a slower chip: every step takes this factor longer "
+                   "(>= 1; default 1)")
+    p.add_argument("--step-time-floor-ms", type=float, help="emulated accelerator step time: a step never takes "
+                   "less (ms; default 0)")
     p.add_argument("--threads", type=int, help="torch threads (default 1)")
     p.add_argument("--device", help="auto (cuda if available), cpu, cuda, cuda:N (default auto)")
     p.add_argument("--autocast", choices=["auto", "bf16", "off"], help="mixed precision of the forward pass "
                    "(default auto: bf16 on CUDA, none on CPU)")
-    p.add_argument("--peer-bind", help="endpoint serving this learner's state to joining peers "
+    p.add_argument("--peer-bind", metavar="ENDPOINT", help="endpoint serving this learner's state to joining peers "
                    "(default tcp://127.0.0.1:0; on several machines e.g. tcp://0.0.0.0:7100)")
-    p.add_argument("--advertise-host", help="host other learners use to reach --peer-bind")
+    p.add_argument("--advertise-host", help="host other learners use to reach --peer-bind (env "
+                   "DDLOCO_ADVERTISE_HOST; default: the bound address)")
+    p.add_argument("--refused-exit-code", type=int, metavar="N", help="exit status when the run refuses this "
+                   "learner (default 3; env DDLOCO_REFUSED_EXIT_CODE; compose sets 0 so that restart: on-failure "
+                   "does not loop on a learner that will be refused again)")
+    _add_metrics(p)
     p.add_argument("--standby", action="store_true", help="a hot spare: prepare (imports, run config, model, dry "
                    "run), then wait for one JSON line on stdin, {\"learner_id\": ID, \"data_shard\": N, "
                    "\"max_steps\": N, \"slowdown\": X}, and become that learner (how `ddloco up` replaces a "
@@ -479,13 +636,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_learner)
 
     sub.add_parser("sim", help="goodput simulator at paper scale (ddloco sim --help)", add_help=False)
-    sub.add_parser("bench", help="micro benchmarks: codec, wire, merge (ddloco bench --help)", add_help=False)
+    sub.add_parser("bench", help="micro benchmarks: codec, wire, merge, broker, curve (ddloco bench --help)",
+                   add_help=False)
     sub.add_parser("export", help="write the global model (live run or checkpoints) to a safetensors file "
                    "(ddloco export --help)", add_help=False)
     sub.add_parser("chaos", help="inject seeded failures into a running cluster on this machine and measure "
                    "them (ddloco chaos --help)", add_help=False)
     sub.add_parser("compare", help="quality at equal tokens: DDP, one learner, sync DiLoCo, our cluster "
                    "(ddloco compare --help)", add_help=False)
+    sub.add_parser("fuzz", help="seeded random and mutated frames thrown at a running cluster's endpoints "
+                   "(ddloco fuzz --help)", add_help=False)
     return ap
 
 
@@ -510,6 +670,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from common.security import SecurityError
     from tasks.contract import TaskError
     try:
+        _check_flag_values(args)
         return args.func(args)
     except (ConfigError, TaskError, FragmentationError, SecurityError) as e:
         print(f"ddloco {args.command}: {e}", file=sys.stderr)

@@ -394,7 +394,7 @@ def main(argv: Sequence[str]) -> int:
     _add_common(ap)
     ap.add_argument("--count", type=int, default=100_000, help="inputs to send (default 100,000)")
     ap.add_argument("--seconds", type=float, default=300.0, help="stop after this long (default 300)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
     ap.add_argument("--report", metavar="DIR", help="write DIR/fuzz.json")
     args = ap.parse_args(list(argv))
     cfg = _resolve(args)

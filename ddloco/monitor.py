@@ -62,6 +62,8 @@ class Monitor:
     """Tokens of the earlier parts of a resumed run (``up --resume``)."""
     resumed: bool = False
     """The shards start from checkpoints: the initial evaluation fetches their fragments."""
+    on_eval: Callable[[int, float], None] | None = None
+    """Called with (tokens, loss) after each evaluation of the global model (``up --tensorboard``)."""
 
     def tokens_total(self) -> int:
         """Tokens trained by every learner process of the run (restarted ones included)."""
@@ -88,6 +90,8 @@ class Monitor:
         self.evals.append({"t": time.time() - self.t0, "tokens": self.tokens_total(), "loss": loss,
                            "versions_total": sum(versions.values()), **({"final": True} if final else {})})
         self.last_eval = time.time()
+        if self.on_eval is not None:
+            self.on_eval(self.evals[-1]["tokens"], loss)
         tag = "initial" if initial else "final" if final else "eval"
         self.say(f"{tag:<10} global model eval loss {loss:.4f} at {self.tokens_total():,} tokens")
         return loss
@@ -108,6 +112,8 @@ class Monitor:
             self.evals[-1] = {**entry, "final": True}
         else:
             self.evals.append({**entry, "final": True})
+        if self.on_eval is not None:
+            self.on_eval(entry["tokens"], loss)
         self.say(f"{'final':<10} global model eval loss {loss:.4f} at {self.tokens_total():,} tokens "
                  f"(the shards' checkpoints: {entry['versions_total']} merges)")
 

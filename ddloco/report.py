@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from common.plot import Series, line_chart, timeline_chart
+from ddloco.plots import eval_loss_plot, merges_plot, timeline_plot
 
 
 def learner_intervals(samples: list[tuple[float, str]]) -> list[tuple[float, float, str]]:
@@ -23,6 +23,10 @@ def learner_intervals(samples: list[tuple[float, str]]) -> list[tuple[float, flo
 MARK_LABELS = {"learner_kill": "K", "stall": "S", "resume": "C", "shard_kill": "SK", "shard_wipe": "SW",
                "broker_restart": "B", "redis_restart": "R", "extra_start": "E+", "extra_stop": "E-"}
 """Short labels of the marks on timeline.png."""
+MARK_MEANINGS = {"K": "learner killed", "S": "learner stalled", "C": "stalled learner resumed",
+                 "SK": "shard killed", "SW": "shard wiped", "B": "broker restarted", "R": "Redis restarted",
+                 "E+": "temporary learners start", "E-": "temporary learners stop"}
+"""What each short label means (the legend of timeline.png)."""
 
 
 def write_report(out_dir: Path, report: dict[str, Any], monitor: Any) -> None:
@@ -30,17 +34,9 @@ def write_report(out_dir: Path, report: dict[str, Any], monitor: Any) -> None:
     tmp = out_dir / "report.json.tmp"
     tmp.write_text(json.dumps(report, indent=2, sort_keys=True, default=str))
     tmp.replace(out_dir / "report.json")
-    curve = report["eval_curve"]
-    line_chart(out_dir / "eval_loss.png",
-               [Series("global model, held-out", [e["tokens"] for e in curve], [e["loss"] for e in curve],
-                       style="line+points")],
-               title="Eval loss vs tokens", xlabel="tokens (all learners)", ylabel="loss (nats/byte)")
-    tl = report["merge_timeline"]
-    line_chart(out_dir / "merges.png", [Series("merge", [t for t, _ in tl], [p for _, p in tl], style="points")],
-               title="Merges over time per fragment", xlabel="seconds", ylabel="fragment")
+    eval_loss_plot(out_dir / "eval_loss.png", report["eval_curve"],
+                   task=report.get("config", {}).get("task", {}).get("name", ""))
+    merges_plot(out_dir / "merges.png", report["merge_timeline"])
     rows = [(lid, learner_intervals(monitor.samples[lid])) for lid in monitor.learner_ids]
     marks = [(t, MARK_LABELS.get(k, k[:2].upper())) for t, k, _ in getattr(monitor, "marks", [])]
-    timeline_chart(out_dir / "timeline.png", rows, title="Learners: boot / up / blocked / down",
-                   xlabel="seconds" + (" - K kill, S stall, C resume, SK SW shard kill/wipe, B broker, R Redis, E+ E- extra"
-                                       if marks else ""),
-                   marks=marks, size=(1300, 440) if marks else (800, 400))
+    timeline_plot(out_dir / "timeline.png", rows, marks=marks, mark_key=MARK_MEANINGS)

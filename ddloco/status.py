@@ -1,9 +1,12 @@
-"""`ddloco status`: live view of a run, read from Redis."""
+"""`ddloco status`: live view of a run, read from Redis (one snapshot, ``--json``, or ``--watch``)."""
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+import threading
 import time
+from typing import Any
 
 import redis
 
@@ -39,7 +42,87 @@ def collect_status(r: redis.Redis, keys: Keys) -> dict:
             "learners": members, "fragments": frags, "shards": shards}
 
 
-def run_status(endpoints: Endpoints, *, as_json: bool) -> int:
+STATUS_STYLE = {"training": "green", "joining": "cyan", "blocked": "yellow", "flushing": "yellow",
+                "gone": "bold red", "left": "dim", "stopped": "dim"}
+
+
+def render(st: dict | None, *, error: str = "", updated_at: float | None = None) -> Any:
+    """The ``--watch`` view of ``collect_status``'s dict (None: nothing read yet) as one rich
+    renderable: learners, a summary of the fragments' versions, shards, and the last error."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+    parts: list[Any] = []
+    if st is not None:
+        t = Table(title=f"run {st['run_id']} (config {st['config_digest']}): {st['live_learners']} live learner(s)",
+                  title_justify="left")
+        for name in ("learner", "status", "steps", "tokens", "step s", "loss", "merged", "last"):
+            t.add_column(name, justify="left" if name in ("learner", "status") else "right")
+        for lid, m in st["learners"].items():
+            age = m["last_contribution_age_s"]
+            t.add_row(lid, Text(m["status"], style=STATUS_STYLE.get(m["status"], "")), f"{m['steps']:,}",
+                      f"{m['tokens']:,}", f"{m['step_ema_s']:.3f}", f"{m['loss_ema']:.3f}",
+                      str(m["merged_contributions"]), "-" if age is None else f"{age:.0f}s")
+        parts.append(t)
+        frags = st["fragments"]
+        versions = [f["version"] for f in frags.values()]
+        if versions:
+            in_flight = sum(1 for f in frags.values() if f["round"] >= 0)
+            parts.append(Text(f"fragments {len(versions)}: versions min {min(versions)}, median "
+                              f"{statistics.median(versions):g}, max {max(versions)}, sum {sum(versions)}; "
+                              f"{in_flight} round(s) open"))
+            parts.append(Text(" ".join(f"{p}:{f['version']}" for p, f in frags.items()), style="dim"))
+        shards = Table(title="shards", title_justify="left")
+        for name in ("shard", "status", "merges", "dropped", "rpc"):
+            shards.add_column(name, justify="right" if name in ("merges", "dropped") else "left")
+        for k, sh in st["shards"].items():
+            shards.add_row(str(k), Text(str(sh["status"]), style="green" if sh["status"] == "running" else "yellow"),
+                           str(sh["merges"]), str(sh["dropped"]), str(sh["rpc"]))
+        parts.append(shards)
+    if error:
+        parts.append(Text(f"error: {error} (retrying)", style="bold red"))
+    when = time.strftime("%H:%M:%S", time.localtime(updated_at)) if updated_at else "-"
+    parts.append(Text(f"updated {when}; Ctrl-C to leave", style="dim"))
+    return Group(*parts)
+
+
+def watch_status(endpoints: Endpoints, *, interval_s: float = 1.0, count: int = 0, console: Any = None,
+                 stop: threading.Event | None = None) -> int:
+    """``--watch``: redraw the view every ``interval_s`` until Ctrl-C (exit 0), ``stop``, or
+    ``count`` refreshes (exit 0 when the last one read the run, else 1). A Redis that fails or
+    goes away is shown in the view and asked again at the next refresh; the last state stays."""
+    from rich.console import Console
+    from rich.live import Live
+    r = control.connect(endpoints.redis_url)
+    keys = Keys(endpoints.run_id)
+    wait = stop or threading.Event()
+    console = console or Console()
+    st: dict | None = None
+    error, n = "", 0
+    try:
+        with Live(render(None, error="", updated_at=None), console=console, auto_refresh=False) as live:
+            while True:
+                try:
+                    st, error = collect_status(r, keys), ""
+                except redis.RedisError as e:
+                    error = f"Redis at {control.redact(endpoints.redis_url)} failed: {e}"
+                except (control.RunConfigMissing, ValueError) as e:   # not started yet, or half-written
+                    error = str(e)
+                n += 1
+                live.update(render(st, error=error, updated_at=time.time()), refresh=True)
+                if (count and n >= count) or wait.wait(interval_s):
+                    break
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if not console.is_terminal:
+            console.line()   # a file or pipe got the last view only, without its line end
+    return 1 if error else 0
+
+
+def run_status(endpoints: Endpoints, *, as_json: bool, watch_s: float | None = None, count: int = 0) -> int:
+    if watch_s is not None:
+        return watch_status(endpoints, interval_s=watch_s, count=count)
     r = control.connect(endpoints.redis_url)
     keys = Keys(endpoints.run_id)
     try:

@@ -12,16 +12,17 @@ import secrets
 import signal
 import subprocess
 import sys
+import re
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from common import control
 import json
 
-from common.config import ConfigError, ConfigFile, dump_toml, override
+from common.config import ConfigError, ConfigFile, check_value, dump_toml, endpoint_problem, override
 from common.keys import Keys
 from common.lifecycle import die_with_parent
 from common.security import redis_acl_rules
@@ -129,6 +130,9 @@ def _stop_all(children: list[Child], timeout_s: float = 15.0) -> None:
         c.kill()
 
 
+SPARE_FAILURES_MAX = 3
+
+
 class Supervisor:
     """The processes ``up`` started and how to start each again: the chaos harness kills them and
     the supervisor restarts them at once (a learner by promoting the hot spare when one is
@@ -152,6 +156,10 @@ class Supervisor:
         self.spares_wanted = 0
         self.spares_started = 0
         self.spares_used = 0
+        self.spares_failed: list[str] = []
+        """Standby processes that exited before they were used (the last lines of their logs): a
+        spare that cannot start is not started again and again (each one costs an interpreter and
+        a torch import), the pool is given up after SPARE_FAILURES_MAX."""
         self.hung_replaced = 0
         self.last_beat: dict[str, tuple[int, float, str]] = {}
         """Learner id -> (pid, time, status) of the last heartbeat seen from that process."""
@@ -182,12 +190,26 @@ class Supervisor:
     def start_spare(self) -> None:
         """Top the standby pool up to ``spares_wanted`` processes."""
         with self.lock:
-            self.spares = [c for c in self.spares if c.alive()]
+            self._drop_dead_spares()
             while len(self.spares) < self.spares_wanted:
                 self.spares_started += 1
                 n = self.spares_started
                 argv = self.learner_argv("standby", 0) + ["--standby"]
                 self.spares.append(Child(f"spare-{n}", argv, self.log(f"spare-{n}"), stdin=True))
+
+    def _drop_dead_spares(self) -> None:
+        """Forget spares that exited; count the ones that failed and give the pool up after
+        SPARE_FAILURES_MAX of them (replacements then start cold, as without spares)."""
+        for c in [c for c in self.spares if not c.alive()]:
+            self.spares.remove(c)
+            if c.proc.returncode not in (0, None):
+                self.spares_failed.append(f"{c.name} exit {c.proc.returncode}: {c.log_tail(2)}")
+                if len(self.spares_failed) >= SPARE_FAILURES_MAX and self.spares_wanted:
+                    self.spares_wanted = 0
+                    print(f"ddloco up: {len(self.spares_failed)} standby learners failed to start; no more "
+                          f"spares (replacements start cold). Last: {self.spares_failed[-1]}",
+                          file=sys.stderr, flush=True)
+            c.kill()
 
     def _remaining_steps(self, lid: str) -> int:
         if not self.steps:
@@ -216,12 +238,12 @@ class Supervisor:
             if target in self.slots:
                 slot = self.slots[target]
                 steps = self._remaining_steps(target)
-                self.spares = [c for c in self.spares if c.alive()]
+                self._drop_dead_spares()
                 if self.spares:
                     child = self.spares.pop(0)
                     self.spares_used += 1
                     child.order({"learner_id": target, "data_shard": slot["index"], "max_steps": steps,
-                                 "slowdown": slot.get("slowdown")})
+                                 "slowdown": slot.get("slowdown"), "metrics_port": slot.get("metrics_port")})
                     child.name = target
                     self.children.append(child)
                     self.start_spare()
@@ -316,15 +338,79 @@ def find_resumable(run_id: str, runs_dir: Path = Path("runs")) -> Path:
     return candidates[-1]
 
 
+@dataclass(frozen=True)
+class BrokerEndpoints:
+    """Where `up`'s broker binds and where every child connects (learners publish to ``pub``,
+    the broker's XSUB; everyone subscribes at ``sub``, its XPUB)."""
+
+    xsub_bind: str
+    xpub_bind: str
+    pub: str
+    sub: str
+
+
+def broker_endpoints(pub: str = "", sub: str = "") -> BrokerEndpoints:
+    """``--broker-pub`` / ``--broker-sub`` as given (a wildcard host, * or 0.0.0.0, is bound as
+    given and reached on 127.0.0.1), each one not given a free port on 127.0.0.1. ConfigError
+    naming the flag when a given TCP port is already in use, is 0 or *, or the endpoint cannot
+    reach another process (inproc)."""
+    from common.redis_server import free_port
+    binds, connects = [], []
+    for flag, given in (("--broker-pub", pub), ("--broker-sub", sub)):
+        if not given:
+            given = f"tcp://127.0.0.1:{free_port()}"
+        else:
+            check_value(flag, given, endpoint_problem)
+            _check_bindable(flag, given)
+        binds.append(given)
+        # a wildcard bind is reached on the loopback address (children run on this machine)
+        connects.append(re.sub(r"^tcp://(\*|0\.0\.0\.0):", "tcp://127.0.0.1:", given).replace("tcp://[::]:",
+                                                                                               "tcp://[::1]:"))
+    if binds[0] == binds[1]:
+        raise ConfigError(f"--broker-pub and --broker-sub are both {binds[0]!r}: the broker needs two endpoints")
+    return BrokerEndpoints(xsub_bind=binds[0], xpub_bind=binds[1], pub=connects[0], sub=connects[1])
+
+
+def _check_bindable(flag: str, endpoint: str) -> None:
+    """The broker of `up` can bind ``endpoint``: a fixed TCP port nobody listens on."""
+    import errno
+    import socket
+    transport, _, address = endpoint.partition("://")
+    if transport == "inproc":
+        raise ConfigError(f"{flag} {endpoint!r}: inproc:// does not cross processes; `up` runs the broker as one "
+                          f"(use tcp://127.0.0.1:PORT or ipc://PATH)")
+    if transport != "tcp":
+        return
+    host, _, port = address.rpartition(":")
+    if port in ("0", "*"):
+        raise ConfigError(f"{flag} {endpoint!r}: give a fixed port (with port {port} the other processes "
+                          f"would not know where to connect; leave the flag out for a free port)")
+    family = socket.AF_INET6 if host.startswith("[") else socket.AF_INET
+    host = "" if host in ("*", "0.0.0.0") else host.strip("[]")
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as ZeroMQ binds: TIME_WAIT is no conflict
+        try:
+            probe.bind((host, int(port)))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ConfigError(f"{flag} {endpoint!r}: port {port} is already in use (another broker or "
+                                  f"`ddloco up`?); choose another port or leave the flag out") from None
+            # a host Python cannot bind (an interface name ZeroMQ resolves): the broker reports its own error
+
+
 def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float | None = None,
            slowdowns: list[float] | None = None, quiet: bool = False, resume: Path | None = None,
-           chaos: Any = None, extra: tuple[int, float, float] | None = None, insecure: bool = False) -> int:
+           chaos: Any = None, extra: tuple[int, float, float] | None = None, insecure: bool = False,
+           tensorboard: str | None = None, broker_pub: str = "", broker_sub: str = "") -> int:
     """A whole cluster until the learners' step budget or the time cap; ``resume`` is the work
-    directory of a stopped run to continue (same run id, shard checkpoints, learner positions)."""
+    directory of a stopped run to continue (same run id, shard checkpoints, learner positions);
+    ``tensorboard`` a directory for the eval loss's TensorBoard event files; ``broker_pub`` /
+    ``broker_sub`` the broker's endpoints (empty: free ports on 127.0.0.1)."""
     from common.redis_server import EmbeddedRedis, free_port
     from common.fragments import model_plan, state_tensors
     from tasks.contract import bind_task, build_model, check_task
     up = cfg.up
+    broker = broker_endpoints(broker_pub, broker_sub)   # a port in use: refused before anything starts
     # every refusal (task cannot load, P does not fit, bad batch or loss) before anything starts
     task, run = bind_task(cfg.run)
     model = build_model(task, run.task.seed)
@@ -341,6 +427,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
     redis_srv = None
     sup: Supervisor | None = None
     extras: list[Child] = []
+    scalars: Any = None  # the TensorBoardLog of --tensorboard
     t_start = time.time()
     try:
         ROLE_ENV.clear()
@@ -357,14 +444,12 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             say(f"redis      embedded at redis://{redis_srv.host}:{redis_srv.port}/0 (no persistence"
                 + (", a password and an ACL user per role" if password else ", no password") + ")")
         redis_url = redis_srv.url if redis_srv else cfg.endpoints.redis_url
-        p_pub, p_sub = free_port(), free_port()
         # no password in files: the daemons get the URL that has it in their environment
         shown_url = f"redis://{redis_srv.host}:{redis_srv.port}/0" if redis_srv else control.redact(redis_url)
         if redis_srv is None and shown_url != redis_url:
             for role in ("broker", "shard", "learner"):
                 ROLE_ENV[role] = {"DDLOCO_REDIS_URL": redis_url}
-        endpoints = override(cfg.endpoints, redis_url=shown_url, broker_pub=f"tcp://127.0.0.1:{p_pub}",
-                             broker_sub=f"tcp://127.0.0.1:{p_sub}")
+        endpoints = override(cfg.endpoints, redis_url=shown_url, broker_pub=broker.pub, broker_sub=broker.sub)
         previous: dict[str, Any] = {}
         if resume is not None:
             previous = json.loads((resume / STATE_FILE).read_text())
@@ -405,6 +490,16 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         learner_ids = [f"learner-{i}" for i in range(up.learners)]
         slots = {lid: {"index": i, "slowdown": slow[i % len(slow)] if slow else None}
                  for i, lid in enumerate(learner_ids)}
+        # every daemon's /metrics on a free loopback port; a restarted process (or the spare that
+        # replaces a learner) serves on its slot's port again
+        metrics_ports = {name: free_port() for name in ("broker", *(f"shard{k}" for k in range(up.syncers)),
+                                                        *learner_ids, *(f"extra-{j}" for j in range(extra[0] if extra else 0)))}
+        metrics_urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in metrics_ports.items()}
+        for lid in learner_ids:
+            slots[lid]["metrics_port"] = metrics_ports[lid]
+
+        def metrics_args(name: str) -> list[str]:
+            return ["--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_ports[name])] if name in metrics_ports else []
         if insecure:
             common_args.append("--insecure")
             say("security   --insecure: no CURVE on ZeroMQ sockets" + ("" if redis_srv is None else
@@ -433,26 +528,37 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
                 argv += ["--slowdown", str(slots[lid]["slowdown"])]
             if step_time_floor_ms:
                 argv += ["--step-time-floor-ms", str(step_time_floor_ms)]
+            argv += metrics_args(lid)
             return argv
         sup = Supervisor(workdir=workdir, learner_argv=learner_argv, slots=slots, steps=up.steps,
                          checkpoint_dir=syncer.checkpoint_dir, run_id=endpoints.run_id, shards=up.syncers,
                          redis_srv=redis_srv)
-        sup.add(Child("broker", _ddloco("broker", *common_args, "--xsub", f"tcp://127.0.0.1:{p_pub}",
-                                        "--xpub", f"tcp://127.0.0.1:{p_sub}", "--run-id", endpoints.run_id),
+        sup.add(Child("broker", _ddloco("broker", *common_args, "--xsub", broker.xsub_bind,
+                                        "--xpub", broker.xpub_bind, "--run-id", endpoints.run_id,
+                                        *metrics_args("broker")),
                       log("broker")))
         for k in range(up.syncers):
-            sup.add(Child(f"shard{k}", _ddloco("syncer", *common_args, "--shard", str(k), "--shards", str(up.syncers)),
+            sup.add(Child(f"shard{k}", _ddloco("syncer", *common_args, "--shard", str(k), "--shards", str(up.syncers),
+                                               *metrics_args(f"shard{k}")),
                           log(f"syncer-{k}")))
         for i, lid in enumerate(learner_ids):
             sup.add(Child(lid, learner_argv(lid, i), log(lid)))
-        say(f"started    broker, {up.syncers} syncer(s), {up.learners} learner(s): "
-            + " ".join(f"{c.name}={c.pid}" for c in sup.all()))
+        say(f"started    broker (publish {broker.pub}, subscribe {broker.sub}), {up.syncers} syncer(s), "
+            f"{up.learners} learner(s): " + " ".join(f"{c.name}={c.pid}" for c in sup.all()))
+        (workdir / "metrics.json").write_text(json.dumps(metrics_urls, indent=2))
+        say(f"metrics    Prometheus /metrics on 127.0.0.1 ({workdir / 'metrics.json'}): "
+            + " ".join(f"{name}:{port}" for name, port in metrics_ports.items()))
 
         monitor = Monitor(cfg, r, keys, task, learner_ids=list(learner_ids), say=say)
         sup.monitor = monitor
         if resume is not None:
             monitor.resumed = True
             monitor.token_offset = int(previous.get("tokens_total", 0))
+        if tensorboard:
+            from ddloco.tensorboard_log import EVAL_LOSS_TAG, TensorBoardLog
+            scalars = TensorBoardLog(tensorboard)
+            monitor.on_eval = scalars.add_eval
+            say(f"tensorboard {EVAL_LOSS_TAG} vs tokens in {tensorboard} (`tensorboard --logdir {tensorboard}`)")
         monitor.evaluate(initial=True)
         watchdog = None
         if up.replace_hung_s > 0:
@@ -551,10 +657,12 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             report["chaos"] = str(chaos)
             report["versions_regressed"] = report.get("versions_regressed", 0) + res["shard_versions_regressed"]
             report["spares_used"] = sup.spares_used
+            report["spares_failed"] = sup.spares_failed
             for e in res["chaos_events"]:   # on the report's clock (the monitor's)
                 e["t"] = round(e["t"] + chaos_runner.report_t0, 3)
                 monitor.marks.append((e["t"], e["kind"], e["target"]))
         report["hung_replaced"] = sup.hung_replaced
+        report["metrics_endpoints"] = metrics_urls
         report["security"] = {"curve": not insecure,
                               "redis_auth": bool(redis_srv.password) if redis_srv is not None else shown_url != redis_url,
                               "redis_tls": redis_url.startswith("rediss://")}
@@ -595,6 +703,8 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         stop_chaos.set()  # after the processes it restarted are stopped (their parent-death signal)
         if redis_srv is not None:
             redis_srv.stop()
+        if scalars is not None:
+            scalars.close()
         ROLE_ENV.clear()
         for s, h in prev_handlers.items():
             signal.signal(s, h)

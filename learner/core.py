@@ -25,7 +25,7 @@ import numpy as np
 import redis
 import torch
 
-from common import control
+from common import control, metrics
 from common.config import ConfigError, Endpoints, LearnerOptions, RunConfig
 from common.fragments import (Fragment, describe_plan_difference, gather, model_plan, plan_digest,
                               scatter, state_tensors)
@@ -155,6 +155,7 @@ class Learner:
         self._serve_watch: dict[str, Any] | None = None
         self.incarnation = secrets.token_hex(4)
         """This process's life under ``self.id``: a restart with the same id is a new incarnation."""
+        self.metrics: metrics.MetricsServer | None = None
 
     # ------------------------------------------------------------------ join
     def _prepare(self, run: RunConfig) -> None:
@@ -187,7 +188,11 @@ class Learner:
                 raise LearnerRefused(str(e)) from None
         else:
             self.redis = control.connect(self.endpoints.redis_url)
-            run = control.fetch_run_config(self.redis, self.keys, wait_s=self.options.join_timeout_s, stop=self.stop)
+            run = control.fetch_run_config(
+                self.redis, self.keys, wait_s=self.options.join_timeout_s, stop=self.stop,
+                redis_url=self.endpoints.redis_url,
+                on_wait=lambda why: self.log.warning("learner.run_config_missing", detail=why,
+                                                     gives_up_after_s=self.options.join_timeout_s))
             try:
                 self._prepare(run)
             except TaskError as e:  # this machine's task differs from the run's
@@ -206,14 +211,16 @@ class Learner:
         (w * 2.0).sum().backward()
         apply_step(holder, opt, sched)
         opt.load_state_dict(opt.state_dict())
+        import prometheus_client  # noqa: F401  (the /metrics endpoint starts with run(): not after a failure)
 
     def assign(self, *, learner_id: str, data_shard: int | None = None, max_steps: int | None = None,
-               slowdown: float | None = None) -> None:
+               slowdown: float | None = None, metrics_port: int | None = None) -> None:
         """A prepared standby process becomes learner ``learner_id`` (a restart that skips the
         interpreter, imports and model build). Its life and boot phases count from now."""
         self.options = replace(self.options, learner_id=learner_id,
                                **{k: v for k, v in (("data_shard", data_shard), ("max_steps", max_steps),
-                                                    ("slowdown", slowdown)) if v is not None})
+                                                    ("slowdown", slowdown), ("metrics_port", metrics_port))
+                                  if v is not None})
         self.id = learner_id
         self.log = get_logger("learner", learner=self.id, run=self.endpoints.run_id)
         self.stream = data_stream(self.options, self.id)
@@ -298,6 +305,62 @@ class Learner:
 
     # ------------------------------------------------------------------ training thread
     def run(self) -> LearnerSummary:
+        """Join, train, leave; ``/metrics`` is served meanwhile when ``options.metrics_port`` asks."""
+        self.metrics = metrics.start(role="learner", run_id=self.endpoints.run_id, member=lambda: self.id,
+                                     read=self.readings, host=self.options.metrics_host,
+                                     port=self.options.metrics_port, info={"device": self.options.device})
+        if self.metrics is not None:
+            self.log.info("learner.metrics", url=self.metrics.url)
+        try:
+            return self._run()
+        finally:
+            if self.metrics is not None:
+                self.metrics.stop()
+                self.metrics = None
+
+    def readings(self) -> list[metrics.Reading]:
+        """What ``/metrics`` shows, read on the scrape's thread (counters as they are: no lock)."""
+        s = self.stats
+        statuses = ("joining", "training", "blocked", "flushing", "stopped")
+        return [
+            metrics.counter("learner_steps_total", "Inner steps taken by this process.", s.steps),
+            metrics.counter("learner_tokens_total", "Tokens trained on by this process.", s.tokens),
+            metrics.counter("learner_answers_total", "Answers sent to open rounds.", s.answers),
+            metrics.counter("learner_merges_applied_total", "Merged fragments applied.", s.merges_applied),
+            metrics.counter("learner_fetches_total", "Full fragments asked of the shards (join, gaps, a "
+                            "restarted shard).", s.fetches),
+            metrics.counter("learner_version_gaps_total", "Lost broadcasts found by their version (repaired by "
+                            "a fetch).", s.version_gaps),
+            metrics.counter("learner_versions_regressed_total", "Fragments a shard moved back below our "
+                            "version.", s.versions_regressed),
+            metrics.counter("learner_stale_opens_total", "Open rounds skipped: already merged past them.",
+                            s.stale_opens),
+            metrics.counter("learner_nonfinite_answers_total", "Answers not sent: non-finite delta.",
+                            s.nonfinite_answers),
+            metrics.counter("learner_malformed_total", "Messages dropped: failed to decode.", s.malformed),
+            metrics.counter("learner_bytes_total", "Bytes sent (out: answers, copies, peer state) and received "
+                            "(in: merged fragments, peer state).", {"out": s.bytes_up, "in": s.bytes_down},
+                            "direction"),
+            metrics.counter("learner_train_seconds_total", "Seconds of training work (frozen steps excluded).",
+                            s.train_s),
+            metrics.counter("learner_blocked_seconds_total", "Seconds waiting at the lock-step barrier.",
+                            s.blocked_s),
+            metrics.counter("learner_bootstraps_served_total", "States served to joining peers.",
+                            s.bootstraps_served),
+            metrics.gauge("learner_step_seconds", "Inner step time (EMA, 0.9).", s.step_ema_s),
+            metrics.gauge("learner_loss", "Training loss (EMA, 0.95).", s.loss_ema),
+            metrics.gauge("learner_learning_rate", "Inner learning rate of the last step.", s.lr),
+            metrics.gauge("learner_boot_seconds", "Process start to joined (0 before).", s.boot_s),
+            metrics.gauge("learner_last_contribution_timestamp_seconds", "Unix time of the last answer sent "
+                          "(0: none yet).", s.last_contrib_at),
+            metrics.gauge("learner_queue_depth", "Items waiting between the threads: inbox (network to "
+                          "training), outbox (training to network).",
+                          {"inbox": self._inbox.qsize(), "outbox": self._outbox.qsize()}, "queue"),
+            metrics.gauge("learner_status", "1 for the learner's current status.",
+                          {st: float(self.status == st) for st in statuses}, "status"),
+        ]
+
+    def _run(self) -> LearnerSummary:
         self._join_control()
         self.net = self.network_class(learner_id=self.id, endpoints=self.endpoints, codec=self.algo.uplink_codec,
                                       numels=[f.numel for f in self.plan], inbox=self._inbox, outbox=self._outbox,
@@ -748,7 +811,7 @@ class Learner:
                 "last_contrib_fragment": s.last_contrib_fragment, "first_answer": s.first_answer,
                 "bootstrap": s.bootstrap, "bootstraps_served": s.bootstraps_served,
                 "peer": getattr(getattr(self, "net", None), "peer_endpoint", ""), "last_contrib_at": s.last_contrib_at,
-                "data_shard": self.options.data_shard, "pid": os.getpid(), "host": socket.gethostname(),
+                "data_shard": self.options.data_shard, "data_stream": self.stream, "pid": os.getpid(), "host": socket.gethostname(),
                 "data_position": self.data_position + s.batches}
 
     def _leave(self) -> None:

@@ -27,6 +27,7 @@ import zmq
 
 from common import wire
 from common.config import Endpoints
+from common.links import keep_alive
 from common.rpc import FragmentClient
 from common.security import Security, SecurityError
 
@@ -226,7 +227,7 @@ class NetworkThread:
         if sec is not None:
             sec.start_zap(ctx)
         run = self.endpoints.run_id
-        sub = ctx.socket(zmq.SUB)
+        sub = keep_alive(ctx.socket(zmq.SUB))
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 10_000)
         if sec is not None:
@@ -235,14 +236,14 @@ class NetworkThread:
         sub.setsockopt(zmq.SUBSCRIBE, wire.topic_prefix(run, wire.OPEN))
         sub.setsockopt(zmq.SUBSCRIBE, wire.topic_prefix(run, wire.FRAG))
         sub.setsockopt(zmq.SUBSCRIBE, wire.topic_prefix(run, wire.NEED))
-        pub = ctx.socket(zmq.PUB)
+        pub = keep_alive(ctx.socket(zmq.PUB))
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 1_000)
         if sec is not None:
             sec.client(pub, "broker")
         pub.connect(self.endpoints.broker_pub)
         client = FragmentClient(ctx, run_id=run, sender=self.id, security=sec)
-        peer = ctx.socket(zmq.ROUTER)
+        peer = keep_alive(ctx.socket(zmq.ROUTER))
         peer.setsockopt(zmq.LINGER, 0)
         peer.setsockopt(zmq.SNDHWM, 0)  # a state in flight is bounded by its size, not dropped
         if sec is not None:
@@ -261,9 +262,12 @@ class NetworkThread:
         try:
             while not self.stop.is_set():
                 shards, eps = self.shard_endpoints()
-                if eps != client.endpoints or shards != client.shards:
+                if client.differs(shards, eps):
+                    bad = dict(client.bad_endpoints)
                     client.set_endpoints(shards, eps)
                     client.sync_poller(poller, registered)
+                    if self.log is not None and client.bad_endpoints and client.bad_endpoints != bad:
+                        self.log.warning("learner.bad_shard_endpoint", shards=client.bad_endpoints)
                 self.send(pub, client, unsent_fetch, peer)
                 for sock, _ in poller.poll(5):
                     if sock is sub:

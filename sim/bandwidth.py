@@ -32,10 +32,10 @@ PAPER_GBIT_S: dict[tuple[str, str], float] = {("dp", "bf16"): 104.0, ("diloco", 
 
 @dataclass(frozen=True, kw_only=True)
 class BandwidthConfig:
-    """Model size, step time and schedule (defaults: the paper's setting, docs/sim.md)."""
+    """Model size, step time and schedule (defaults: the paper's setting, README.md "The calibration")."""
 
     params: float = 2.8e9
-    """Parameters of the model (2.8e9 is what the paper's figures imply, docs/sim.md)."""
+    """Parameters of the model (2.8e9 is what the paper's figures imply, README.md "The calibration")."""
     step_s: float = 1.0
     """Compute time of one training step."""
     fragments: int = 24

@@ -73,7 +73,7 @@ _MODEL_HELP = {
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("failure model (defaults: the calibration of docs/sim.md)")
+    g = p.add_argument_group("failure model (defaults: the calibration in README.md, \"The calibration\")")
     for f in dataclasses.fields(FailureModel):
         kind = _positive_int if f.type in (int, "int") else _float
         g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_table)
 
     r = sub.add_parser("run", help="one scenario: --chips N --learners M --quorum K",
-                       description="Goodput and uptime of one scenario (mean and 95%% CI over "
+                       description="Goodput and uptime of one scenario (mean and 95 % CI over "
                        "seeds).")
     r.add_argument("--chips", type=_positive_int, required=True, help="N: provisioned chips")
     r.add_argument("--learners", type=_positive_int, default=1, help="M (default 1)")

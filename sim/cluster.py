@@ -52,7 +52,7 @@ DEFAULT_FAILURES = 40_000
 @dataclass(frozen=True, kw_only=True)
 class FailureModel:
     """Failure, repair and reconfiguration times. The defaults are the one calibration used for
-    every cell of the paper's Table 1 (docs/sim.md)."""
+    every cell of the paper's Table 1 (README.md, "The calibration")."""
 
     chip_mtbi_years: float = 1.0
     """Mean time between interruptions of one chip [paper: 1 year]."""

@@ -110,14 +110,8 @@ def format_table(cells: list[Cell]) -> str:
 
 def plot_table(cells: list[Cell], path: str | os.PathLike[str]) -> None:
     """Goodput vs chips, one line per row (ours) and the paper's points."""
-    from common.plot import Series, line_chart
+    from ddloco.plots import goodput_plot
 
-    xs = list(CHIPS)
-    ours = [Series(f"{row} ours", xs, [c.ours_pct for c in cells if c.row == row], "line")
-            for row in ROWS]
-    paper = [Series(f"{row} paper", xs, list(PAPER_GOODPUT_PCT[row]), "points") for row in ROWS]
-    # An unlabelled, invisible series widens the x range so the end points are not clipped.
-    margin = Series("", [CHIPS[0] / 1.25, CHIPS[-1] * 1.25], [math.nan, math.nan], "points")
-    line_chart(path, ours + paper + [margin], title="Goodput vs chips: ours (lines) and the paper (dots)",
-               xlabel="chips (log scale)", ylabel="goodput %", logx=True, size=(900, 600),
-               ylim=(0.0, 100.0))
+    ours = {row: [c.ours_pct for c in cells if c.row == row] for row in ROWS}
+    goodput_plot(path, CHIPS, ours, PAPER_GOODPUT_PCT,
+                 title="Goodput vs chips: ours (lines) and the paper (dots)")

@@ -24,10 +24,11 @@ import redis
 import torch
 import zmq
 
-from common import control, wire
+from common import control, metrics, wire
 from common.config import Endpoints, RunConfig, SyncerOptions
 from common.fragments import Fragment, gather, model_plan, owned_fragments, plan_digest, plan_layout, state_tensors
 from common.keys import Keys
+from common.links import keep_alive
 from common.security import Security
 from common.log import get_logger
 from common.merge import contribution_weights, outer_update
@@ -117,9 +118,11 @@ class ShardStats:
     bytes_out: int = 0
     requests: int = 0
     requests_deferred: int = 0
+    """Fragment requests left unanswered while the fragment was recovering (asked again)."""
     rejected: dict[str, int] = field(default_factory=dict)
     """Answers refused or clipped by the robust-merge rules, by reason (common.robust.REASONS)."""
-    """Fragment requests left unanswered while the fragment was recovering (asked again)."""
+    round_s: metrics.Histogram = field(default_factory=metrics.Histogram)
+    """Seconds from a round's open to its merge, of every merged round of this process."""
 
     @property
     def dropped(self) -> int:
@@ -208,6 +211,9 @@ class Shard:
         self._merges_since_ckpt = 0
         self._lease_lost = False
         self._ckpt_writer = LatestWriter(self._write_checkpoint, name=f"{self.id}-checkpoint")
+        self.grace_s = 0.0
+        """The adaptive grace window of the last poll (seconds a round waits past its quorum)."""
+        self.metrics: metrics.MetricsServer | None = None
 
     # ---------------------------------------------------------------- set-up / tear-down
     def _prepare(self, run: RunConfig) -> torch.nn.Module:
@@ -234,7 +240,10 @@ class Shard:
         else:
             self.redis = control.connect(self.endpoints.redis_url)
             try:
-                model = self._prepare(control.fetch_run_config(self.redis, self.keys, wait_s=30.0))
+                model = self._prepare(control.fetch_run_config(
+                    self.redis, self.keys, wait_s=30.0, redis_url=self.endpoints.redis_url,
+                    on_wait=lambda why: self.log.warning("syncer.run_config_missing", detail=why,
+                                                         gives_up_after_s=30.0)))
             except TaskError as e:  # this machine's task differs from the run's
                 raise control.ConfigMismatch(f"refused: {e}") from None
         control.claim_shard_count(self.redis, self.keys, self.options.shards)
@@ -270,14 +279,61 @@ class Shard:
         self.log.info("syncer.started", fragments=owned, rpc=self.rpc_endpoint, config=self.run.to_dict(),
                       checkpoint=str(self.checkpoint_path) if self.checkpoint_path else "none",
                       versions={p: f.version for p, f in self.frags.items()})
+        try:
+            self.metrics = metrics.start(role="shard", run_id=self.endpoints.run_id, member=self.id,
+                                         read=self.readings, host=self.options.metrics_host,
+                                         port=self.options.metrics_port, info={"shards": str(self.options.shards)})
+        except BaseException:
+            self.close()
+            raise
+        if self.metrics is not None:
+            self.log.info("syncer.metrics", url=self.metrics.url)
         return self
+
+    def readings(self) -> list[metrics.Reading]:
+        """What ``/metrics`` shows, read on the scrape's thread (copies of counters: no lock)."""
+        st, frags = self.stats, list(self.frags.items())
+        return [
+            metrics.counter("shard_merges_total", "Rounds merged into a new fragment version (restored from the "
+                            "checkpoint at start).", st.merges),
+            metrics.counter("shard_answers_total", "Learner answers by outcome: accepted (into its open round), "
+                            "late (the round had merged), stale_base (its base version or shard life is gone), "
+                            "wrong_run.", {"accepted": st.answers, "late": st.late_answers,
+                                           "stale_base": st.stale_base, "wrong_run": st.wrong_run}, "outcome"),
+            metrics.counter("shard_answers_rejected_total", "Answers refused (nonfinite_delta) or cut (claims, "
+                            "clipped) by the robust merge, by reason.", dict(st.rejected), "reason"),
+            metrics.counter("shard_malformed_total", "Messages and requests that failed to decode or made no "
+                            "sense (dropped).", st.malformed),
+            metrics.counter("shard_rounds_dropped_total", "Rounds whose merge was not finite (dropped).",
+                            st.nonfinite_rounds),
+            metrics.counter("shard_reopens_total", "Round opens sent again (no quorum yet).", st.reopens),
+            metrics.counter("shard_bytes_total", "Message bytes: in (answers, copies), out (opens, merged "
+                            "fragments, replies).", {"in": st.bytes_in, "out": st.bytes_out}, "direction"),
+            metrics.counter("shard_fragment_requests_total", "Full-fragment requests: served, deferred (the "
+                            "fragment was recovering).", {"served": st.requests, "deferred": st.requests_deferred},
+                            "outcome"),
+            metrics.counter("shard_checkpoints_total", "Checkpoints: written, failed.",
+                            {"written": st.checkpoints, "failed": st.checkpoint_errors}, "outcome"),
+            metrics.counter("shard_versions_behind_total", "Fragments that restarted below the run's recorded "
+                            "version (no live learner had it).", st.versions_behind),
+            metrics.histogram("shard_round_seconds", "Seconds from a round's open to its merge.", st.round_s),
+            metrics.gauge("shard_grace_window_seconds", "The adaptive grace window: how long a round waits "
+                          "for more answers past its quorum.", self.grace_s),
+            metrics.gauge("shard_rounds_open", "Rounds in flight.", sum(f.round is not None for _, f in frags)),
+            metrics.gauge("shard_fragments_recovering", "Fragments still collecting live learners' copies.",
+                          sum(f.recovery is not None for _, f in frags)),
+            metrics.gauge("shard_fragment_version", "Version of each owned fragment.",
+                          {str(p): f.version for p, f in frags}, "fragment"),
+            metrics.gauge("shard_live_learners", "Learners with a fresh heartbeat, as last read from Redis.",
+                          len(self.live)),
+        ]
 
     def _open_sockets(self) -> None:
         self._ctx = zmq.Context()
         sec = self.security
         if sec is not None:
             sec.start_zap(self._ctx)
-        self.sub = self._ctx.socket(zmq.SUB)
+        self.sub = keep_alive(self._ctx.socket(zmq.SUB))
         self.sub.setsockopt(zmq.RCVHWM, 10_000)
         self.sub.setsockopt(zmq.LINGER, 0)
         if sec is not None:
@@ -286,13 +342,13 @@ class Shard:
         for p in self.frags:
             self.sub.setsockopt(zmq.SUBSCRIBE, wire.topic(self.endpoints.run_id, wire.UPDATE, p))
             self.sub.setsockopt(zmq.SUBSCRIBE, wire.topic(self.endpoints.run_id, wire.HAVE, p))
-        self.pub = self._ctx.socket(zmq.PUB)
+        self.pub = keep_alive(self._ctx.socket(zmq.PUB))
         self.pub.setsockopt(zmq.SNDHWM, 10_000)
         self.pub.setsockopt(zmq.LINGER, 0)
         if sec is not None:
             sec.client(self.pub, "broker")
         self.pub.connect(self.endpoints.broker_pub)
-        self.router = self._ctx.socket(zmq.ROUTER)
+        self.router = keep_alive(self._ctx.socket(zmq.ROUTER))
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.SNDHWM, 10_000)
         if sec is not None:
@@ -309,6 +365,9 @@ class Shard:
         self.close()
 
     def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
         if self._ctx is None:
             return
         try:
@@ -487,7 +546,8 @@ class Shard:
         if path is None or not path.exists():
             return False
         state = torch.load(path, weights_only=True)
-        if state.get("run_digest") != self.run.digest() or state.get("plan_digest") != self.plan_digest:
+        if (state.get("run_digest") not in (self.run.digest(), self.run.digest_before_data_digests())
+                or state.get("plan_digest") != self.plan_digest):
             raise CheckpointMismatch(f"checkpoint {path} belongs to another run config; move it away or use another --checkpoint-dir")
         if (state["shard"], state["shards"]) != (self.options.shard, self.options.shards):
             raise CheckpointMismatch(f"checkpoint {path} is for shard {state['shard']} of {state['shards']}")
@@ -541,6 +601,7 @@ class Shard:
         xi_step = self._xi_step(slowest=True)
         grace = grace_window_s(xi_step_s=xi_step, xi_quorum_s=self.xi_quorum.value or 0.0,
                                xi_sync_s=self.xi_sync.value or 0.0, tau=algo.tau, gamma=algo.grace_gamma)
+        self.grace_s = grace
         for p, f in self.frags.items():
             rnd = f.round
             if rnd is None:
@@ -712,6 +773,7 @@ class Shard:
         f.round = None
         self._publish(self._frag_frames(f))
         self.stats.merges += 1
+        self.stats.round_s.observe(now - rnd.opened_at)
         self._merges_since_ckpt += 1
         self.xi_sync.update(time.perf_counter() - t0)
         contributors = [a.sender for a in answers]

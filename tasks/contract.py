@@ -8,8 +8,8 @@
 
 A ``Task`` is plain data: six callables and a dict. Everything else (devices, fragments,
 buffers, seeds, checkpoints, export) is ours. Every process of a run builds the task from the
-same ``--task MODULE:ATTR`` and ``--task-arg`` values; the run is refused when ``name`` or
-``config`` differ between processes.
+same ``--task MODULE:ATTR`` and ``--task-arg`` values; the run is refused when ``name``,
+``config`` or ``data_digest`` differ between processes.
 """
 from __future__ import annotations
 
@@ -60,10 +60,21 @@ class Task:
     key), else the first dimension of the first tensor in the batch."""
     config: Mapping[str, Any] = field(default_factory=dict)
     """The task's own settings, JSON-able; hashed into the run config with ``name``."""
+    data_digest: str = ""
+    """Identity of the data itself: ``hash_data(...)`` of the bytes the task loaded (its files, a
+    library's bundled set, a download). Part of the run config: a process whose data hashes
+    differently is refused even when ``name`` and ``config`` agree (another machine's files,
+    another Python or library version). Give one whenever the data comes from outside your code;
+    empty: the data is not checked (data generated from the seeds by your code needs none)."""
+    data_source: str = ""
+    """Where the data came from, for people (a path, a version); named when digests differ, not hashed."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise TaskError(f"Task.name must be a non-empty string, got {self.name!r}")
+        for attr in ("data_digest", "data_source"):
+            if not isinstance(getattr(self, attr), str):
+                raise TaskError(f"Task.{attr} must be a string, got {type(getattr(self, attr)).__name__}")
         for attr in ("model", "batches", "loss"):
             if not callable(getattr(self, attr)):
                 raise TaskError(f"Task.{attr} must be callable, got {type(getattr(self, attr)).__name__}")
@@ -77,6 +88,22 @@ class Task:
             json_config(self.config)
         except TypeError as e:
             raise TaskError(f"Task.config must be a JSON-able dict: {e}") from None
+
+
+def hash_data(*parts: Any) -> str:
+    """A ``Task.data_digest``: the first 16 hex digits of the SHA-256 of ``parts`` in order (bytes,
+    numpy arrays, torch tensors), hashed as they already are in memory (no second read)."""
+    import hashlib
+
+    import numpy as np
+    h = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            part = part.detach().cpu().contiguous().numpy()
+        if isinstance(part, np.ndarray):
+            part = np.ascontiguousarray(part)
+        h.update(part)
+    return h.hexdigest()[:16]
 
 
 def json_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -379,12 +406,18 @@ def check_task(task: Task, model: nn.Module, *, seed: int, stream: int = 0) -> i
     return tokens
 
 
+def describe_data_difference(run_digest: str, run_source: str, digest: str, source: str) -> str:
+    """The refusal of a process whose data is not the run's: both digests and where each came from."""
+    return (f"data digest differs: run has {run_digest}, this process has {digest or 'none'} "
+            f"(its data: {source or 'not described'}; the run's: {run_source or 'not recorded'})")
+
+
 def bind_task(run: "RunConfig", task: Task | None = None) -> tuple[Task, "RunConfig"]:
-    """The run's task, and ``run`` with the task's name and config filled in.
+    """The run's task, and ``run`` with the task's name, config and data digest filled in.
 
     ``task`` None loads ``run.task.spec`` with ``run.task.args``. When ``run`` already names a
-    task (it came from Redis or a checkpoint), the loaded one must report the same name and
-    config: TaskError names what differs.
+    task (it came from Redis or a checkpoint), the loaded one must report the same name, config
+    and data digest (when the run recorded one): TaskError names what differs.
     """
     given = task is not None
     if task is None:
@@ -396,12 +429,20 @@ def bind_task(run: "RunConfig", task: Task | None = None) -> tuple[Task, "RunCon
     want = run.task
     if want.name and want.name != task.name:
         raise TaskError(f"task name {task.name!r} differs from the run's {want.name!r}")
+    problems = []
     if want.name and want.config != config:
         keys = sorted(set(config) | set(want.config))
         diff = [f"{k}={config.get(k)!r} (run has {want.config.get(k)!r})" for k in keys
                 if config.get(k) != want.config.get(k)]
-        raise TaskError(f"task {task.name!r} config differs from the run's: {', '.join(diff)}")
-    bound = dataclasses.replace(want, name=task.name, config=config)
+        problems.append(f"task {task.name!r} config differs from the run's: {', '.join(diff)}")
+    if want.name and want.data_digest and want.data_digest != task.data_digest:
+        # a run that recorded no digest (a task without one, or older code) is not checked
+        problems.append(describe_data_difference(want.data_digest, want.data_source, task.data_digest,
+                                                 task.data_source))
+    if problems:
+        raise TaskError("; ".join(problems))
+    bound = dataclasses.replace(want, name=task.name, config=config, data_source=task.data_source,
+                                data_digest=want.data_digest if want.name else task.data_digest)
     if given and not want.name and want.spec == "gpt" and task.name != "gpt":
         # a Task object with the default spec: no spec says how to load it (a process joining
         # without a task is told so); set run.task.spec to its MODULE:ATTR to let such processes in

@@ -10,6 +10,8 @@ Training batch k of data stream ``stream`` under run seed ``seed`` is ``batch_si
 images drawn with ``np.random.default_rng([seed, stream, k])``: it depends on those three
 values only, so a restarted learner resumes exactly. The held-out set is the whole held-out
 split in fixed batches. scikit-learn is imported on first use (loading is memoised per process).
+The split tensors are hashed once (``Task.data_digest``): a learner whose scikit-learn ships other
+data, or whose NumPy permutes differently, is refused by the run.
 
 The model, ``DigitsCNN``, is conv-BN-ReLU, conv-BN-ReLU, 2x2 max-pool, linear: its BatchNorm
 running statistics are buffers, the case a task with only LayerNorm (``gpt``) never exercises.
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.contract import Task, TaskError, indexed_batches
+from tasks.contract import Task, TaskError, hash_data, indexed_batches
 
 N_CLASSES = 10
 """Digits 0..9."""
@@ -47,6 +49,10 @@ class DigitsSplit:
     train_labels: torch.Tensor
     heldout_images: torch.Tensor
     heldout_labels: torch.Tensor
+    digest: str = ""
+    """``hash_data`` of the four tensors (the task's ``data_digest``: covers the data and the split)."""
+    source: str = ""
+    """Where the images came from (the task's ``data_source``)."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -56,6 +62,7 @@ def load_split(eval_fraction: float = 0.2, split_seed: int = 0) -> DigitsSplit:
     if not 0.0 < eval_fraction < 1.0:
         raise TaskError(f"task arg eval_fraction must be in (0, 1), got {eval_fraction!r}")
     try:
+        import sklearn
         from sklearn.datasets import load_digits
     except ImportError:
         raise TaskError("task digits needs scikit-learn (pip install scikit-learn)") from None
@@ -69,8 +76,10 @@ def load_split(eval_fraction: float = 0.2, split_seed: int = 0) -> DigitsSplit:
         raise TaskError(f"task arg eval_fraction={eval_fraction} leaves an empty split of {n} images")
     order = torch.from_numpy(np.random.default_rng(split_seed).permutation(n))
     held, train = order[:n_heldout], order[n_heldout:]
-    return DigitsSplit(train_images=images[train], train_labels=labels[train],
-                       heldout_images=images[held], heldout_labels=labels[held])
+    parts = dict(train_images=images[train], train_labels=labels[train], heldout_images=images[held],
+                 heldout_labels=labels[held])
+    return DigitsSplit(**parts, digest=hash_data(*parts.values()),
+                       source=f"scikit-learn {sklearn.__version__}'s bundled digits ({n} images)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -147,7 +156,8 @@ def digits(*, batch_size: int = 32, width: int = 16, eval_fraction: float = 0.2,
     config = dict(batch_size=batch_size, width=width, eval_fraction=float(eval_fraction), split_seed=split_seed,
                   eval_batch_size=eval_batch_size, images=[n_train, n_heldout])
     return Task(name="digits", model=model, batches=batches, loss=classification_loss,
-                eval_batches=lambda: iter(eval_set), config=config)
+                eval_batches=lambda: iter(eval_set), config=config, data_digest=split.digest,
+                data_source=split.source)
 
 
 def heldout_accuracy(model: nn.Module, *, eval_fraction: float = 0.2, split_seed: int = 0) -> float:

@@ -10,7 +10,9 @@
 Files are split into train and held-out sets by a seeded hash of their relative path, so the
 split is identical on every process of a run and no byte of a held-out file is ever trained
 on; a single file is split by position instead (its last ``heldout_fraction`` is held out).
-Nothing is cached on disk; loading is memoised per process.
+Nothing is cached on disk; loading is memoised per process. The bytes loaded are hashed once
+(``Task.data_digest``): a learner whose interpreter ships another standard library, or whose
+files differ, is refused by the run instead of silently training on other data.
 
 The model is nanoGPT-shaped (pre-LayerNorm blocks, causal self-attention, GELU MLP, tied head)
 with *separate* q/k/v/proj projections: many similar-sized tensors for balanced fragments.
@@ -21,6 +23,7 @@ import functools
 import hashlib
 import math
 import os
+import platform
 import sysconfig
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.contract import Task, TaskError, indexed_batches
+from tasks.contract import Task, TaskError, hash_data, indexed_batches
 
 VOCAB_SIZE = 256
 """Byte-level vocabulary."""
@@ -56,6 +59,13 @@ class Corpus:
     heldout: np.ndarray
     train_files: tuple[str, ...]
     heldout_files: tuple[str, ...]
+    digest: str = ""
+    """``hash_data(train, heldout)``: the task's ``data_digest`` (computed once, at load)."""
+
+    def describe(self, what: str) -> str:
+        """Where the bytes came from: the task's ``data_source``."""
+        n = len(set(self.train_files) | set(self.heldout_files))
+        return f"{what} {self.root} ({n} file(s), {len(self.train) + len(self.heldout):,} bytes with separators)"
 
 
 def stdlib_root() -> str:
@@ -104,7 +114,8 @@ def _load_corpus(root: str, suffix: str, seed: int, heldout_fraction: float, max
             data = np.frombuffer(fh.read(max_bytes), dtype=np.uint8)
         cut = int(len(data) * (1.0 - heldout_fraction))
         name = os.path.basename(root)
-        return Corpus(root=root, train=data[:cut], heldout=data[cut:], train_files=(name,), heldout_files=(name,))
+        return Corpus(root=root, train=data[:cut], heldout=data[cut:], train_files=(name,), heldout_files=(name,),
+                      digest=hash_data(data[:cut], data[cut:]))
     train: list[np.ndarray] = []
     heldout: list[np.ndarray] = []
     train_files: list[str] = []
@@ -131,8 +142,9 @@ def _load_corpus(root: str, suffix: str, seed: int, heldout_fraction: float, max
         else:
             train.append(arr)
             train_files.append(rel)
-    return Corpus(root=root, train=_join(train), heldout=_join(heldout),
-                  train_files=tuple(train_files), heldout_files=tuple(heldout_files))
+    train_bytes, heldout_bytes = _join(train), _join(heldout)
+    return Corpus(root=root, train=train_bytes, heldout=heldout_bytes, train_files=tuple(train_files),
+                  heldout_files=tuple(heldout_files), digest=hash_data(train_bytes, heldout_bytes))
 
 
 def load_corpus(root: str, *, seq_len: int, split_seed: int = 0, heldout_fraction: float = 0.1,
@@ -310,9 +322,11 @@ def _check_positive(**values: int) -> None:
 
 def language_model_task(name: str, corpus: Corpus, *, seq_len: int, batch_size: int, n_layer: int, n_head: int,
                         n_embd: int, eval_batches: int, n_experts: int = 0, top_k: int = 2,
-                        config: dict[str, Any]) -> Task:
+                        config: dict[str, Any], data_source: str) -> Task:
     """A byte-level GPT task on ``corpus``: batches are random windows of the train split; the
-    held-out set is ``eval_batches`` fixed batches of the held-out split."""
+    held-out set is ``eval_batches`` fixed batches of the held-out split. Its data digest is the
+    corpus's: a process that read other bytes (another Python's standard library, other files)
+    is refused."""
     _check_positive(seq_len=seq_len, batch_size=batch_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                     eval_batches=eval_batches)
     if n_embd % n_head:
@@ -331,7 +345,8 @@ def language_model_task(name: str, corpus: Corpus, *, seq_len: int, batch_size: 
     batches = indexed_batches(lambda rng: _windows(corpus.train, rng, batch_size, seq_len),
                               max_stream=_EVAL_STREAM - 1)
     return Task(name=name, model=model, batches=batches, loss=lm_loss, eval_batches=lambda: iter(eval_set),
-                embedding_names=("wte.weight", "wpe.weight"), config=config)
+                embedding_names=("wte.weight", "wpe.weight"), config=config, data_digest=corpus.digest,
+                data_source=data_source)
 
 
 def gpt(*, seq_len: int = 64, batch_size: int = 16, n_layer: int = 6, n_head: int = 4, n_embd: int = 64,
@@ -344,7 +359,8 @@ def gpt(*, seq_len: int = 64, batch_size: int = 16, n_layer: int = 6, n_head: in
                   eval_batches=eval_batches, heldout_fraction=heldout_fraction, corpus_max_bytes=corpus_max_bytes,
                   split_seed=split_seed, corpus_bytes=[int(len(corpus.train)), int(len(corpus.heldout))])
     return language_model_task("gpt", corpus, seq_len=seq_len, batch_size=batch_size, n_layer=n_layer,
-                               n_head=n_head, n_embd=n_embd, eval_batches=eval_batches, config=config)
+                               n_head=n_head, n_embd=n_embd, eval_batches=eval_batches, config=config,
+                               data_source=_stdlib_source(corpus))
 
 
 def gpt_moe(*, n_experts: int = 4, top_k: int = 2, seq_len: int = 64, batch_size: int = 16, n_layer: int = 4,
@@ -362,7 +378,7 @@ def gpt_moe(*, n_experts: int = 4, top_k: int = 2, seq_len: int = 64, batch_size
                   corpus_bytes=[int(len(corpus.train)), int(len(corpus.heldout))])
     return language_model_task("gpt-moe", corpus, seq_len=seq_len, batch_size=batch_size, n_layer=n_layer,
                                n_head=n_head, n_embd=n_embd, eval_batches=eval_batches, n_experts=n_experts,
-                               top_k=top_k, config=config)
+                               top_k=top_k, config=config, data_source=_stdlib_source(corpus))
 
 
 def text(*, path: str = "", seq_len: int = 64, batch_size: int = 16, n_layer: int = 6, n_head: int = 4,
@@ -373,14 +389,16 @@ def text(*, path: str = "", seq_len: int = 64, batch_size: int = 16, n_layer: in
         raise TaskError("task text needs --task-arg path=DIR_OR_FILE (your text files)")
     corpus = load_corpus(path, seq_len=seq_len, split_seed=split_seed, heldout_fraction=heldout_fraction,
                          max_bytes=corpus_max_bytes, suffix="")
-    digest = hashlib.sha256(corpus.train.tobytes())
-    digest.update(corpus.heldout.tobytes())
     config = dict(seq_len=seq_len, batch_size=batch_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                   eval_batches=eval_batches, heldout_fraction=heldout_fraction, corpus_max_bytes=corpus_max_bytes,
-                  split_seed=split_seed, corpus_sha256=digest.hexdigest()[:16],
-                  files=[len(corpus.train_files), len(corpus.heldout_files)])
+                  split_seed=split_seed, files=[len(corpus.train_files), len(corpus.heldout_files)])
     return language_model_task("text", corpus, seq_len=seq_len, batch_size=batch_size, n_layer=n_layer,
-                               n_head=n_head, n_embd=n_embd, eval_batches=eval_batches, config=config)
+                               n_head=n_head, n_embd=n_embd, eval_batches=eval_batches, config=config,
+                               data_source=corpus.describe("files under"))
+
+
+def _stdlib_source(corpus: Corpus) -> str:
+    return corpus.describe(f"Python {platform.python_version()}'s standard library sources under")
 
 
 def initial_loss_estimate() -> float:

@@ -115,10 +115,10 @@ class Cluster:
                 self.errors.append(e)
         return run
 
-    def start_broker(self) -> None:
+    def start_broker(self, **opts: Any) -> None:
         from broker.daemon import Broker, BrokerOptions
         opts = BrokerOptions(xsub_bind=self.endpoints.broker_pub, xpub_bind=self.endpoints.broker_sub,
-                             keys_dir=self.endpoints.keys_dir)
+                             keys_dir=self.endpoints.keys_dir, **opts)
         ready = threading.Event()
 
         def loop() -> None:
@@ -184,9 +184,11 @@ class Cluster:
 def make_cluster(redis_server: EmbeddedRedis, tmp_path) -> Iterator[Callable[..., Cluster]]:
     made: list[Cluster] = []
 
-    def make(run: RunConfig, *, run_id: str = "t", task: Task | None = None, secure: bool = False) -> Cluster:
+    def make(run: RunConfig, *, run_id: str = "t", task: Task | None = None, secure: bool = False,
+             broker: dict[str, Any] | None = None) -> Cluster:
         """``secure``: CURVE keys for the broker, 2 shards and the monitor (learners get theirs
-        from ``Cluster.learner``), every socket authenticated and encrypted."""
+        from ``Cluster.learner``), every socket authenticated and encrypted. ``broker``: more
+        BrokerOptions."""
         keys_dir = ""
         if secure:
             from common.security import create_keys
@@ -195,7 +197,7 @@ def make_cluster(redis_server: EmbeddedRedis, tmp_path) -> Iterator[Callable[...
         ep = Endpoints(run_id=run_id, redis_url=redis_server.url, broker_pub=f"tcp://127.0.0.1:{free_port()}",
                        broker_sub=f"tcp://127.0.0.1:{free_port()}", keys_dir=keys_dir)
         c = Cluster(endpoints=ep, run=run, task=task or tiny_task(), checkpoint_dir=str(tmp_path / "ckpt"))
-        c.start_broker()
+        c.start_broker(**(broker or {}))
         made.append(c)
         return c
 

@@ -266,31 +266,16 @@ def write_markdown(path: Path, summary: dict[str, Any], meta: dict[str, Any]) ->
 
 
 def write_plot(path: Path, summary: dict[str, Any], title: str) -> None:
-    """Mean eval loss vs tokens per system (line), min and max over seeds (dots, same colour)."""
-    from common.plot import Series, line_chart
-    series: list[Series] = []
-    for i, (system, s) in enumerate(summary.items()):
-        c = s["curve"]
-        series.append(Series(system, c["tokens"], c["mean"], style="line", color=i))
-        if len(s["runs"]) > 1:
-            for edge in ("min", "max"):
-                series.append(Series(f"{system} {edge}", c["tokens"][1:], c[edge][1:], style="points", color=i,
-                                     in_legend=False))
-    # y range: from the lowest seed to the highest mean a quarter into the budget (skip the cliff)
-    lo = min(v for s in summary.values() for v in s["curve"]["min"][1:])
-    quarter = [s["curve"]["mean"][min(len(s["curve"]["mean"]) - 1, max(1, len(s["curve"]["mean"]) // 4))]
-               for s in summary.values()]
-    hi = max(quarter + [max(s["curve"]["max"][-1] for s in summary.values())])
-    pad = 0.05 * (hi - lo or 1.0)
-    line_chart(path, series, title=title, xlabel="tokens (all learners)", ylabel="eval loss (nats/byte)",
-               ylim=(lo - pad, hi + pad))
+    """Mean eval loss vs tokens per system (line), min to max over seeds (band, same colour)."""
+    from ddloco.plots import compare_plot
+    compare_plot(path, summary, title)
 
 
 # ------------------------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ddloco compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", default="gpt", help="built-in task (default gpt)")
+    ap.add_argument("--task", default="gpt", help="built-in task or MODULE:ATTR (default gpt)")
     ap.add_argument("--learners", type=int, default=4, help="M: learners / DP ranks (default 4)")
     ap.add_argument("--tokens", type=int, default=1_638_400, help="token budget N of every multi-learner "
                     "system (default 1,638,400 = 4 learners x 400 steps x 1,024 tokens)")
@@ -306,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--jobs", type=int, default=1, help="in-process systems run this many at a time (default 1)")
     ap.add_argument("--syncers", type=int, default=2, help="syncer shards of the cluster systems (default 2)")
     ap.add_argument("--delay-steps", type=int, default=2,
-                    help="decoupled_emulated: steps between a round's answers and the merged value's arrival")
+                    help="decoupled_emulated: steps between a round's answers and the merged value's arrival "
+                         "(default 2)")
     ap.add_argument("--device", default="auto", help="dp: auto (CUDA + NCCL when available) or cpu")
     ap.add_argument("--render-only", action="store_true",
                     help="run nothing: rebuild compare.json/md/png from the runs already in DIR/runs")

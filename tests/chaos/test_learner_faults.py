@@ -255,6 +255,10 @@ def test_up_chaos_injects_every_kind_restarts_it_and_nothing_goes_back(tmp_path)
     assert all(s is not None for s in rep["shard_back_s"]), rep["shard_back_s"]  # both shards merging again
     assert rep["eval_loss_final"] < rep["eval_loss_initial"]
     assert rep["processes_left"] == []
+    # hot spares (secure run: a standby learns its id, and so its key, only when it is promoted)
+    assert rep["spares_failed"] == [], rep["spares_failed"]
+    if any(e["t"] > 25 for e in kills):      # spares are ready ~10-20 s after start on 2 cores
+        assert rep["spares_used"] >= 1, events
     stall = next(e for e in events if e["kind"] == "stall")
     # the frozen process was a training learner (not one restarted just before), the schedule did not
     # SIGKILL it first, and the run lasted long enough for the 5 s watchdog

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from common import control
+from common.config import ConfigError
 from common.keys import Keys
 from common.redis_server import free_port
 from tests.conftest import TINY_TOML as TINY, wait_until
@@ -43,8 +44,11 @@ def test_up_runs_a_cluster_writes_report_and_leaves_no_process(tmp_path):
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(TINY)
     report = tmp_path / "report"
+    pub, sub = free_port(), free_port()   # the broker's endpoints, fixed by the operator
     res = ddloco("up", "--config", str(cfg), "--learners", "2", "--syncers", "2", "--steps", "40",
-                 "--step-time-floor-ms", "25", "--minutes", "3", "--report", str(report), "--run-id", "e2e", cwd=tmp_path, timeout=200)
+                 "--step-time-floor-ms", "25", "--minutes", "3", "--report", str(report), "--run-id", "e2e",
+                 "--broker-pub", f"tcp://127.0.0.1:{pub}", "--broker-sub", f"tcp://127.0.0.1:{sub}",
+                 cwd=tmp_path, timeout=200)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     rep = json.loads((report / "report.json").read_text())
     for field in ("run_id", "learners", "syncers", "wall_s", "tokens_total", "eval_loss_initial", "eval_loss_final",
@@ -56,6 +60,7 @@ def test_up_runs_a_cluster_writes_report_and_leaves_no_process(tmp_path):
     assert rep["every_learner_contributed"] and rep["every_fragment_merged"], rep["contributors"]
     assert rep["eval_loss_final"] < rep["eval_loss_initial"]
     assert rep["processes_left"] == []
+    assert set(rep["metrics_endpoints"]) == {"broker", "shard0", "shard1", "learner-0", "learner-1"}
     for png in ("eval_loss.png", "merges.png", "timeline.png"):
         assert (report / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # secure by default: CURVE keys per member, a Redis password, nothing refused in a clean run
@@ -65,7 +70,12 @@ def test_up_runs_a_cluster_writes_report_and_leaves_no_process(tmp_path):
     assert (run_dir / "keys" / "public" / "learner" / "learner-1.key").exists()
     toml = (run_dir / "config.toml").read_text()
     assert "keys_dir" in toml and "@" not in toml.split("redis_url", 1)[1].split("\n", 1)[0]  # no password in files
+    # --broker-pub / --broker-sub: the broker bound them and every child connected to them
+    assert f'broker_pub = "tcp://127.0.0.1:{pub}"' in toml and f'broker_sub = "tcp://127.0.0.1:{sub}"' in toml, toml
+    broker_log = (run_dir / "logs" / "broker.log").read_text()
+    assert f'"xsub": "tcp://127.0.0.1:{pub}"' in broker_log and f'"xpub": "tcp://127.0.0.1:{sub}"' in broker_log
     assert oct((run_dir / "access.env").stat().st_mode & 0o777) == "0o600"
+    assert json.loads((run_dir / "metrics.json").read_text()) == rep["metrics_endpoints"]
     pids = [int(h["pid"]) for h in rep["learner_stats"].values()] + [int(h["pid"]) for h in rep["shard_stats"].values()]
     assert not [p for p in pids if Path(f"/proc/{p}").exists()]
 
@@ -77,10 +87,13 @@ def test_daemons_by_hand_status_and_refused_learner(tmp_path, redis_server):
     net = ["--insecure", "--redis-url", redis_server.url, "--broker-pub", f"tcp://127.0.0.1:{pub}",
            "--broker-sub", f"tcp://127.0.0.1:{sub}", "--run-id", "byhand", "--log-format", "json"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DDLOCO_INSECURE": "1"}
+    broker_metrics, shard_metrics = free_port(), free_port()   # the flag for one, the environment for the other
     procs = [subprocess.Popen([sys.executable, "-m", "broker", "--xsub", f"tcp://127.0.0.1:{pub}",
-                               "--xpub", f"tcp://127.0.0.1:{sub}"], env=env, stderr=subprocess.DEVNULL),
+                               "--xpub", f"tcp://127.0.0.1:{sub}", "--metrics-port", str(broker_metrics)],
+                              env=env, stderr=subprocess.DEVNULL),
              subprocess.Popen([sys.executable, "-m", "syncer", "--config", str(cfg), *net,
-                               "--checkpoint-dir", str(tmp_path / "ck")], env=env, stderr=subprocess.DEVNULL)]
+                               "--checkpoint-dir", str(tmp_path / "ck")],
+                              env={**env, "DDLOCO_METRICS_PORT": str(shard_metrics)}, stderr=subprocess.DEVNULL)]
     try:
         # a learner needs only the broker, Redis and the run id: the config comes from Redis
         learner = subprocess.Popen([sys.executable, "-m", "learner", *net, "--learner-id", "hand-1", "--steps", "30"],
@@ -88,6 +101,9 @@ def test_daemons_by_hand_status_and_refused_learner(tmp_path, redis_server):
         procs.append(learner)
         _, err = learner.communicate(timeout=120)
         assert learner.returncode == 0, err[-2000:]
+        from tests.integration.test_metrics import scrape, value
+        assert value(scrape(f"http://127.0.0.1:{shard_metrics}/metrics"), "ddloco_shard_merges_total") >= 1
+        assert value(scrape(f"http://127.0.0.1:{broker_metrics}/metrics"), "ddloco_broker_messages_total") > 0
         res = ddloco("status", "--json", *net[:-2], timeout=60)
         assert res.returncode == 0, res.stderr
         st = json.loads(res.stdout)
@@ -151,3 +167,117 @@ def test_bench_reports_every_codec_with_exact_sizes():
     assert set(rows) == {"fp32", "bf16", "int8", "int4"}
     assert rows["int4"]["bytes"] == 4096 // 2 + 2 * (4096 // 64)
     assert rows["fp32"]["max_abs_error"] == 0.0
+
+
+def _help(capsys, *argv: str) -> str:
+    from ddloco.cli import main
+    try:
+        rc = main([*argv, "--help"])
+    except SystemExit as done:   # argparse's --help; `sim` returns the code instead
+        rc = done.code
+    assert rc == 0, argv
+    return capsys.readouterr().out
+
+
+def _options_without_description(text: str) -> list[str]:
+    """Options argparse printed with no help text after them (not on their line, nor indented below)."""
+    import re
+    lines = text.splitlines()
+    return [m.group(2) for i, line in enumerate(lines)
+            if (m := re.fullmatch(r"  (-\w, )?(--?[\w-]+)( \S+)?( \[\S+\])?", line.rstrip()))
+            and not (i + 1 < len(lines) and lines[i + 1].startswith(" " * 8) and lines[i + 1].strip())]
+
+
+@pytest.mark.parametrize("argv", [[], ["up"], ["status"], ["keys"], ["broker"], ["syncer"], ["learner"], ["sim"],
+                                  ["sim", "table"], ["sim", "run"], ["sim", "hetero"], ["sim", "bandwidth"],
+                                  ["bench"], ["export"], ["compare"], ["fuzz"], ["chaos"]])
+def test_help_describes_every_flag_without_format_artifacts(argv, capsys):
+    text = _help(capsys, *argv)
+    assert _options_without_description(text) == [], text
+    assert "%%" not in text and "docs/sim.md" not in text, text   # docs/sim.md does not exist
+
+
+def test_help_lists_every_command_and_states_what_flags_do(capsys):
+    top = _help(capsys)
+    for command in ("up", "status", "keys", "broker", "syncer", "learner", "sim", "bench", "export", "chaos",
+                    "compare", "fuzz"):
+        assert f"\n    {command} " in top, (command, top)
+    assert "codec, wire, merge, broker, curve" in top and "3 refused by the run" in top
+    learner = _help(capsys, "learner")
+    assert "stream of training batches (default: derived from the learner id)" in " ".join(learner.split())
+    up = " ".join(_help(capsys, "up").split())
+    assert "endpoint the broker binds for publishers (its XSUB)" in up
+    assert "not used by up: it makes a key pair per member" in up
+
+
+def _main_error(capsys, *argv: str) -> tuple[int, str]:
+    import structlog
+    from ddloco.cli import main
+    logging = structlog.get_config()
+    try:
+        rc = main([*argv, "--insecure"])
+    finally:   # the command pointed structlog at the captured stderr: give the suite its logging back
+        structlog.configure(**logging)
+    err = capsys.readouterr().err
+    return rc, err
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["learner", "--redis-url", "http://x"], "ddloco learner: --redis-url 'http://x': not a Redis URL (expected "
+                                             "redis://[USER:PASSWORD@]HOST:PORT/DB, rediss://... (TLS) or unix://PATH)"),
+    (["broker", "--xsub", "bogus"], "ddloco broker: --xsub 'bogus': not a ZeroMQ endpoint (expected "
+                                    "tcp://HOST:PORT, ipc://PATH or inproc://NAME)"),
+    (["broker", "--xpub", "tcp://host"], "ddloco broker: --xpub 'tcp://host': a tcp endpoint is tcp://HOST:PORT "
+                                         "(HOST a name, an address, * or [IPv6])"),
+    (["syncer", "--rpc-bind", "tcp://0.0.0.0:70000"], "ddloco syncer: --rpc-bind 'tcp://0.0.0.0:70000': port 70000 "
+                                                      "is above 65535"),
+    (["syncer", "--broker-pub", "localhost:5555"], "ddloco syncer: --broker-pub 'localhost:5555': not a ZeroMQ "
+                                                   "endpoint (expected tcp://HOST:PORT, ipc://PATH or inproc://NAME)"),
+    (["learner", "--broker-sub", "ipc://"], "ddloco learner: --broker-sub 'ipc://': ipc:// needs a PATH without "
+                                            "spaces"),
+    (["learner", "--peer-bind", "tcp://*"], "ddloco learner: --peer-bind 'tcp://*': a tcp endpoint is "
+                                            "tcp://HOST:PORT (HOST a name, an address, * or [IPv6])"),
+    (["status", "--redis-url", "redis://:secret@host:port/0"], "ddloco status: --redis-url "
+                                                               "'redis://:***@host:port/0': bad port"),
+])
+def test_a_malformed_url_or_endpoint_flag_is_one_line_naming_it_and_exit_2(argv, line, capsys):
+    rc, err = _main_error(capsys, *argv)
+    assert rc == 2 and err.startswith(line) and err.count("\n") == 1, err
+    assert "secret" not in err
+
+
+@pytest.mark.parametrize("command", ["learner", "status", "up"])
+def test_an_unreachable_redis_is_one_line_naming_the_flag_and_exit_2(command, capsys):
+    url = f"redis://:pw@127.0.0.1:{free_port()}/0"   # nothing listens there
+    rc, err = _main_error(capsys, command, "--redis-url", url, "--run-id", "r")
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and "Traceback" not in err, err
+    assert last.startswith(f"ddloco {command}: --redis-url 'redis://:***@127.0.0.1:") and \
+        "Redis does not answer there (" in last and "Connection refused" in last, err
+
+
+def test_a_bad_endpoint_in_the_config_file_names_the_field(tmp_path, capsys):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[endpoints]\nbroker_pub = "broker:5555"\n')
+    rc, err = _main_error(capsys, "learner", "--config", str(cfg))
+    assert rc == 2 and err.startswith("ddloco learner: endpoints.broker_pub 'broker:5555': not a ZeroMQ endpoint"), err
+
+
+def test_up_refuses_a_broker_port_already_in_use_before_starting_anything(tmp_path, capsys, monkeypatch):
+    import socket
+    from ddloco.up import broker_endpoints
+    monkeypatch.chdir(tmp_path)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rc, err = _main_error(capsys, "up", "--broker-pub", f"tcp://127.0.0.1:{port}", "--steps", "1")
+    assert rc == 2 and err == (f"ddloco up: --broker-pub 'tcp://127.0.0.1:{port}': port {port} is already in use "
+                               "(another broker or `ddloco up`?); choose another port or leave the flag out\n"), err
+    assert not (tmp_path / "runs").exists()   # nothing started, nothing written
+    free = free_port()
+    ep = broker_endpoints(f"tcp://*:{free}", "")
+    assert ep.xsub_bind == f"tcp://*:{free}" and ep.pub == f"tcp://127.0.0.1:{free}"   # bound as given, reached locally
+    assert ep.xpub_bind == ep.sub and ep.sub.startswith("tcp://127.0.0.1:") and ep.sub != ep.pub
+    with pytest.raises(ConfigError, match="--broker-sub 'tcp://127.0.0.1:0': give a fixed port"):
+        broker_endpoints("", "tcp://127.0.0.1:0")

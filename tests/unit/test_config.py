@@ -69,3 +69,18 @@ def test_digest_changes_with_any_run_field_and_dict_round_trips():
     # how the task is loaded (spec, args) is not the run's identity; its name and config are
     assert base.digest() == RunConfig(task=TaskConfig(spec="pkg.mod:task", args={"path": "/x"})).digest()
     assert base.digest() != RunConfig(task=TaskConfig(name="gpt", config={"n_layer": 2})).digest()
+
+
+def test_digest_covers_the_tasks_data_digest_but_not_where_the_data_lies():
+    from common.control import describe_difference
+    run = RunConfig(task=TaskConfig(name="gpt", data_digest="aaaa", data_source="/usr/lib/python3.11"))
+    moved = RunConfig(task=TaskConfig(name="gpt", data_digest="aaaa", data_source="/opt/python3.11"))
+    other = RunConfig(task=TaskConfig(name="gpt", data_digest="bbbb", data_source="/usr/lib/python3.12"))
+    assert run.digest() == moved.digest() and run.digest() != other.digest()
+    assert run_config_from_dict(other.to_dict()) == other
+    # a task without a data digest keeps the digest runs had before data digests existed
+    assert RunConfig(task=TaskConfig(name="gpt")).identity()["task"] == {"name": "gpt", "seed": 0, "config": {}}
+    assert describe_difference(other, run) == ("task.data_digest='bbbb' (run has 'aaaa'), this process's data: "
+                                               "/usr/lib/python3.12; the run's: /usr/lib/python3.11")
+    # a checkpoint written before run configs held a data digest carries the digest without it
+    assert other.digest_before_data_digests() == RunConfig(task=TaskConfig(name="gpt")).digest()

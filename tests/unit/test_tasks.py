@@ -208,3 +208,29 @@ def test_models_built_by_concurrent_threads_are_identical() -> None:
         t.join()
     assert len(built) == 6
     assert all(torch.equal(b[k], built[0][k]) for b in built for k in b), "concurrent builds differ"
+
+
+def test_gpt_on_another_pythons_standard_library_is_refused_naming_the_data_digest(tmp_path, monkeypatch) -> None:
+    from common.config import RunConfig, TaskConfig
+    args = dict(SMALL, corpus_max_bytes=200_000)
+    task, run = bind_task(RunConfig(task=TaskConfig(spec="gpt", args=args)))
+    assert run.task.data_digest == task.data_digest != "" and stdlib_root() in run.task.data_source
+    other_lib = tmp_path / "lib" / "python3.99"          # another interpreter's standard library
+    other_lib.mkdir(parents=True)
+    for i in range(40):
+        (other_lib / f"mod{i}.py").write_text(f"def f{i}(x):\n    return x * {i}  # another version\n" * 20)
+    monkeypatch.setattr("tasks.gpt.stdlib_root", lambda: str(other_lib))
+    other = load_task("gpt", args)
+    with pytest.raises(TaskError) as e:
+        bind_task(run, other)
+    msg = str(e.value)
+    assert (f"data digest differs: run has {run.task.data_digest}, this process has {other.data_digest} "
+            f"(its data: Python ") in msg, msg
+    assert f"standard library sources under {other_lib} (40 file(s)" in msg and stdlib_root() in msg, msg
+
+
+def test_builtin_tasks_hash_the_data_they_load() -> None:
+    a, b = load_task("gpt", SMALL), load_task("gpt", dict(SMALL, n_layer=3))
+    assert len(a.data_digest) == 16 and a.data_digest == b.data_digest   # same corpus, another model
+    assert load_task("gpt", dict(SMALL, split_seed=1)).data_digest != a.data_digest   # another split
+    assert load_task("gpt-moe", SMALL).data_digest == a.data_digest
