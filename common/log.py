@@ -7,11 +7,22 @@ import sys
 import structlog
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is when a line is logged, not the object it was at set-up
+    (a test's captured stream, closed after the test, would break every later log line)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(*, json_output: bool | None = None, level: str = "info", stream=None) -> None:
     """Configure structlog once per process. ``json_output=None`` picks JSON unless on a TTY."""
-    stream = stream or sys.stderr
     if json_output is None:
-        json_output = not stream.isatty()
+        json_output = not (stream or sys.stderr).isatty()
+    stream = stream or _CurrentStderr()
     renderer = structlog.processors.JSONRenderer() if json_output else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
         processors=[

@@ -130,7 +130,9 @@ class Cluster:
         t = threading.Thread(target=self._guard(loop), daemon=True)
         t.start()
         self.threads.append(t)
-        wait_until(ready.is_set, 10, what="broker up")
+        wait_until(lambda: ready.is_set() or self.errors, 10, what="broker up")
+        if self.errors:
+            raise self.errors[-1]
 
     def start_shard(self, k: int, shards: int, **opts: Any) -> Any:
         from syncer.shard import Shard
