@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -159,7 +160,7 @@ def test_python_api_trains_a_batchnorm_model_with_more_fragments_than_tensors(re
     assert final <= 1.5 * batch_stats + 0.05, (final, batch_stats)
 
 
-def test_bad_tasks_exit_2_with_one_line_and_write_nothing_to_redis(tmp_path, redis_server):
+def test_bad_tasks_exit_2_with_one_line_and_write_nothing_to_redis(tmp_path, redis_server, monkeypatch, capsys):
     (tmp_path / "badtask.py").write_text(
         "import torch\nfrom ddloco import Task\n"
         "def nan(width: int = 4):\n"
@@ -177,13 +178,30 @@ def test_bad_tasks_exit_2_with_one_line_and_write_nothing_to_redis(tmp_path, red
              ("learner", ["--task", "badtask:nan", "--fragments", "2"], "loss of the initial model on the first batch is nan"),
              ("syncer", ["--task", "badtask:tiny"], "cannot split a model of 3 elements (2 tensors) into 24 fragments"),
              ("learner", ["--task", "badtask:nan", "--task-arg", "depth=2"], "takes no task arg(s) depth")]
-    env = {**os.environ, "DDLOCO_TASK": "badtask:tiny"}   # compose's way of naming the task
-    res = ddloco("syncer", *net, cwd=tmp_path, timeout=60, env=env)
-    assert res.returncode == 2 and "cannot split a model of 3 elements" in res.stderr, res.stderr[-1500:]
+    from ddloco.cli import main   # in-process (the CLI's own code path; a process each cost ~3 s of imports)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    threads = torch.get_num_threads()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def run(*argv: str) -> tuple[int, str]:
+        try:
+            rc = main(list(argv))
+        except SystemExit as e:
+            rc = e.code
+        finally:   # what a daemon's main sets for its process
+            torch.set_num_threads(threads)
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        return rc, capsys.readouterr().err
+    with monkeypatch.context() as env:
+        env.setenv("DDLOCO_TASK", "badtask:tiny")   # compose's way of naming the task
+        rc, err = run("syncer", *net)
+    assert rc == 2 and "cannot split a model of 3 elements" in err, err[-1500:]
     for command, extra, needle in cases:
-        res = ddloco(command, *net, *extra, cwd=tmp_path, timeout=60)
-        assert res.returncode == 2, (command, extra, res.stderr[-1500:])
-        assert needle in res.stderr and "Traceback" not in res.stderr, res.stderr[-1500:]
+        rc, err = run(command, *net, *extra)
+        assert rc == 2, (command, extra, err[-1500:])
+        assert needle in err and "Traceback" not in err, err[-1500:]
         assert control.connect(redis_server.url).keys("*") == [], f"{extra} wrote to Redis"
 
 
