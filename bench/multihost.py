@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence
 
 from common import control
 from common.keys import Keys
+from common.lifecycle import stop_processes
 from common.redis_server import EmbeddedRedis, free_port
 
 BRIDGE, SUBNET = "ddlbr0", "10.77.0"
@@ -319,14 +320,7 @@ def main(argv: Sequence[str]) -> int:
                     "steps": int(float(h.get("steps", 0))), "merged_contributions": int(h.get("merged_contributions", 0))}
             result["seconds"] = round(t_end - t0, 1)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs.values())
         for relay in relays:
             relay.stop()
         topo.teardown()

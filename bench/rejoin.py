@@ -28,6 +28,7 @@ from typing import Sequence
 
 from common import control
 from common.keys import Keys
+from common.lifecycle import stop_processes
 from common.redis_server import EmbeddedRedis, free_port
 
 PHASES = ("init", "prepared", "joined", "first_answer", "first_merge")
@@ -127,14 +128,7 @@ def main(argv: Sequence[str]) -> int:
                 rows.append(row)
                 print(f"restart {n + 1}: " + ", ".join(f"{k} {v:.2f}s" for k, v in row.items()), flush=True)
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs.values():
-                try:
-                    p.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_processes(procs.values())
     medians = {k: round(statistics.median(row[k] for row in rows), 3) for k in PHASES}
     costs = []   # what serving a joiner cost the peer: its next 20 steps against its step time before
     for log in work.glob("*.log"):

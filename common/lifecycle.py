@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Any, Iterable
 
 PR_SET_PDEATHSIG = 1
 
@@ -47,3 +48,19 @@ def process_start_time() -> float | None:
         return btime + start_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return None
+
+
+def stop_processes(procs: Iterable[Any], timeout_s: float = 20.0) -> None:
+    """SIGTERM every process still running (a graceful stop), wait up to ``timeout_s`` for each,
+    then SIGKILL what is left."""
+    import subprocess
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
