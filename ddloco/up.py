@@ -131,6 +131,7 @@ def _stop_all(children: list[Child], timeout_s: float = 15.0) -> None:
 
 
 SPARE_FAILURES_MAX = 3
+CRASH_RESTARTS_MAX = 3
 
 
 class Supervisor:
@@ -161,6 +162,8 @@ class Supervisor:
         spare that cannot start is not started again and again (each one costs an interpreter and
         a torch import), the pool is given up after SPARE_FAILURES_MAX."""
         self.hung_replaced = 0
+        self.crash_restarts: dict[str, int] = {}
+        """Learner id -> times it was started again after exiting on its own with a failure."""
         self.last_beat: dict[str, tuple[int, float, str]] = {}
         """Learner id -> (pid, time, status) of the last heartbeat seen from that process."""
         self.halted = False
@@ -254,6 +257,31 @@ class Supervisor:
                 self.children.append(Child(target, argv, old.log_path, append=True))
             else:
                 self.children.append(Child(target, old.argv, old.log_path, append=True))
+
+    def restart_crashed(self, say: Callable[[str], None]) -> list[str]:
+        """Start again the learners that exited on their own with a failure (status 1 or a
+        status above 3: an exception, Redis gone for longer than a join waits), at most
+        ``CRASH_RESTARTS_MAX`` times per learner; a refused learner (2, 3) would only be refused
+        again, and a learner killed by a signal is the chaos harness's or the watchdog's to replace.
+        Training goes on with the others either way. Returns the learner ids started again."""
+        out = []
+        with self.lock:
+            if self.halted:
+                return out
+            for c in self.learners():
+                code = c.proc.poll()
+                if code is None or code <= 0 or code in (2, 3):
+                    continue
+                n = self.crash_restarts.get(c.name, 0)
+                if n >= CRASH_RESTARTS_MAX:
+                    continue
+                self.crash_restarts[c.name] = n + 1
+                print(f"ddloco up: {c.name} exited with {code} ({c.log_tail(1)}); started again "
+                      f"({n + 1}/{CRASH_RESTARTS_MAX})", file=sys.stderr, flush=True)
+                self.restart(c.name)
+                out.append(c.name)
+                say(f"crashed    {c.name} exited with {code}: started again")
+        return out
 
     def watch_hung(self, redis_url: str, keys: Keys, after_s: float, say: Callable[[str], None],
                    stop: threading.Event) -> None:
@@ -615,6 +643,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             with sup.lock:
                 dead = [c for c in sup.daemons() if not c.alive()]
                 learners = sup.learners()
+            sup.restart_crashed(say)
             if dead:
                 failure = f"{dead[0].name} exited with {dead[0].proc.returncode}:\n{dead[0].log_tail()}"
                 break
@@ -634,8 +663,8 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         _stop_all(learners + spares)
         daemons = sup.daemons()
         bad = [c for c in learners if c.proc.returncode not in (0, -signal.SIGTERM, 128 + signal.SIGTERM)]
-        for c in bad:
-            say(f"{c.name} exited with {c.proc.returncode}: {c.log_tail(3)}")
+        for c in bad:   # an error, so printed even with --quiet
+            print(f"ddloco up: {c.name} exited with {c.proc.returncode}: {c.log_tail(3)}", file=sys.stderr, flush=True)
         monitor.tick()
         if not failure and not interrupted:
             monitor.evaluate(final=True)
@@ -662,6 +691,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
                 e["t"] = round(e["t"] + chaos_runner.report_t0, 3)
                 monitor.marks.append((e["t"], e["kind"], e["target"]))
         report["hung_replaced"] = sup.hung_replaced
+        report["crash_restarts"] = dict(sup.crash_restarts)
         report["metrics_endpoints"] = metrics_urls
         report["security"] = {"curve": not insecure,
                               "redis_auth": bool(redis_srv.password) if redis_srv is not None else shown_url != redis_url,

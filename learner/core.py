@@ -40,6 +40,8 @@ from tasks.contract import Task, TaskError, batch_to, bind_task, build_model, ch
 
 
 FETCH_RETRY_S = 1.0
+REDIS_JOIN_PATIENCE_S = 30.0
+"""How long a joining learner waits for an unreachable Redis (restarting) before it exits."""
 SERVE_COST_STEPS = 20
 """Steps over which a learner that served its state to a joiner measures what it cost it."""
 
@@ -179,25 +181,28 @@ class Learner:
         if getattr(self, "redis", None) is not None:
             return
         if self._run_arg is not None:
-            self._prepare(self._run_arg)                     # refusals happen before any write
-            self.redis = control.connect(self.endpoints.redis_url)
+            if getattr(self, "run_cfg", None) is None:
+                self._prepare(self._run_arg)                 # refusals happen before any write
+            r = control.connect(self.endpoints.redis_url)
             try:
-                control.publish_run_config(self.redis, self.keys, self.run_cfg)
+                control.publish_run_config(r, self.keys, self.run_cfg)
             except control.ConfigMismatch as e:
-                control.add_event(self.redis, self.keys, "refuse", learner=self.id, reason=str(e))
+                control.add_event(r, self.keys, "refuse", learner=self.id, reason=str(e))
                 raise LearnerRefused(str(e)) from None
+            self.redis = r   # set last: a Redis error above leaves prepare() to be retried whole
         else:
-            self.redis = control.connect(self.endpoints.redis_url)
+            r = control.connect(self.endpoints.redis_url)
             run = control.fetch_run_config(
-                self.redis, self.keys, wait_s=self.options.join_timeout_s, stop=self.stop,
+                r, self.keys, wait_s=self.options.join_timeout_s, stop=self.stop,
                 redis_url=self.endpoints.redis_url,
                 on_wait=lambda why: self.log.warning("learner.run_config_missing", detail=why,
                                                      gives_up_after_s=self.options.join_timeout_s))
             try:
                 self._prepare(run)
             except TaskError as e:  # this machine's task differs from the run's
-                control.add_event(self.redis, self.keys, "refuse", learner=self.id, reason=str(e))
+                control.add_event(r, self.keys, "refuse", learner=self.id, reason=str(e))
                 raise LearnerRefused(f"refused: {e}") from None
+            self.redis = r
 
     def warm_up(self) -> None:
         """A standby process: pay the lazy first-use costs now (the first AdamW construction
@@ -246,6 +251,24 @@ class Learner:
         self._answered: set[tuple[int, int, int, int]] = set()
         self._fetch_asked: dict[int, tuple[int, int, float]] = {}
         self._check_shard_plan()
+
+    def _redis_patient(self, step: Callable[[], None], what: str) -> None:
+        """Run a joining step, riding out a Redis that is restarting (a learner started while
+        Redis is down, by an operator or a supervisor, waits for it instead of exiting): retried
+        every 0.2 s for up to ``REDIS_JOIN_PATIENCE_S``, then the error is raised."""
+        deadline = time.monotonic() + REDIS_JOIN_PATIENCE_S
+        warned = False
+        while True:
+            try:
+                return step()
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                if time.monotonic() > deadline or self.stop.is_set():
+                    raise
+                if not warned:
+                    self.log.warning("learner.redis_unavailable", step=what, error=str(e),
+                                     gives_up_after_s=REDIS_JOIN_PATIENCE_S)
+                    warned = True
+                self.stop.wait(0.2)
 
     def _announce_join(self) -> None:
         """Join as a new incarnation of this learner id. A previous incarnation that never left
@@ -361,7 +384,7 @@ class Learner:
         ]
 
     def _run(self) -> LearnerSummary:
-        self._join_control()
+        self._redis_patient(self._join_control, "join")
         self.net = self.network_class(learner_id=self.id, endpoints=self.endpoints, codec=self.algo.uplink_codec,
                                       numels=[f.numel for f in self.plan], inbox=self._inbox, outbox=self._outbox,
                                       stats=self.stats, shard_endpoints=self._current_shard_endpoints,
@@ -373,7 +396,7 @@ class Learner:
         for t in threads:
             t.start()
         try:
-            self._announce_join()
+            self._redis_patient(self._announce_join, "announce")
             if not (self.options.peer_bootstrap and self._bootstrap_from_peer()):
                 self._load_current_fragments()
                 self.stats.bootstrap = "shards"

@@ -69,3 +69,36 @@ def test_learner_whose_data_differs_from_the_runs_is_refused_naming_both_digests
                    options=LearnerOptions(learner_id="l1", join_timeout_s=5.0), task=run_task)
     same.prepare()
     assert same.run_cfg.digest() == started.digest()
+
+
+def test_learner_started_while_redis_is_down_waits_for_it_and_joins(tmp_path):
+    """A learner started during a Redis restart (an operator's, or `up --chaos`'s) says so and
+    joins once Redis answers, instead of exiting with a ConnectionError."""
+    from common.redis_server import EmbeddedRedis, free_port
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            learner._redis_patient(learner._join_control, "join")
+        except BaseException as e:
+            errors.append(e)
+
+    with capture_logs() as logs:
+        learner = Learner(endpoints=Endpoints(run_id="later", redis_url=url),
+                          options=LearnerOptions(learner_id="l0"), task=tiny_task(), stop=stop)
+        t = threading.Thread(target=join, daemon=True)
+        t.start()
+        try:
+            wait_until(lambda: any(e["event"] == "learner.redis_unavailable" for e in logs), timeout_s=10.0,
+                       what="the learner saying Redis is unavailable")
+            with EmbeddedRedis(port=port) as srv:
+                control.publish_run_config(control.connect(srv.url), Keys("later"), RunConfig())
+                t.join(20.0)
+                assert not t.is_alive() and errors == [], errors
+                assert learner.redis is not None and learner.run_cfg.algo.fragments == RunConfig().algo.fragments
+        finally:
+            stop.set()
+            t.join(5.0)

@@ -46,3 +46,33 @@ def test_no_replacement_while_every_heartbeat_is_stale_or_the_learner_is_not_tra
     finally:
         for c in sup.children:
             c.kill()
+
+
+def test_a_learner_that_crashed_is_started_again_but_not_a_refused_or_killed_one(tmp_path):
+    """Exit 1 (an exception, Redis gone too long): started again, at most CRASH_RESTARTS_MAX
+    times. Exit 3 (refused) would be refused again; a signal is the chaos harness's to handle."""
+    from ddloco.up import CRASH_RESTARTS_MAX
+    (tmp_path / "logs").mkdir()
+    codes = {"crash": "1", "refused": "3"}
+    argv = lambda lid, index: [sys.executable, "-c", f"raise SystemExit({codes.get(lid, 0)})"]  # noqa: E731
+    slots = {"crash": {"index": 0}, "refused": {"index": 1}, "killed": {"index": 2}}
+    sup = Supervisor(workdir=tmp_path, learner_argv=argv, slots=slots, steps=0)
+    for lid in ("crash", "refused"):
+        sup.add(Child(lid, argv(lid, 0), sup.log(lid)))
+    killed = sup.add(Child("killed", [sys.executable, "-c", "import signal; signal.pause()"], sup.log("killed")))
+    killed.proc.kill()
+    try:
+        for c in sup.learners():
+            c.wait(10.0)
+        restarted = []
+        for _ in range(CRASH_RESTARTS_MAX + 2):
+            restarted += sup.restart_crashed(print)
+            for c in sup.learners():
+                c.wait(10.0)
+        assert restarted == ["crash"] * CRASH_RESTARTS_MAX
+        assert sup.crash_restarts == {"crash": CRASH_RESTARTS_MAX}
+        sup.halted = True   # the run is ending: nothing is started any more
+        assert sup.restart_crashed(print) == []
+    finally:
+        for c in sup.children:
+            c.kill()
