@@ -21,10 +21,20 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import msgpack
-import torch
+from typing import TYPE_CHECKING
 
-from common import quant
+import msgpack
+
+if TYPE_CHECKING:
+    import torch
+
+# `common.quant` (and so torch, ~3 s of CPU on a loaded machine) is imported where a payload is
+# encoded or decoded: the broker reads message kinds and topics only, and starts without torch
+
+
+def _quant() -> Any:
+    from common import quant
+    return quant
 
 PROTOCOL_VERSION = 1
 
@@ -90,6 +100,7 @@ class Message:
 
     def values(self) -> torch.Tensor:
         """Dequantize the payload to a flat fp32 tensor (raises PayloadError)."""
+        quant = _quant()
         try:
             return quant.decode(self.payload, self.codec, self.numel)
         except quant.CodecError as e:
@@ -128,7 +139,7 @@ def encode(*, kind: str, run: str, sender: str, fragment: int, values: torch.Ten
     numel = 0
     if values is not None:
         numel = int(values.numel())
-        payload = list(quant.encode(values, codec))
+        payload = list(_quant().encode(values, codec))
     else:
         codec = ""
     sizes = [len(memoryview(f)) for f in payload]
@@ -186,6 +197,7 @@ def decode(frames: Sequence[Any], *, expect_run: str | None = None) -> Message:
     if not all(type(n) is int for n in sizes) or [len(memoryview(p)) for p in payload] != sizes:
         raise PayloadError("payload frame sizes differ from header")
     if payload:
+        quant = _quant()
         if header["codec"] not in quant.CODECS:
             raise PayloadError(f"unknown codec {header['codec']!r}")
         if quant.payload_nbytes(header["numel"], header["codec"]) != sum(sizes):

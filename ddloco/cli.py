@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any, Sequence
 
 from common.config import (ConfigError, ConfigFile, Endpoints, LearnerOptions, SyncerOptions, TaskConfig,
@@ -319,7 +321,9 @@ def cmd_learner(args: argparse.Namespace) -> int:
     install_stop_handlers(stop)
     run, task = _run_and_task(cfg, args, starts_run=False)
     import torch
-    torch.set_num_threads(opts.threads)  # the daemon's cores (`up` shares them between its learners)
+    # the daemon's cores (`up` shares them between its learners); a standby prepares on one, as
+    # a process that ran OpenMP on several cannot fork (the copy hangs in its first parallel op)
+    torch.set_num_threads(1 if args.standby else opts.threads)
     try:
         if args.standby:
             return _standby(cfg, opts, task, run, stop)
@@ -368,14 +372,30 @@ def _standby(cfg: ConfigFile, opts: LearnerOptions, task: Any, run: Any, stop: t
     learner.prepare()
     learner.warm_up()   # the first AdamW construction imports torch's compiler stack: seconds
     print(json.dumps({"event": "learner.standby_ready", "pid": os.getpid()}), flush=True)
+    forks: dict[int, str] = {}   # pid -> where its exit status goes
     line = ""
     while not stop.is_set() and not line:
+        _reap_forks(forks)
         ready, _, _ = select.select([sys.stdin], [], [], 0.2)
         if ready:
             line = sys.stdin.readline()
             if not line:
                 return 0  # the supervisor went away
+            if '"fork"' in line and _fork_learner(line, forks):
+                line = ""   # the factory: wait for the next order
     if stop.is_set():
+        # forked learners stop with the factory: each is asked to leave, and its exit status is
+        # still collected for the supervisor (after 20 s the parent-death signal ends the rest)
+        for pid in forks:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        import time
+        deadline = time.monotonic() + 20.0
+        while forks and time.monotonic() < deadline:
+            _reap_forks(forks)
+            time.sleep(0.05)
         return 0
     try:
         orders = json.loads(line)
@@ -387,8 +407,57 @@ def _standby(cfg: ConfigFile, opts: LearnerOptions, task: Any, run: Any, stop: t
     if cfg.endpoints.keys_dir:
         from common.security import Security
         Security(cfg.endpoints.keys_dir, learner.id)  # SecurityError: exit 2 naming the missing key
+    import torch
+    torch.set_num_threads(opts.threads)
     learner.run()
     return 0
+
+
+def _fork_learner(line: str, forks: dict[int, str]) -> bool:
+    """A standby used as a factory (``{"fork": true, "log": PATH, "reply": PATH, ...}``): fork a
+    copy of this prepared process to become the learner the line names, in well under a second
+    and without a CPU second of imports, however many failures come at once. Returns True in
+    the factory (the child's pid is written to ``reply``, its exit status to ``reply``.exit
+    when it ends); in the child returns False, its output now going to ``log``, and the caller
+    goes on to become the learner."""
+    import json
+    from common.lifecycle import die_with_parent
+    orders = json.loads(line)
+    reply = Path(orders["reply"])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    factory = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        die_with_parent(factory)
+        fd = os.open(orders["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        return False
+    forks[pid] = str(reply) + ".exit"
+    tmp = reply.with_suffix(".tmp")
+    tmp.write_text(str(pid))
+    tmp.replace(reply)
+    print(json.dumps({"event": "learner.standby_forked", "pid": pid, "learner_id": orders.get("learner_id")}),
+          flush=True)
+    return True
+
+
+def _reap_forks(forks: dict[int, str]) -> None:
+    """Collect the exit status of forked learners that ended (Popen's convention: -N for signal N)."""
+    for pid in list(forks):
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done, status = pid, 9   # reaped elsewhere: SIGKILL is the best guess
+        if done:
+            path = forks.pop(pid)
+            Path(path + ".tmp").write_text(str(os.waitstatus_to_exitcode(status)))
+            os.replace(path + ".tmp", path)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -631,8 +700,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_metrics(p)
     p.add_argument("--standby", action="store_true", help="a hot spare: prepare (imports, run config, model, dry "
                    "run), then wait for one JSON line on stdin, {\"learner_id\": ID, \"data_shard\": N, "
-                   "\"max_steps\": N, \"slowdown\": X}, and become that learner (how `ddloco up` replaces a "
-                   "failed learner fast)")
+                   "\"max_steps\": N, \"slowdown\": X}, and become that learner; with \"fork\": true, \"log\": "
+                   "PATH, \"reply\": PATH in the line it forks a copy that becomes the learner (pid written to "
+                   "reply, exit status to reply.exit) and stays ready for the next (CPU only; how `ddloco up` "
+                   "replaces failed learners fast)")
     p.set_defaults(func=cmd_learner)
 
     sub.add_parser("sim", help="goodput simulator at paper scale (ddloco sim --help)", add_help=False)

@@ -100,6 +100,97 @@ class Child:
         return "\n".join(lines[-n:])
 
 
+class ForkedProc:
+    """What ``Child`` needs of a ``Popen``, for a learner forked by a standby factory (a child of
+    the factory, not of ``up``): its pid comes in a reply file, its exit status in another (the
+    factory reaps it); a factory that died takes its forks with it (parent-death signal)."""
+
+    def __init__(self, factory: Child, reply: Path) -> None:
+        self.factory = factory
+        self.reply = reply
+        self.returncode: int | None = None
+        self.stdin = None
+        self._pid: int | None = None
+
+    @property
+    def pid(self) -> int | None:
+        if self._pid is None:
+            try:
+                self._pid = int(self.reply.read_text())
+            except (OSError, ValueError):
+                return None
+        return self._pid
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        try:
+            self.returncode = int(Path(str(self.reply) + ".exit").read_text())
+        except (OSError, ValueError):
+            if not self.factory.alive():
+                pid = self.pid
+                if pid is None or not _process_exists(pid):
+                    self.returncode = -signal.SIGKILL   # never forked, or gone with its factory
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"forked learner {self.reply.stem}", timeout or 0.0)
+            time.sleep(0.02)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        pid = self.pid
+        if pid is None and self.poll() is None:   # ordered, not forked yet: the factory is busy
+            try:
+                self.wait(2.0) if sig == signal.SIGKILL else None
+            except subprocess.TimeoutExpired:
+                pass
+            pid = self.pid
+        if pid is not None and self.poll() is None:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ForkedChild(Child):
+    """A learner forked by a standby factory (``learner --standby`` given a fork order)."""
+
+    def __init__(self, name: str, factory: Child, orders: dict[str, Any], log_path: Path, reply: Path) -> None:
+        self.name = name
+        self.argv = factory.argv
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        reply.parent.mkdir(parents=True, exist_ok=True)
+        self.proc = ForkedProc(factory, reply)  # type: ignore[assignment]
+        factory.order({**orders, "fork": True, "log": str(log_path), "reply": str(reply)})
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+            try:
+                self.proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                pass
+        self._log.close()
+
+
 def _write_state(workdir: Path, report: dict[str, Any], monitor: Monitor, syncers: int,
                  previous: dict[str, Any]) -> None:
     """What a later ``up --resume`` needs: learners' data positions, tokens, the eval curve."""
@@ -161,6 +252,10 @@ class Supervisor:
         """Standby processes that exited before they were used (the last lines of their logs): a
         spare that cannot start is not started again and again (each one costs an interpreter and
         a torch import), the pool is given up after SPARE_FAILURES_MAX."""
+        self.fork_spares = True
+        """The standby pool is one factory process that forks a prepared learner per failure
+        (any number at once, none paying the imports); False: each standby becomes one learner."""
+        self.forks = 0
         self.hung_replaced = 0
         self.crash_restarts: dict[str, int] = {}
         """Learner id -> times it was started again after exiting on its own with a failure."""
@@ -242,6 +337,14 @@ class Supervisor:
                 slot = self.slots[target]
                 steps = self._remaining_steps(target)
                 self._drop_dead_spares()
+                if self.spares and self.fork_spares:
+                    self.spares_used += 1
+                    self.forks += 1
+                    orders = {"learner_id": target, "data_shard": slot["index"], "max_steps": steps,
+                              "slowdown": slot.get("slowdown"), "metrics_port": slot.get("metrics_port")}
+                    self.children.append(ForkedChild(target, self.spares[0], orders, old.log_path,
+                                                     self.workdir / "forks" / f"{target}-{self.forks}.pid"))
+                    return
                 if self.spares:
                     child = self.spares.pop(0)
                     self.spares_used += 1
@@ -561,6 +664,8 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         sup = Supervisor(workdir=workdir, learner_argv=learner_argv, slots=slots, steps=up.steps,
                          checkpoint_dir=syncer.checkpoint_dir, run_id=endpoints.run_id, shards=up.syncers,
                          redis_srv=redis_srv)
+        from learner.core import resolve_device   # a process that set CUDA up cannot be forked
+        sup.fork_spares = hasattr(os, "fork") and resolve_device(cfg.learner.device).type == "cpu"
         sup.add(Child("broker", _ddloco("broker", *common_args, "--xsub", broker.xsub_bind,
                                         "--xpub", broker.xpub_bind, "--run-id", endpoints.run_id,
                                         *metrics_args("broker")),
@@ -595,7 +700,10 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             watchdog.start()
         chaos_runner = None
         if chaos is not None and (chaos.learner_mtbf_s > 0 or chaos.stalls):
-            sup.spares_wanted = 3   # hot spares replace a killed learner in well under a second
+            # hot spares replace a killed learner in well under a second: one factory that forks
+            # a prepared copy per failure (a burst of failures drained a pool of 3 standby
+            # processes, whose replacements then took 10-30 s to boot on a loaded machine)
+            sup.spares_wanted = 1 if sup.fork_spares else 3
             sup.start_spare()
 
         def start_chaos() -> Any:
@@ -660,7 +768,8 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         with sup.lock:
             learners = sup.learners()
             spares, sup.spares, sup.spares_wanted = sup.spares, [], 0
-        _stop_all(learners + spares)
+        _stop_all(learners)
+        _stop_all(spares)   # after the learners: a standby factory reports its forks' exit status
         daemons = sup.daemons()
         bad = [c for c in learners if c.proc.returncode not in (0, -signal.SIGTERM, 128 + signal.SIGTERM)]
         for c in bad:   # an error, so printed even with --quiet

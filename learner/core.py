@@ -227,6 +227,7 @@ class Learner:
                                                     ("slowdown", slowdown), ("metrics_port", metrics_port))
                                   if v is not None})
         self.id = learner_id
+        self.incarnation = secrets.token_hex(4)   # a forked copy of a standby is a life of its own
         self.log = get_logger("learner", learner=self.id, run=self.endpoints.run_id)
         self.stream = data_stream(self.options, self.id)
         standby_s = round(time.time() - self._process_started_at, 3)

@@ -462,14 +462,18 @@ class Shard:
     def _start_recovery(self, recorded: dict[int, int], loaded: bool) -> None:
         """Versions never go back. ``--fresh``: the initial model, above every recorded version.
         Otherwise each fragment asks the live learners for their copies before its first round
-        when the run recorded a newer version than the checkpoint holds, learners are live or a
-        checkpoint was loaded (Redis may have lost the record), and waits until every live learner
+        when the run recorded a newer version than the checkpoint holds, learners are live (not
+        only joining ones of a run that trained no token yet) or a checkpoint was loaded (Redis
+        may have lost the record), and waits until every live learner
         holding copies answered (none live for ``RECOVERY_QUIET_S``: none to ask, unless behind),
         for ``recovery_timeout_s`` at most
         (a frozen learner leaves the live set when its heartbeat expires; a loaded machine may
         take seconds to answer, and ending early would move every learner back)."""
         now = self.clock()
         live = control.live_learners(self.redis, self.keys)
+        holding = any(h.get("status") in HOLDING for h in live.values())
+        if live and not holding and not loaded and not int(self.redis.get(self.keys.tokens) or 0):
+            live = {}   # a new run: its learners are joining (waiting for us) and none trained yet
         for p, f in self.frags.items():
             if self.options.fresh:
                 f.version = recorded[p] + 1 if recorded[p] else 0

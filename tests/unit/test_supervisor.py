@@ -76,3 +76,57 @@ def test_a_learner_that_crashed_is_started_again_but_not_a_refused_or_killed_one
     finally:
         for c in sup.children:
             c.kill()
+
+
+FACTORY = """
+import json, select, signal, sys
+from ddloco.cli import _fork_learner, _reap_forks
+forks = {}
+while True:
+    _reap_forks(forks)
+    if select.select([sys.stdin], [], [], 0.05)[0]:
+        line = sys.stdin.readline()
+        if not line:
+            break
+        if not _fork_learner(line, forks):     # the forked copy: becomes the learner named
+            print("I am", json.loads(line)["learner_id"], flush=True)
+            signal.pause()
+"""
+
+
+def test_a_killed_learner_is_replaced_by_a_fork_of_the_standby_factory_any_number_of_times(tmp_path):
+    """The standby pool is one prepared process that forks a copy per failure: each fork writes
+    to the learner's log, is killable by its pid, its exit status reaches `up` through the factory,
+    and forks end with their factory."""
+    import os
+    import signal
+    from tests.conftest import wait_until
+    sup = _supervisor(tmp_path)
+    repo = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+    factory = Child("spare-1", [sys.executable, "-c", f"import sys; sys.path.insert(0, {repo!r})\n" + FACTORY],
+                    sup.log("spare-1"), stdin=True)
+    sup.spares, sup.spares_wanted = [factory], 1
+    try:
+        forked = []
+        for round_ in range(3):    # three failures in a row: the factory serves each at once
+            old = next(c for c in sup.learners() if c.name == "a")
+            old.proc.kill()
+            sup.restart("a")
+            new = next(c for c in sup.learners() if c.name == "a")
+            wait_until(lambda: new.pid is not None and "I am a" in new.log_tail(20 + round_), 10,
+                       what="the forked learner running and writing to a's log")
+            assert new.alive() and new.pid not in (old.pid, factory.pid)
+            forked.append(new)
+        assert sup.spares_used == 3 and sup.spares == [factory] and factory.alive()
+        assert sup.log("a").read_text().count("I am a") == 3
+        os.kill(forked[-1].pid, signal.SIGKILL)
+        assert forked[-1].wait(5.0) == -signal.SIGKILL    # reaped by the factory, reported to `up`
+        assert all(c.wait(5.0) == -signal.SIGKILL for c in forked[:2])  # killed as each was replaced
+        sup.restart("a")
+        last = next(c for c in sup.learners() if c.name == "a")
+        wait_until(lambda: last.pid is not None, 10, what="a fourth fork")
+        factory.kill()
+        wait_until(lambda: not last.alive(), 10, what="the fork ending with its factory")
+    finally:
+        for c in sup.children + sup.spares:
+            c.kill()
