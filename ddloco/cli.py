@@ -374,15 +374,22 @@ def _standby(cfg: ConfigFile, opts: LearnerOptions, task: Any, run: Any, stop: t
     print(json.dumps({"event": "learner.standby_ready", "pid": os.getpid()}), flush=True)
     forks: dict[int, str] = {}   # pid -> where its exit status goes
     line = ""
+    pending = b""   # read from fd 0 unbuffered: select() cannot see lines a buffered reader holds
     while not stop.is_set() and not line:
         _reap_forks(forks)
-        ready, _, _ = select.select([sys.stdin], [], [], 0.2)
-        if ready:
-            line = sys.stdin.readline()
-            if not line:
+        if b"\n" not in pending:
+            ready, _, _ = select.select([0], [], [], 0.2)
+            if not ready:
+                continue
+            chunk = os.read(0, 65536)
+            if not chunk:
                 return 0  # the supervisor went away
-            if '"fork"' in line and _fork_learner(line, forks):
-                line = ""   # the factory: wait for the next order
+            pending += chunk
+            continue
+        raw, pending = pending.split(b"\n", 1)
+        line = raw.decode(errors="replace") + "\n"
+        if '"fork"' in line and _fork_learner(line, forks):
+            line = ""   # the factory: wait for the next order
     if stop.is_set():
         # forked learners stop with the factory: each is asked to leave, and its exit status is
         # still collected for the supervisor (after 20 s the parent-death signal ends the rest)

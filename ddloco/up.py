@@ -111,6 +111,8 @@ class ForkedProc:
         self.returncode: int | None = None
         self.stdin = None
         self._pid: int | None = None
+        self.lost = False
+        """Its factory died before the fork, or before reporting how the fork ended."""
 
     @property
     def pid(self) -> int | None:
@@ -131,6 +133,7 @@ class ForkedProc:
                 pid = self.pid
                 if pid is None or not _process_exists(pid):
                     self.returncode = -signal.SIGKILL   # never forked, or gone with its factory
+                    self.lost = True
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -295,6 +298,15 @@ class Supervisor:
                 argv = self.learner_argv("standby", 0) + ["--standby"]
                 self.spares.append(Child(f"spare-{n}", argv, self.log(f"spare-{n}"), stdin=True))
 
+    def fork(self, target: str, steps: int, log_path: Path) -> ForkedChild:
+        """Learner ``target`` as a fork of the standby factory (``self.spares[0]``)."""
+        slot = self.slots[target]
+        self.forks += 1
+        orders = {"learner_id": target, "data_shard": slot["index"], "max_steps": steps,
+                  "slowdown": slot.get("slowdown"), "metrics_port": slot.get("metrics_port")}
+        return ForkedChild(target, self.spares[0], orders, log_path,
+                           self.workdir / "forks" / f"{target}-{self.forks}.pid")
+
     def _drop_dead_spares(self) -> None:
         """Forget spares that exited; count the ones that failed and give the pool up after
         SPARE_FAILURES_MAX of them (replacements then start cold, as without spares)."""
@@ -339,11 +351,7 @@ class Supervisor:
                 self._drop_dead_spares()
                 if self.spares and self.fork_spares:
                     self.spares_used += 1
-                    self.forks += 1
-                    orders = {"learner_id": target, "data_shard": slot["index"], "max_steps": steps,
-                              "slowdown": slot.get("slowdown"), "metrics_port": slot.get("metrics_port")}
-                    self.children.append(ForkedChild(target, self.spares[0], orders, old.log_path,
-                                                     self.workdir / "forks" / f"{target}-{self.forks}.pid"))
+                    self.children.append(self.fork(target, steps, old.log_path))
                     return
                 if self.spares:
                     child = self.spares.pop(0)
@@ -373,7 +381,8 @@ class Supervisor:
                 return out
             for c in self.learners():
                 code = c.proc.poll()
-                if code is None or code <= 0 or code in (2, 3):
+                lost = getattr(c.proc, "lost", False)   # a fork whose standby factory died
+                if code is None or (not lost and (code <= 0 or code in (2, 3))):
                     continue
                 n = self.crash_restarts.get(c.name, 0)
                 if n >= CRASH_RESTARTS_MAX:
@@ -674,10 +683,18 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             sup.add(Child(f"shard{k}", _ddloco("syncer", *common_args, "--shard", str(k), "--shards", str(up.syncers),
                                                *metrics_args(f"shard{k}")),
                           log(f"syncer-{k}")))
-        for i, lid in enumerate(learner_ids):
-            sup.add(Child(lid, learner_argv(lid, i), log(lid)))
+        if sup.fork_spares:
+            # one process imports torch, builds the model and warms AdamW up (~5 s of CPU), and
+            # every learner is a fork of it: a start, and any restart, without paying that again
+            sup.spares_wanted = 1
+            sup.start_spare()
+            for lid in learner_ids:
+                sup.add(sup.fork(lid, up.steps, log(lid)))
+        else:
+            for i, lid in enumerate(learner_ids):
+                sup.add(Child(lid, learner_argv(lid, i), log(lid)))
         say(f"started    broker (publish {broker.pub}, subscribe {broker.sub}), {up.syncers} syncer(s), "
-            f"{up.learners} learner(s): " + " ".join(f"{c.name}={c.pid}" for c in sup.all()))
+            f"{up.learners} learner(s): " + " ".join(f"{c.name}={c.pid or 'fork'}" for c in sup.all()))
         (workdir / "metrics.json").write_text(json.dumps(metrics_urls, indent=2))
         say(f"metrics    Prometheus /metrics on 127.0.0.1 ({workdir / 'metrics.json'}): "
             + " ".join(f"{name}:{port}" for name, port in metrics_ports.items()))

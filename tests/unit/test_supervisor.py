@@ -127,6 +127,8 @@ def test_a_killed_learner_is_replaced_by_a_fork_of_the_standby_factory_any_numbe
         wait_until(lambda: last.pid is not None, 10, what="a fourth fork")
         factory.kill()
         wait_until(lambda: not last.alive(), 10, what="the fork ending with its factory")
+        assert sup.restart_crashed(print) == ["a"]    # its slot is not left empty: started cold
+        assert next(c for c in sup.learners() if c.name == "a").alive() and sup.spares == []
     finally:
         for c in sup.children + sup.spares:
             c.kill()
