@@ -1,6 +1,6 @@
 """Two `ddloco up` reports compared at equal tokens (e.g. a run under --chaos and the same run
-without): the first report's final eval loss against the second's eval curve interpolated at
-the first's token count.
+without): at the smaller of their two token counts, the run that stopped there by its final eval
+loss, the other by its eval curve interpolated there (an eval curve is never extrapolated).
 
     python -m bench.equal_tokens reports/chaos7/report.json reports/clean0/report.json
 """
@@ -28,10 +28,14 @@ def main(argv: Sequence[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     a, b = (json.loads(Path(p).read_text()) for p in argv)
-    tokens = a["tokens_total"]
-    la, lb = a["eval_loss_final"], loss_at(b["eval_curve"], tokens)
-    out = {"tokens": tokens, "loss_first": round(la, 4), "loss_second_at_equal_tokens": round(lb, 4),
-           "ratio": round(la / lb, 4), "second_tokens_total": b["tokens_total"],
+    tokens = min(a["tokens_total"], b["tokens_total"])
+
+    def at(rep: dict) -> float:
+        return rep["eval_loss_final"] if rep["tokens_total"] <= tokens else loss_at(rep["eval_curve"], tokens)
+    la, lb = at(a), at(b)
+    out = {"tokens": tokens, "loss_first": round(la, 4), "loss_second": round(lb, 4),
+           "ratio": round(la / lb, 4), "first_tokens_total": a["tokens_total"],
+           "first_final": round(a["eval_loss_final"], 4), "second_tokens_total": b["tokens_total"],
            "second_final": round(b["eval_loss_final"], 4)}
     print(json.dumps(out))
     return 0

@@ -69,9 +69,15 @@ class Monitor:
         """Tokens trained by every learner process of the run (restarted ones included)."""
         return self.token_offset + int(sum(_f(h, "tokens") for h in self.learner_lives()))
 
-    def evaluate(self, *, initial: bool = False, final: bool = False) -> float | None:
+    def evaluate(self, *, initial: bool = False, final: bool = False,
+                 state: tuple[Any, dict[int, int]] | None = None) -> float | None:
+        """Evaluate the global model: ``state`` (a model and its fragments' versions, e.g. read
+        from checkpoints), else the shards' current fragments (the initial model of a new run)."""
         versions: dict[int, int] = {}
-        if not initial or self.resumed:
+        if state is not None:
+            self.model.load_state_dict(state[0].state_dict(), strict=True)
+            versions = dict(state[1])
+        elif not initial or self.resumed:
             try:
                 # a periodic evaluation skips rather than stall the monitor (a shard may be recovering)
                 frags = fetch_fragments(self.r, self.keys, len(self.plan), security=self.security,

@@ -670,6 +670,15 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
                 argv += ["--step-time-floor-ms", str(step_time_floor_ms)]
             argv += metrics_args(lid)
             return argv
+        resumed_state = None
+        if resume is not None:
+            # the model the stopped run ended with, read before any daemon starts: the resumed
+            # run's first evaluation (learners forked from the factory may merge within seconds)
+            from ddloco.export import ExportError, from_checkpoints
+            try:
+                resumed_state = from_checkpoints(syncer.checkpoint_dir, endpoints.run_id, task=task)
+            except (ExportError, OSError, ValueError) as e:
+                say(f"resume     checkpoints unreadable ({e}); the first evaluation asks the shards")
         sup = Supervisor(workdir=workdir, learner_argv=learner_argv, slots=slots, steps=up.steps,
                          checkpoint_dir=syncer.checkpoint_dir, run_id=endpoints.run_id, shards=up.syncers,
                          redis_srv=redis_srv)
@@ -709,7 +718,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             scalars = TensorBoardLog(tensorboard)
             monitor.on_eval = scalars.add_eval
             say(f"tensorboard {EVAL_LOSS_TAG} vs tokens in {tensorboard} (`tensorboard --logdir {tensorboard}`)")
-        monitor.evaluate(initial=True)
+        monitor.evaluate(initial=True, state=resumed_state)
         watchdog = None
         if up.replace_hung_s > 0:
             watchdog = threading.Thread(target=sup.watch_hung, name="hung-watchdog", daemon=True,
