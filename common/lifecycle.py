@@ -64,3 +64,14 @@ def stop_processes(procs: Iterable[Any], timeout_s: float = 20.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (a zombie counts: not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True   # someone else's process
+    return True

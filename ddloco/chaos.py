@@ -41,6 +41,7 @@ import redis
 from common import control
 from common.config import ConfigError
 from common.keys import Keys
+from common.lifecycle import pid_alive
 
 KINDS = ("learner_kill", "stall", "shard_kill", "shard_wipe", "broker_restart", "redis_restart")
 
@@ -421,7 +422,7 @@ class ProcessTargets:
         else:
             h = self.r.hgetall(self.keys.learner(target))
             pid = int(h["pid"]) if h.get("pid") and h.get("status") not in ("left", "stopped") else None
-        if pid is not None and _alive(pid):
+        if pid is not None and pid_alive(pid):
             self._known[target] = _process_recipe(pid)
             return pid
         return None
@@ -470,19 +471,9 @@ class ProcessTargets:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _wait_gone(pid: int, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while _alive(pid) and time.monotonic() < deadline:
+    while pid_alive(pid) and time.monotonic() < deadline:
         try:
             os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:

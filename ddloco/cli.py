@@ -744,17 +744,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ddloco.chaos import main as chaos_main
         return chaos_main(argv[1:])
     args = build_parser().parse_args(argv)
-    from common.fragments import FragmentationError
-    from common.security import SecurityError
-    from tasks.contract import TaskError
     try:
         _check_flag_values(args)
         return args.func(args)
-    except (ConfigError, TaskError, FragmentationError, SecurityError) as e:
-        print(f"ddloco {args.command}: {e}", file=sys.stderr)
-        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        if not isinstance(e, _usage_errors()):
+            raise
+        print(f"ddloco {args.command}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _usage_errors() -> tuple[type[BaseException], ...]:
+    """Errors that are the user's input (exit 2, one line): taken from the modules that define
+    them only when those were imported (an error cannot come from a module never loaded), so
+    that `status` or the broker do not import torch through `common.fragments` or the tasks."""
+    out: list[type[BaseException]] = [ConfigError]
+    for module, name in (("common.fragments", "FragmentationError"), ("tasks.contract", "TaskError"),
+                         ("common.security", "SecurityError")):
+        if module in sys.modules:
+            out.append(getattr(sys.modules[module], name))
+    return tuple(out)
 
 
 if __name__ == "__main__":

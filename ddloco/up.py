@@ -24,7 +24,7 @@ import json
 
 from common.config import ConfigError, ConfigFile, check_value, dump_toml, endpoint_problem, override
 from common.keys import Keys
-from common.lifecycle import die_with_parent
+from common.lifecycle import die_with_parent, pid_alive
 from common.security import redis_acl_rules
 from ddloco.monitor import Monitor
 from ddloco.report import write_report
@@ -131,7 +131,7 @@ class ForkedProc:
         except (OSError, ValueError):
             if not self.factory.alive():
                 pid = self.pid
-                if pid is None or not _process_exists(pid):
+                if pid is None or not pid_alive(pid):
                     self.returncode = -signal.SIGKILL   # never forked, or gone with its factory
                     self.lost = True
         return self.returncode
@@ -160,16 +160,6 @@ class ForkedProc:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class ForkedChild(Child):
