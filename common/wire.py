@@ -19,22 +19,24 @@ import math
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Sequence
 
 import msgpack
 
 if TYPE_CHECKING:
     import torch
 
-# `common.quant` (and so torch, ~3 s of CPU on a loaded machine) is imported where a payload is
-# encoded or decoded: the broker reads message kinds and topics only, and starts without torch
+_QUANT: Any = None
 
 
 def _quant() -> Any:
-    from common import quant
-    return quant
+    """``common.quant`` (and so torch, ~3 s of CPU on a loaded machine), imported on the first
+    payload encoded or decoded: the broker reads message kinds and topics only, without torch."""
+    global _QUANT
+    if _QUANT is None:
+        from common import quant
+        _QUANT = quant
+    return _QUANT
 
 PROTOCOL_VERSION = 1
 

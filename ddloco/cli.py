@@ -366,6 +366,7 @@ def _standby(cfg: ConfigFile, opts: LearnerOptions, task: Any, run: Any, stop: t
     under a second (end of input: exit 0)."""
     import json
     import select
+    import time
     from learner.core import Learner
     learner = Learner(endpoints=cfg.endpoints, options=override(opts, learner_id=opts.learner_id or "standby"),
                       task=task, run=run, stop=stop)
@@ -398,7 +399,6 @@ def _standby(cfg: ConfigFile, opts: LearnerOptions, task: Any, run: Any, stop: t
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        import time
         deadline = time.monotonic() + 20.0
         while forks and time.monotonic() < deadline:
             _reap_forks(forks)
@@ -446,9 +446,7 @@ def _fork_learner(line: str, forks: dict[int, str]) -> bool:
         os.close(null)
         return False
     forks[pid] = str(reply) + ".exit"
-    tmp = reply.with_suffix(".tmp")
-    tmp.write_text(str(pid))
-    tmp.replace(reply)
+    _write_atomic(reply, str(pid))
     print(json.dumps({"event": "learner.standby_forked", "pid": pid, "learner_id": orders.get("learner_id")}),
           flush=True)
     return True
@@ -462,9 +460,14 @@ def _reap_forks(forks: dict[int, str]) -> None:
         except ChildProcessError:
             done, status = pid, 9   # reaped elsewhere: SIGKILL is the best guess
         if done:
-            path = forks.pop(pid)
-            Path(path + ".tmp").write_text(str(os.waitstatus_to_exitcode(status)))
-            os.replace(path + ".tmp", path)
+            _write_atomic(Path(forks.pop(pid)), str(os.waitstatus_to_exitcode(status)))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write then rename: a reader (``up`` polling the file) never sees it half written."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ import json
 from common.config import ConfigError, ConfigFile, check_value, dump_toml, endpoint_problem, override
 from common.keys import Keys
 from common.lifecycle import die_with_parent, pid_alive
+from ddloco.cli import EXIT_REFUSED, EXIT_USAGE
 from common.security import redis_acl_rules
 from ddloco.monitor import Monitor
 from ddloco.report import write_report
@@ -145,13 +146,12 @@ class ForkedProc:
         return self.returncode  # type: ignore[return-value]
 
     def send_signal(self, sig: int) -> None:
+        if sig == signal.SIGKILL and self.pid is None and self.poll() is None:
+            # ordered, not forked yet (the factory is still booting): give the fork 2 s to appear
+            deadline = time.monotonic() + 2.0
+            while self.pid is None and self.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
         pid = self.pid
-        if pid is None and self.poll() is None:   # ordered, not forked yet: the factory is busy
-            try:
-                self.wait(2.0) if sig == signal.SIGKILL else None
-            except subprocess.TimeoutExpired:
-                pass
-            pid = self.pid
         if pid is not None and self.poll() is None:
             try:
                 os.kill(pid, sig)
@@ -360,9 +360,9 @@ class Supervisor:
                 self.children.append(Child(target, old.argv, old.log_path, append=True))
 
     def restart_crashed(self, say: Callable[[str], None]) -> list[str]:
-        """Start again the learners that exited on their own with a failure (status 1 or a
-        status above 3: an exception, Redis gone for longer than a join waits), at most
-        ``CRASH_RESTARTS_MAX`` times per learner; a refused learner (2, 3) would only be refused
+        """Start again the learners that exited on their own with a failure (an exception, Redis
+        gone for longer than a join waits), at most ``CRASH_RESTARTS_MAX`` times per learner; a
+        refused learner (EXIT_USAGE, EXIT_REFUSED) would only be refused
         again, and a learner killed by a signal is the chaos harness's or the watchdog's to replace.
         Training goes on with the others either way. Returns the learner ids started again."""
         out = []
@@ -372,7 +372,7 @@ class Supervisor:
             for c in self.learners():
                 code = c.proc.poll()
                 lost = getattr(c.proc, "lost", False)   # a fork whose standby factory died
-                if code is None or (not lost and (code <= 0 or code in (2, 3))):
+                if code is None or (not lost and (code <= 0 or code in (EXIT_USAGE, EXIT_REFUSED))):
                     continue
                 n = self.crash_restarts.get(c.name, 0)
                 if n >= CRASH_RESTARTS_MAX:
