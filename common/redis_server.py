@@ -64,9 +64,38 @@ def redis_version(binary: str) -> str:
     return out.stdout.strip() or out.stderr.strip()
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """First port of the kernel's range for outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (callers must handle the race)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port that was free on ``host`` a moment ago (callers must handle the race). Taken
+    below the kernel's ephemeral range: a port the kernel hands out (``bind(0)``) can be given to
+    an outgoing connection's local end before the caller binds it (a learner whose metrics port
+    was picked at start then failed with "Address already in use"). Never the same port twice
+    in one process."""
+    import random
+    low = _ephemeral_low()
+    pick = random.SystemRandom()
+    for _ in range(200):
+        port = pick.randrange(max(1024, low - 12000), low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:   # that range is full: the kernel's pick
         s.bind((host, 0))
         return int(s.getsockname()[1])
 

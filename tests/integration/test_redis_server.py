@@ -176,3 +176,15 @@ def test_a_daemons_client_rides_out_a_redis_restart() -> None:
         assert out == {"ok": True}, out
     finally:
         srv.stop()
+
+
+def test_free_port_is_bindable_unique_and_below_the_range_outgoing_connections_use():
+    """A port picked ahead (a learner's metrics port in `up`) must not be taken meanwhile as the
+    local end of an outgoing connection: the kernel picks those from its ephemeral range."""
+    import socket
+    from common.redis_server import _ephemeral_low, free_port
+    ports = [free_port() for _ in range(40)]
+    assert len(set(ports)) == len(ports)
+    assert all(1024 <= p < _ephemeral_low() for p in ports), ports
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[0]))   # free when handed out
