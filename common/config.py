@@ -206,8 +206,11 @@ class AlgoConfig:
     """cosine / linear: the final learning rate as a fraction of inner_lr."""
     uplink_codec: str = "int4"
     """Codec of learners' fragment deltas: fp32, bf16, int8, int4."""
-    downlink_codec: str = "fp32"
-    """Codec of broadcast merged fragments: fp32 or bf16 (the syncer adopts the decoded value)."""
+    downlink_codec: str = "int4"
+    """Codec of the broadcast merged fragments: fp32 (the full value), or bf16 / int8 / int4:
+    the quantized update Θ_new − Θ_old, which the syncer and every learner add to Θ_old alike
+    (bit-identical replicas; the syncer keeps the exact fp32 result as its master, ALGORITHM §7).
+    Joins and repairs always fetch the full value in fp32."""
     merge_rule: str = "rda"
     """How outer gradients of non-embedding tensors combine: "rda" (radial-directional
     average) or "mean" (weighted average). Embedding tensors always use the weighted average."""
@@ -239,7 +242,7 @@ class AlgoConfig:
         _check(0.0 <= self.outer_momentum < 1.0, "algo.outer_momentum must be in [0, 1)")
         _check(self.inner_lr > 0, "algo.inner_lr must be > 0")
         _check(self.uplink_codec in CODECS, f"algo.uplink_codec must be one of {CODECS}")
-        _check(self.downlink_codec in ("fp32", "bf16"), "algo.downlink_codec must be fp32 or bf16")
+        _check(self.downlink_codec in CODECS, f"algo.downlink_codec must be one of {CODECS}")
         _check(0.0 <= self.mix_alpha < 1.0, "algo.mix_alpha must be in [0, 1)")
         _check(self.merge_rule in MERGE_RULES, f"algo.merge_rule must be one of {MERGE_RULES}, got {self.merge_rule!r}")
         _check(self.outer_warmup_merges >= 0, "algo.outer_warmup_merges must be >= 0")

@@ -42,7 +42,8 @@ PROTOCOL_VERSION = 1
 
 OPEN = "open"    # syncer -> learners: round r of fragment p is open (carries the current version)
 UPDATE = "upd"   # learner -> syncer: quantized delta for an open round
-FRAG = "frag"    # syncer -> learners: full merged fragment (broadcast, or reply to GET)
+FRAG = "frag"    # syncer -> learners: merged fragment: full value (base -1: broadcast after a recovery, or
+                 # the reply to GET), or the quantized update Θ_v − Θ_base from version ``base`` (broadcast)
 GET = "get"      # learner/monitor -> syncer (request path): send me fragment p
 NEED = "need"    # syncer -> learners: a (re)started shard asks for the freshest copy of fragment p
 HAVE = "have"    # learner -> syncer: its base value of fragment p (version, epoch), fp32
@@ -128,8 +129,10 @@ def _crc(frames: Sequence[Any]) -> int:
 
 def encode(*, kind: str, run: str, sender: str, fragment: int, values: torch.Tensor | None = None,
            codec: str = "fp32", epoch: int = 0, round: int = -1, attempt: int = 0, version: int = -1,
-           base: int = -1, steps: int = 0, tokens: int = 0) -> list[Any]:
-    """Build the frames of one message; ``values`` (flat fp32) is quantized with ``codec``.
+           base: int = -1, steps: int = 0, tokens: int = 0, encoded: tuple[Sequence[Any], int] | None = None
+           ) -> list[Any]:
+    """Build the frames of one message; ``values`` (flat fp32) is quantized with ``codec``, or
+    ``encoded`` = (frames already quantized with ``codec``, element count) is sent as it is.
 
     ``epoch`` identifies one life of the shard that owns the fragment (a run-wide counter
     incremented at every shard start). Versions never go back across epochs: a restarted shard
@@ -139,7 +142,9 @@ def encode(*, kind: str, run: str, sender: str, fragment: int, values: torch.Ten
         raise ValueError(f"unknown message kind {kind!r}")
     payload: list[Any] = []
     numel = 0
-    if values is not None:
+    if encoded is not None:
+        payload, numel = list(encoded[0]), int(encoded[1])
+    elif values is not None:
         numel = int(values.numel())
         payload = list(_quant().encode(values, codec))
     else:

@@ -323,7 +323,8 @@ class Learner:
                 continue
             if isinstance(item, FragmentArrived):
                 self._apply(item, joining=True)
-                need.discard(item.fragment)
+                if self.base_values[item.fragment] is not None:   # an update needs the full value first
+                    need.discard(item.fragment)
             elif isinstance(item, RoundOpened):
                 self._pending_open[item.fragment] = item
 
@@ -708,6 +709,11 @@ class Learner:
         at our version or above is a continuation (our unmerged steps are carried); one below our
         version moves us back: adopted so we stay in step with the shard, but counted and logged."""
         p = item.fragment
+        if item.update_base >= 0:
+            full = self._resolve_update(item)
+            if full is None:
+                return
+            item = full
         known = self.base_values[p] is not None
         base_v = int(self.base_version[p])
         if known and item.epoch < self.base_epoch[p]:
@@ -741,6 +747,23 @@ class Learner:
         self.base_epoch[p] = item.epoch
         if not joining:
             self.stats.merges_applied += 1
+
+    def _resolve_update(self, item: FragmentArrived) -> FragmentArrived | None:
+        """A broadcast update Θ_v − Θ_base (quantized downlink, ALGORITHM §7) → the full Θ_v, computed
+        as the shard computed it (base + deq(update) in fp32: bit-identical). None when it does not
+        apply: old news, or a missed update (a lost broadcast, a shard life whose full value we have
+        not seen), repaired by fetching the full value."""
+        p = item.fragment
+        if self.base_values[p] is None:
+            return None                               # joining: the full value is on its way
+        epoch, version = int(self.base_epoch[p]), int(self.base_version[p])
+        if item.epoch == epoch and item.update_base == version:
+            return replace(item, values=self.base_values[p] + item.values, update_base=-1)
+        if item.epoch < epoch or (item.epoch == epoch and item.version <= version):
+            return None
+        self.stats.version_gaps += 1
+        self._request_fetch(p, item.epoch, item.version)
+        return None
 
     def _answer_open_rounds(self, min_steps: int) -> None:
         for p, o in list(self._pending_open.items()):

@@ -42,13 +42,15 @@ from the shards)."""
 
 @dataclass(frozen=True)
 class FragmentArrived:
-    """Network -> training: a merged fragment (broadcast, or the reply to a Fetch)."""
+    """Network -> training: a merged fragment (broadcast, or the reply to a Fetch). ``values`` is
+    the full value when ``update_base`` is -1, else the update to add to version ``update_base``."""
 
     fragment: int
     epoch: int
     version: int
     values: torch.Tensor
     requested: bool
+    update_base: int = -1
 
 
 @dataclass(frozen=True)
@@ -364,7 +366,8 @@ class NetworkThread:
             self.malformed += 1
             return
         self.stats.bytes_down += msg.payload_nbytes
-        self.inbox.put(FragmentArrived(msg.fragment, msg.epoch, msg.version, values, requested))
+        update_base = msg.base if msg.base >= 0 and not requested else -1
+        self.inbox.put(FragmentArrived(msg.fragment, msg.epoch, msg.version, values, requested, update_base))
 
     # ------------------------------------------------------------------ peer bootstrap
     def on_peer_request(self, peer: zmq.Socket) -> None:

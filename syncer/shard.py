@@ -73,7 +73,15 @@ class FragmentState:
 
     spec: Fragment
     theta: torch.Tensor
+    """The value every replica holds (learners apply the broadcast updates to it bit-identically)."""
     momentum: torch.Tensor
+    master: torch.Tensor | None = None
+    """The exact fp32 result of the outer steps when the downlink is quantized (None: ``theta``).
+    Every broadcast update is q(master − theta), so what quantization dropped from one update
+    travels in the next one (the replicas never drift from the master by more than one
+    update's quantization error, and small late outer steps are never lost)."""
+    reply: tuple[int, int, list[Any]] | None = None
+    """(epoch, version, frames) of the last full-value reply: requests for one version are encoded once."""
     version: int = 0
     history: dict[int, torch.Tensor] = field(default_factory=dict)
     round: OpenRound | None = None
@@ -117,6 +125,8 @@ class ShardStats:
     bytes_in: int = 0
     bytes_out: int = 0
     requests: int = 0
+    replies_cached: int = 0
+    """Fragment requests answered with the frames already encoded for that version."""
     requests_deferred: int = 0
     """Fragment requests left unanswered while the fragment was recovering (asked again)."""
     rejected: dict[str, int] = field(default_factory=dict)
@@ -261,7 +271,7 @@ class Shard:
         params = state_tensors(model)
         owned = owned_fragments(self.options.shard, self.options.shards, algo.fragments)
         for p in owned:
-            theta = self._as_broadcast(gather(params, self.plan[p]))
+            theta = gather(params, self.plan[p])
             self.frags[p] = FragmentState(spec=self.plan[p], theta=theta, momentum=torch.zeros_like(theta),
                                           history={0: theta.clone()})
         self.run_tokens = 0
@@ -388,13 +398,27 @@ class Shard:
         self.log.info("syncer.stopped", merges=self.stats.merges, dropped=self.stats.dropped,
                       versions={p: f.version for p, f in self.frags.items()})
 
-    def _as_broadcast(self, theta: torch.Tensor) -> torch.Tensor:
-        """The value learners decode from a broadcast; the shard adopts it so every replica is
-        bit-identical (identity for fp32 downlink)."""
+    def _broadcast_merged(self, f: FragmentState, new: torch.Tensor) -> list[Any]:
+        """Adopt the outer step's result ``new`` and return the broadcast that carries it (ALGORITHM §7).
+
+        fp32 downlink: the full value. Otherwise the update q(new − Θ_old) in the run's downlink
+        codec, from version ``f.version``; the shard and every learner holding Θ_old compute
+        Θ_old + deq(q(update)) with the same fp32 additions, so all replicas stay bit-identical,
+        while ``new`` stays the fp32 master (the next update carries what this one dropped)."""
         codec = self.run.algo.downlink_codec
+        old_version = f.version
         if codec == "fp32":
-            return theta
-        return quant.decode(quant.encode(theta, codec), codec, theta.numel())
+            f.theta, f.master = new, None
+            frames = self._frag_frames_for(f, old_version + 1)
+            f.reply = (self.epoch, old_version + 1, frames)
+            return frames
+        update = new - f.theta
+        frames = quant.encode(update, codec)
+        f.theta = f.theta + quant.decode(frames, codec, update.numel())
+        f.master = new
+        return wire.encode(kind=wire.FRAG, run=self.endpoints.run_id, sender=self.id, fragment=f.spec.index,
+                           epoch=self.epoch, codec=codec, encoded=(frames, update.numel()),
+                           version=old_version + 1, base=old_version)
 
     # ---------------------------------------------------------------- checkpoints
     @property
@@ -417,7 +441,9 @@ class Shard:
             "plan_digest": self.plan_digest, "shard": self.options.shard, "shards": self.options.shards,
             "epoch": self.epoch,
             "fragments": {p: {"theta": f.theta.clone(), "momentum": f.momentum.clone(), "version": f.version,
-                              "next_round": f.next_round} for p, f in self.frags.items()},
+                              "next_round": f.next_round,
+                              **({} if f.master is None else {"master": f.master.clone()})}
+                          for p, f in self.frags.items()},
             "merges": self.stats.merges, "saved_at": time.time(), "run_tokens": self.run_tokens,
         }
         self._merges_since_ckpt = 0
@@ -506,7 +532,7 @@ class Shard:
             old = f.version
             if rec.best is not None and rec.best[0] > f.version:
                 version, learner, value = rec.best
-                f.theta = self._as_broadcast(value)
+                f.theta, f.master, f.reply = value, None, None
                 f.version = version
                 f.history = {version: f.theta.clone()}
                 self.log.info("syncer.recovered", fragment=p, from_version=old, version=version, learner=learner,
@@ -558,6 +584,7 @@ class Shard:
         for p, fs in state["fragments"].items():
             f = self.frags[int(p)]
             f.theta, f.momentum, f.version = fs["theta"], fs["momentum"], int(fs["version"])
+            f.master, f.reply = fs.get("master"), None
             f.history = {f.version: f.theta.clone()}  # answers on older bases are refused as stale
             f.next_round = int(fs["next_round"])
         self.stats.merges = int(state.get("merges", 0))
@@ -734,7 +761,11 @@ class Shard:
             self.stats.requests_deferred += 1
             return
         self.stats.requests += 1
-        reply = self._frag_frames(f)
+        if f.reply is None or f.reply[:2] != (self.epoch, f.version):
+            f.reply = (self.epoch, f.version, self._frag_frames(f))
+        else:
+            self.stats.replies_cached += 1
+        reply = f.reply[2]
         try:
             self.router.send_multipart([ident, *reply], zmq.NOBLOCK, copy=False)
             self.stats.bytes_out += wire.message_nbytes(reply)
@@ -742,8 +773,12 @@ class Shard:
             pass
 
     def _frag_frames(self, f: FragmentState) -> list[Any]:
+        """The full value every replica holds, exact (fp32): a join, a repair, a recovery."""
+        return self._frag_frames_for(f, f.version)
+
+    def _frag_frames_for(self, f: FragmentState, version: int) -> list[Any]:
         return wire.encode(kind=wire.FRAG, run=self.endpoints.run_id, sender=self.id, fragment=f.spec.index,
-                           epoch=self.epoch, values=f.theta, codec=self.run.algo.downlink_codec, version=f.version)
+                           epoch=self.epoch, values=f.theta, codec="fp32", version=version)
 
     # ---------------------------------------------------------------- merge (ALGORITHM §5)
     def _merge(self, f: FragmentState, now: float, reason: str, grace: float) -> None:
@@ -752,7 +787,9 @@ class Shard:
         rnd = f.round
         answers = list(rnd.answers.values())
         # Outer gradient of each contributor against the CURRENT value: Δ_m = Θ_p − (Θ_p^{base_m} + δ_m)
-        outer = torch.stack([f.theta - (f.history[a.base] + a.delta) for a in answers])  # [M, numel]
+        # (Θ_p: the fp32 master; Θ_p^{base_m} + δ_m: the learner's own value, built on the replica it held)
+        current = f.theta if f.master is None else f.master
+        outer = torch.stack([current - (f.history[a.base] + a.delta) for a in answers])  # [M, numel]
         for m, a in enumerate(answers):   # robust: no contributor moves Θ more than a few rounds do
             outer[m], clipped = f.clipper.clip(outer[m])
             if clipped:
@@ -761,7 +798,7 @@ class Shard:
         if float(weights.sum()) <= 0.0:
             f.round = None
             return
-        theta, momentum = outer_update(f.theta, f.momentum, outer, weights, f.spec.spans, algo,
+        theta, momentum = outer_update(current, f.momentum, outer, weights, f.spec.spans, algo,
                                        merges_done=f.version)
         if not bool(torch.isfinite(theta).all()):  # a diverged learner must not poison Θ
             self.stats.nonfinite_rounds += 1
@@ -769,13 +806,14 @@ class Shard:
                              contributors=[a.sender for a in answers])
             f.round = None
             return
-        f.theta, f.momentum = self._as_broadcast(theta), momentum
+        frames = self._broadcast_merged(f, theta)
+        f.momentum = momentum
         f.version += 1
         f.history[f.version] = f.theta.clone()
         for v in sorted(f.history)[:-algo.history_versions]:
             del f.history[v]
         f.round = None
-        self._publish(self._frag_frames(f))
+        self._publish(frames)
         self.stats.merges += 1
         self.stats.round_s.observe(now - rnd.opened_at)
         self._merges_since_ckpt += 1

@@ -47,7 +47,8 @@ def main() -> int:
         task, run = bind_task(run)
         model = build_model(task, run.task.seed).to(device)
         ddp = DistributedDataParallel(model)
-        opt, sched = make_inner_optimizer(ddp.parameters(), run.algo)
+        done = {"tokens": 0}                               # the run's global token count (all ranks)
+        opt, sched = make_inner_optimizer(ddp.parameters(), run.algo, tokens=lambda: done["tokens"])
         steps, seed = int(spec["steps"]), int(spec["seed"])
         data = iter(task.batches(rank, seed, 0))
         marks = set(eval_steps(steps, int(spec.get("eval_points", 8))))
@@ -59,6 +60,7 @@ def main() -> int:
             batch = next(data)
             tokens_per_step = count_tokens(task, batch) * world
             inner_step(ddp, opt, sched, scalar_loss(task, ddp, batch_to(batch, device)), run.algo)
+            done["tokens"] += tokens_per_step
             if rank == 0 and t in marks:
                 curve.append((tokens_per_step * t, evaluate(task, model)))
         wall = time.perf_counter() - t0

@@ -106,7 +106,7 @@ def _in_process(system: str, run_dict: dict[str, Any], learners: int, steps: int
     task, run = bind_task(run_config_from_dict(run_dict))
     kw = dict(steps=steps, seed=seed, eval_points=eval_points, threads=1)
     if system == "single":
-        res = systems.run_single(task, run.algo, **kw)
+        res = systems.run_single(task, run.algo, learners=learners, **kw)
     elif system == "diloco_sync":
         res = systems.run_diloco_sync(task, run.algo, learners=learners, **kw)
     elif system == "dp_emulated":

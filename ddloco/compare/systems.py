@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -69,13 +69,15 @@ def _set_threads(threads: int) -> None:
 
 
 def _train_alone(task: Task, algo: AlgoConfig, data: Iterator[Any], *, seed: int, steps: int,
-                 eval_points: int) -> tuple[int, list[tuple[int, float]]]:
-    """One model, ``steps`` AdamW steps on ``data``, evaluated at ``eval_steps``."""
+                 eval_points: int, schedule_scale: int = 1) -> tuple[int, list[tuple[int, float]]]:
+    """One model, ``steps`` AdamW steps on ``data``, evaluated at ``eval_steps``. The run's
+    learning-rate schedule reads ``schedule_scale`` × this model's tokens as the global count
+    (one learner alone at equal steps: M, so step t has the learning rate of every system's step t)."""
     model = build_model(task, seed)
-    opt, sched = make_inner_optimizer(model.parameters(), algo)
+    tokens = 0
+    opt, sched = make_inner_optimizer(model.parameters(), algo, tokens=lambda: tokens * schedule_scale)
     marks = set(eval_steps(steps, eval_points))
     curve = [(0, evaluate(task, model))]
-    tokens = 0
     model.train()
     for t in range(1, steps + 1):
         batch = next(data)
@@ -87,12 +89,13 @@ def _train_alone(task: Task, algo: AlgoConfig, data: Iterator[Any], *, seed: int
 
 
 def run_single(task: Task, algo: AlgoConfig, *, steps: int, seed: int, eval_points: int = 8,
-               threads: int = 1, stream: int = 0) -> SystemResult:
-    """One learner alone: ``steps`` AdamW steps on data stream ``stream``."""
+               threads: int = 1, stream: int = 0, learners: int = 1) -> SystemResult:
+    """One learner alone: ``steps`` AdamW steps on data stream ``stream`` (its schedule at step t
+    as for ``learners`` learners at step t)."""
     _set_threads(threads)
     t0 = time.perf_counter()
     tokens, curve = _train_alone(task, algo, task.batches(stream, seed, 0), seed=seed, steps=steps,
-                                 eval_points=eval_points)
+                                 eval_points=eval_points, schedule_scale=learners)
     return SystemResult("single", seed, 1, steps, tokens, time.perf_counter() - t0, curve[-1][1], curve)
 
 
@@ -132,12 +135,13 @@ class _Replica:
     data: Iterator[Any]
 
 
-def _replicas(task: Task, algo: AlgoConfig, learners: int, seed: int) -> list[_Replica]:
+def _replicas(task: Task, algo: AlgoConfig, learners: int, seed: int,
+              run_tokens: Callable[[], float]) -> list[_Replica]:
     out = []
     for m in range(learners):
         model = build_model(task, seed)
         model.train()
-        opt, sched = make_inner_optimizer(model.parameters(), algo)
+        opt, sched = make_inner_optimizer(model.parameters(), algo, tokens=run_tokens)
         out.append(_Replica(model, state_tensors(model), opt, sched,
                             task.batches(m, seed, 0)))
     return out
@@ -154,7 +158,8 @@ def run_diloco_sync(task: Task, algo: AlgoConfig, *, learners: int, steps: int, 
     Nesterov from ``algo``) steps, every replica restarts from Θ. Inner AdamW state persists."""
     _set_threads(threads)
     t0 = time.perf_counter()
-    reps = _replicas(task, algo, learners, seed)
+    tokens = 0
+    reps = _replicas(task, algo, learners, seed, lambda: tokens)
     glob = build_model(task, seed)
     whole = _plan(task, glob, 1)[0]
     gparams = state_tensors(glob)
@@ -163,7 +168,6 @@ def run_diloco_sync(task: Task, algo: AlgoConfig, *, learners: int, steps: int, 
     marks = set(eval_steps(steps, eval_points))
     curve = [(0, evaluate(task, glob))]
     H = algo.sync_every_steps
-    tokens = 0
     syncs = 0
     pending_mark = False
     for t in range(1, steps + 1):
@@ -204,11 +208,13 @@ def run_decoupled_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps
     if not 0 <= delay_steps < H:
         raise ValueError(f"delay_steps must be in [0, H={H}), got {delay_steps}")
     t0 = time.perf_counter()
-    reps = _replicas(task, algo, learners, seed)
+    tokens = 0
+    reps = _replicas(task, algo, learners, seed, lambda: tokens)
     glob = build_model(task, seed)
     gparams = state_tensors(glob)
     plan = _plan(task, glob, P)
-    theta = [gather(gparams, f) for f in plan]
+    theta = [gather(gparams, f) for f in plan]                       # the shards' fp32 masters
+    replica = [x.clone() for x in theta]                               # what every learner holds
     momentum = [torch.zeros_like(x) for x in theta]
     version = [0] * len(plan)
     history = [{0: x.clone()} for x in theta]
@@ -220,7 +226,6 @@ def run_decoupled_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps
     offsets = [(p * H) // len(plan) for p in range(len(plan))]
     marks = set(eval_steps(steps, eval_points))
     curve = [(0, evaluate(task, glob))]
-    tokens = 0
     bytes_up = bytes_down = 0
     merges = 0
 
@@ -228,11 +233,11 @@ def run_decoupled_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps
         nonlocal bytes_down
         for m, r in enumerate(reps):
             value, c_steps[m][p], c_tokens[m][p] = receive_merged(
-                theta[p], gather(r.params, plan[p]), base[m][p][1], answered[m].pop(p, None), c_steps[m][p],
+                replica[p], gather(r.params, plan[p]), base[m][p][1], answered[m].pop(p, None), c_steps[m][p],
                 c_tokens[m][p], carry=algo.carry_local_steps, mix_alpha=algo.mix_alpha)
             scatter(r.params, plan[p], value)
-            base[m][p] = (version[p], theta[p].clone())
-            bytes_down += 4 * plan[p].numel
+            base[m][p] = (version[p], replica[p].clone())
+            bytes_down += quant.payload_nbytes(plan[p].numel, algo.downlink_codec)
 
     def open_round(p: int) -> None:
         nonlocal bytes_up, merges
@@ -254,8 +259,14 @@ def run_decoupled_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps
         weights = contribution_weights(toks, stps)
         theta[p], momentum[p] = outer_update(theta[p], momentum[p], torch.stack(outer), weights, plan[p].spans,
                                              algo, merges_done=version[p])
+        if algo.downlink_codec == "fp32":
+            replica[p] = theta[p].clone()
+        else:   # the shard's update downlink (ALGORITHM §7): replicas += deq(q(master − replica))
+            update = theta[p] - replica[p]
+            replica[p] = replica[p] + quant.decode(quant.encode(update, algo.downlink_codec), algo.downlink_codec,
+                                                   update.numel())
         version[p] += 1
-        history[p][version[p]] = theta[p].clone()
+        history[p][version[p]] = replica[p].clone()
         for v in sorted(history[p])[:-algo.history_versions]:
             del history[p][v]
         merges += 1
@@ -284,9 +295,9 @@ def run_decoupled_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps
             for p in range(len(plan)):
                 open_round(p)
                 deliver(p)
-        if t in marks:
+        if t in marks:   # the global model as the shards serve it (the replicas' value)
             for p, f in enumerate(plan):
-                scatter(gparams, f, theta[p])
+                scatter(gparams, f, replica[p])
             curve.append((tokens, evaluate(task, glob)))
     return SystemResult("decoupled_emulated", seed, learners, steps, tokens, time.perf_counter() - t0,
                         curve[-1][1], curve, (bytes_up + bytes_down) / max(1, tokens),

@@ -84,7 +84,7 @@ def _shard_theta(cluster, shards: int) -> dict[str, torch.Tensor]:
 
 def test_lockstep_quorum_m_matches_reference_synchronous_diloco(make_cluster):
     rounds = 4
-    algo = AlgoConfig(fragments=2, sync_every_steps=3, quorum=2, uplink_codec="fp32", lockstep=True,
+    algo = AlgoConfig(fragments=2, sync_every_steps=3, quorum=2, uplink_codec="fp32", downlink_codec="fp32", lockstep=True,
                       inner_warmup_steps=2, outer_lr=0.7, outer_momentum=0.9)   # exercises Nesterov
     run = RunConfig(algo=algo)
     cluster = make_cluster(run)
@@ -107,7 +107,7 @@ def test_lockstep_quorum_m_matches_reference_synchronous_diloco(make_cluster):
 
 def test_single_learner_with_unit_outer_step_follows_plain_training(make_cluster):
     steps = 12
-    algo = AlgoConfig(fragments=1, sync_every_steps=1, quorum=1, uplink_codec="fp32", lockstep=True,
+    algo = AlgoConfig(fragments=1, sync_every_steps=1, quorum=1, uplink_codec="fp32", downlink_codec="fp32", lockstep=True,
                       outer_lr=1.0, outer_momentum=0.0, inner_warmup_steps=1)
     cluster = make_cluster(RunConfig(algo=algo))
     cluster.start_shard(0, 1)
@@ -128,7 +128,7 @@ def test_async_single_learner_keeps_steps_taken_after_answering_only_with_carry(
     step it took reaches the global model (η = 1, μ = 0: the result is plain training); with
     overwrite, the steps between an answer and the merged value's arrival are lost."""
     steps = 40
-    algo = AlgoConfig(fragments=2, sync_every_steps=4, quorum=1, uplink_codec="fp32", outer_lr=1.0,
+    algo = AlgoConfig(fragments=2, sync_every_steps=4, quorum=1, uplink_codec="fp32", downlink_codec="fp32", outer_lr=1.0,
                       outer_momentum=0.0, inner_warmup_steps=1, carry_local_steps=carry)
     cluster = make_cluster(RunConfig(algo=algo))
     cluster.start_shard(0, 1)

@@ -137,17 +137,19 @@ def test_shard_restarted_from_checkpoint_resumes_at_same_versions(make_cluster):
     t.join(timeout=10)
     cluster.stop_shard(0)
     wait_until(lambda: shard._ctx is None, 10, what="shard closed (checkpoint on stop)")
-    saved = {p: (f.version, f.theta.clone(), f.momentum.clone()) for p, f in shard.frags.items()}
+    saved = {p: (f.version, f.theta.clone(), f.momentum.clone(), f.master.clone()) for p, f in shard.frags.items()}
     on_disk = torch.load(shard.checkpoint_path, weights_only=True)
     assert on_disk["epoch"] == shard.epoch
-    assert all(set(fs) == {"theta", "momentum", "version", "next_round"} for fs in on_disk["fragments"].values())
+    assert all(set(fs) == {"theta", "momentum", "version", "next_round", "master"}
+               for fs in on_disk["fragments"].values())
     restarted = cluster.start_shard(0, 1)
-    assert {p: f.version for p, f in restarted.frags.items()} == {p: v for p, (v, _, _) in saved.items()}
-    for p, (_, theta, momentum) in saved.items():
+    assert {p: f.version for p, f in restarted.frags.items()} == {p: s[0] for p, s in saved.items()}
+    for p, (_, theta, momentum, master) in saved.items():   # the replicas' value and the fp32 master
         assert torch.equal(restarted.frags[p].theta, theta)
         assert torch.equal(restarted.frags[p].momentum, momentum)
+        assert torch.equal(restarted.frags[p].master, master)
     cluster.start_learner(cluster.learner("l1", 1, step_time_floor_ms=5))
-    wait_until(lambda: min(f.version for f in restarted.frags.values()) > max(v for v, _, _ in saved.values()),
+    wait_until(lambda: min(f.version for f in restarted.frags.values()) > max(v for v, *_ in saved.values()),
                30, what="merges after restart")
     assert not cluster.errors, cluster.errors
 
@@ -167,33 +169,46 @@ def _lossy_network(lose: int = 12) -> type:
     return LossyNetwork
 
 
-def _start_lossy_learner(cluster, network: type):
-    """One shard, a steady learner and a learner "lossy" whose network thread is ``network``."""
+def _start_lossy_learner(cluster, network: type, max_steps: int = 0):
+    """One shard, a steady learner and a learner "lossy" whose network thread is ``network``.
+    Returns (steady, lossy, their threads)."""
     from learner.core import Learner
 
     class LossyLearner(Learner):
         network_class = network
     cluster.start_shard(0, 1)
-    cluster.start_learner(cluster.learner("steady", 0, step_time_floor_ms=5))
-    base = cluster.learner("lossy", 1, step_time_floor_ms=5)
+    steady = cluster.learner("steady", 0, step_time_floor_ms=5, max_steps=max_steps)
+    threads = [cluster.start_learner(steady)]
+    base = cluster.learner("lossy", 1, step_time_floor_ms=5, max_steps=max_steps)
     lossy = LossyLearner(endpoints=base.endpoints, options=base.options, task=base.task, run=base._run_arg,
                          stop=base.stop)
-    cluster.start_learner(lossy)
-    return lossy
+    threads.append(cluster.start_learner(lossy))
+    return steady, lossy, threads
 
 
 def test_learner_that_misses_broadcasts_detects_the_gap_and_fetches_full_fragments(make_cluster):
+    """Quantized-update downlink (int4, the default): a learner that lost update broadcasts
+    cannot apply the next ones; it fetches the full value and goes on. After many merges every
+    learner's copy of every fragment is bit-identical to the shard's value of that version."""
     network = _lossy_network(12)
     cluster = make_cluster(ASYNC)
-    lossy = _start_lossy_learner(cluster, network)
+    assert cluster.run.algo.downlink_codec == "int4"
+    steady, lossy, threads = _start_lossy_learner(cluster, network, max_steps=160)
     wait_until(lambda: network.lost >= 12, 30, what="broadcasts lost")
     wait_until(lambda: lossy.stats.fetches >= 1, 30, what="the lossy learner to request full fragments")
-    # repaired: it catches up with the shard's versions and keeps contributing
-    shard = cluster.shards[0]
-    wait_until(lambda: all(int(lossy.base_version[p]) >= f.version - 1 for p, f in shard.frags.items()), 30,
-               what="lossy learner back at the current versions")
     wait_until(lambda: "lossy" in _merge_contributors(cluster), 30, what="lossy learner contributing")
+    wait_until(lambda: not any(t.is_alive() for t in threads), 60, what="both learners to finish 160 steps")
     assert not cluster.errors, cluster.errors
+    shard = cluster.shards[0]
+    assert min(f.version for f in shard.frags.values()) >= 12, {p: f.version for p, f in shard.frags.items()}
+    for learner in (steady, lossy):
+        for p, f in shard.frags.items():
+            v = int(learner.base_version[p])
+            assert v in f.history, (learner.id, p, v, sorted(f.history))
+            assert torch.equal(learner.base_values[p], f.history[v]), (learner.id, p, v)
+    # the downlink carried quantized updates: the shard's fp32 master is not the replicas' value
+    assert all(f.master is not None for f in shard.frags.values())
+    assert any(not torch.equal(f.master, f.theta) for f in shard.frags.values())
 
 
 def test_redis_restarting_empty_is_rebuilt_without_losing_progress(make_cluster, redis_server):
@@ -393,7 +408,7 @@ def test_a_learner_with_a_stale_base_fetches_first_and_never_answers_against_it(
             self.outbox = Recording(self.outbox, lambda m: isinstance(m, Answer) and answers.append(m))
 
     cluster = make_cluster(ASYNC)
-    lossy = _start_lossy_learner(cluster, RecordingLossyNetwork)
+    _, lossy, _ = _start_lossy_learner(cluster, RecordingLossyNetwork)
     wait_until(lambda: RecordingLossyNetwork.lost >= 12 and len(answers) >= 20, 60, what="answers after lost broadcasts")
     assert lossy.stats.fetches >= 1
     for a in list(answers):   # every answer is against the version its round was opened at

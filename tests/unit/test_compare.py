@@ -58,9 +58,9 @@ def test_dp_emulated_is_one_model_on_the_concatenated_streams() -> None:
 
 
 def test_emulated_single_learner_with_unit_outer_step_and_carry_is_plain_training() -> None:
-    """M = 1, η = 1, μ = 0, fp32, carry: every step reaches the global model, whatever the delay."""
+    """M = 1, η = 1, μ = 0, fp32 both ways, carry: every step reaches the global model, whatever the delay."""
     task = load_task("gpt", TINY)
-    algo = AlgoConfig(fragments=4, sync_every_steps=4, inner_warmup_steps=2, uplink_codec="fp32",
+    algo = AlgoConfig(fragments=4, sync_every_steps=4, inner_warmup_steps=2, uplink_codec="fp32", downlink_codec="fp32",
                       outer_lr=1.0, outer_momentum=0.0, carry_local_steps=True)
     dec = systems.run_decoupled_emulated(task, algo, learners=1, steps=10, seed=0, eval_points=1, delay_steps=2)
     single = systems.run_single(task, algo, steps=10, seed=0, eval_points=1)
