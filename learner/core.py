@@ -33,7 +33,7 @@ from common.keys import Keys
 from common.merge import Contribution, receive_merged
 from common.lifecycle import process_start_time
 from common.log import get_logger
-from learner.network import (Answer, AskPeer, Fetch, FragmentArrived, Have, NetworkThread, PeerState,
+from learner.network import (Answer, AskPeer, Fetch, FragmentArrived, Have, NetworkThread, Outbox, PeerState,
                              PeerStateArrived, PeerStateWanted, RoundOpened, StateRequested, optimizer_digest)
 from learner.inner import apply_step, make_inner_optimizer
 from tasks.contract import Task, TaskError, batch_to, bind_task, build_model, check_task, count_tokens, scalar_loss
@@ -44,6 +44,8 @@ REDIS_JOIN_PATIENCE_S = 30.0
 """How long a joining learner waits for an unreachable Redis (restarting) before it exits."""
 SERVE_COST_STEPS = 20
 """Steps over which a learner that served its state to a joiner measures what it cost it."""
+LOSS_READ_EVERY = 16
+"""On an accelerator the loss EMA is brought up to date every this many steps (one host sync)."""
 
 
 class LearnerRefused(RuntimeError):
@@ -141,7 +143,9 @@ class Learner:
         self.data_position = 0
         """Batches consumed before this life (read from Redis at join); reported as data_position."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox = Outbox()
+        self._losses: list[torch.Tensor] = []
+        self._loss_seen = 0
         self._threads_stop = threading.Event()
         self._endpoints_lock = threading.Lock()
         self._shard_endpoints: tuple[int, dict[int, str]] = (0, {})
@@ -362,6 +366,9 @@ class Learner:
                             s.stale_opens),
             metrics.counter("learner_nonfinite_answers_total", "Answers not sent: non-finite delta.",
                             s.nonfinite_answers),
+            metrics.counter("learner_answers_replaced_total", "Answers not sent: a newer answer for the same "
+                            "fragment replaced them while they waited (the network thread fell behind).",
+                            self._outbox.replaced),
             metrics.counter("learner_malformed_total", "Messages dropped: failed to decode.", s.malformed),
             metrics.counter("learner_bytes_total", "Bytes sent (out: answers, copies, peer state) and received "
                             "(in: merged fragments, peer state).", {"out": s.bytes_up, "in": s.bytes_down},
@@ -387,6 +394,7 @@ class Learner:
 
     def _run(self) -> LearnerSummary:
         self._redis_patient(self._join_control, "join")
+        self._outbox.own_pipe()
         self.net = self.network_class(learner_id=self.id, endpoints=self.endpoints, codec=self.algo.uplink_codec,
                                       numels=[f.numel for f in self.plan], inbox=self._inbox, outbox=self._outbox,
                                       stats=self.stats, shard_endpoints=self._current_shard_endpoints,
@@ -414,6 +422,8 @@ class Learner:
             self._threads_stop.set()
             for t in threads:
                 t.join(timeout=5.0)
+            if not threads[0].is_alive():
+                self._outbox.close()
             self._leave()
         return LearnerSummary(self.id, self.stats, {p: int(v) for p, v in enumerate(self.base_version)})
 
@@ -454,7 +464,7 @@ class Learner:
                 continue
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            tokens, loss_sum = 0, torch.zeros(())
+            tokens, loss_sum = 0, torch.zeros((), device=self.device)
             for _ in range(accum):                           # ∇L over inner_grad_accum micro-batches
                 try:
                     batch = next(batches)
@@ -466,7 +476,7 @@ class Learner:
                 with autocast:
                     loss = scalar_loss(self.task, self.model, batch_to(batch, self.device)) / accum
                 loss.backward()
-                loss_sum = loss_sum + loss.detach().float().cpu()
+                loss_sum = loss_sum + loss.detach().float()        # stays on the device: no sync
             self.stats.lr = apply_step(self.model, opt, sched, self.algo)   # θ ← AdamW(θ, ∇L(θ; batch))
             self.c_steps += 1                                # for every p: c_steps[p] += 1
             self.c_tokens += tokens                          #              c_tokens[p] += tokens
@@ -483,9 +493,21 @@ class Learner:
             if self._serve_watch is not None:
                 self._watch_serve_cost(iter_s)
             self.stats.step_ema_s = step_s if ema == 0 else 0.9 * ema + 0.1 * step_s
-            lv = float(loss_sum)                             # one host sync per step
-            self.stats.loss_ema = lv if self.stats.steps == 1 else 0.95 * self.stats.loss_ema + 0.05 * lv
+            self._note_loss(loss_sum)
         return False
+
+    def _note_loss(self, loss: torch.Tensor) -> None:
+        """Loss EMA. On an accelerator the step's loss stays on the device and is read in batches
+        of LOSS_READ_EVERY steps (one host sync each), so the training thread never waits for
+        the device just to log; on a CPU it is read at once."""
+        self._losses.append(loss)
+        if loss.device.type != "cpu" and len(self._losses) < LOSS_READ_EVERY:
+            return
+        values = torch.stack(self._losses).tolist() if len(self._losses) > 1 else [float(self._losses[0])]
+        self._losses.clear()
+        for lv in values:
+            self._loss_seen += 1
+            self.stats.loss_ema = lv if self._loss_seen == 1 else 0.95 * self.stats.loss_ema + 0.05 * lv
 
     def run_tokens(self) -> float:
         """The run's global token count now: the last value read from Redis plus our tokens since."""
@@ -859,7 +881,7 @@ class Learner:
                 "bootstrap": s.bootstrap, "bootstraps_served": s.bootstraps_served,
                 "peer": getattr(getattr(self, "net", None), "peer_endpoint", ""), "last_contrib_at": s.last_contrib_at,
                 "data_shard": self.options.data_shard, "data_stream": self.stream, "pid": os.getpid(), "host": socket.gethostname(),
-                "data_position": self.data_position + s.batches}
+                "data_position": self.data_position + s.batches, "answers_replaced": self._outbox.replaced}
 
     def _leave(self) -> None:
         try:
@@ -875,4 +897,4 @@ class Learner:
             pass
         self.log.info("learner.stopped", steps=self.stats.steps, answers=self.stats.answers,
                       merges_applied=self.stats.merges_applied, version_gaps=self.stats.version_gaps,
-                      loss_ema=round(self.stats.loss_ema, 4))
+                      answers_replaced=self._outbox.replaced, loss_ema=round(self.stats.loss_ema, 4))

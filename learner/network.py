@@ -15,6 +15,7 @@ learner's DEALER asks ``state?``; the training thread snapshots at its next step
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -186,13 +187,97 @@ def unflatten_state(skeleton: Any, buffers: list[bytes]) -> Any:
     return skeleton
 
 
+class Outbox:
+    """Training (and control) thread -> network thread, thread-safe.
+
+    Bounded where it matters: at most one unsent ``Answer`` per fragment. A newer answer for a
+    fragment replaces an older one still waiting (its round would merge without it anyway, and the
+    newer snapshot holds every step the older one did); ``replaced`` counts them. Every ``put``
+    writes a byte to a pipe whose read end the network thread polls with its sockets, so it
+    sleeps until there is something to send (no timed polling)."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._answers: dict[int, Answer] = {}
+        self._lock = threading.Lock()
+        self.replaced = 0
+        self.fd, self._wfd = -1, -1
+        self._pid = 0
+        self.own_pipe()
+
+    def own_pipe(self) -> None:
+        """A pipe of this process: after a fork (the standby factory forks prepared learners) the
+        inherited one is shared with the parent and its other forks; call before the network thread."""
+        if self._pid == os.getpid():
+            return
+        with self._lock:
+            for fd in (self.fd, self._wfd):
+                if fd >= 0:
+                    os.close(fd)
+            self.fd, self._wfd = os.pipe()
+            os.set_blocking(self.fd, False)
+            os.set_blocking(self._wfd, False)
+            self._pid = os.getpid()
+
+    def put(self, item: Any) -> None:
+        if isinstance(item, Answer):
+            with self._lock:
+                if self._answers.pop(item.fragment, None) is not None:
+                    self.replaced += 1
+                self._answers[item.fragment] = item
+        else:
+            self._q.put(item)
+        with self._lock:
+            if self._wfd < 0:
+                return                       # closed: nobody reads any more (never write to a reused fd)
+            try:
+                os.write(self._wfd, b"\0")
+            except (BlockingIOError, OSError):   # the pipe is full: a wake-up is pending anyway
+                pass
+
+    def get_nowait(self) -> Any:
+        """Requests first, then the oldest waiting answer; ``queue.Empty`` when nothing waits."""
+        try:
+            return self._q.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            if not self._answers:
+                raise queue.Empty
+            return self._answers.pop(next(iter(self._answers)))
+
+    def drain_wakeups(self) -> None:
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except OSError:   # BlockingIOError: drained
+            pass
+
+    def qsize(self) -> int:
+        with self._lock:
+            return self._q.qsize() + len(self._answers)
+
+    def close(self) -> None:
+        """After the network thread ended."""
+        with self._lock:
+            fds, self.fd, self._wfd = (self.fd, self._wfd), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+
+
+POLL_MS = 100
+"""The network thread wakes at least this often (stop, shard endpoints); sockets and the outbox's
+pipe wake it at once."""
+
+
 class NetworkThread:
     """``run()`` is the thread's body: until ``stop``, send what the outbox holds and turn what
     arrives into inbox messages. Counters go to ``stats`` (bytes_up, bytes_down, malformed,
     nonfinite_answers)."""
 
     def __init__(self, *, learner_id: str, endpoints: Endpoints, codec: str, numels: Sequence[int],
-                 inbox: queue.SimpleQueue, outbox: queue.SimpleQueue, stats: Any,
+                 inbox: queue.SimpleQueue, outbox: Outbox, stats: Any,
                  shard_endpoints: Callable[[], tuple[int, dict[int, str]]], stop: threading.Event,
                  peer_bind: str = "tcp://127.0.0.1:0", advertise_host: str = "", log: Any = None) -> None:
         self.id = learner_id
@@ -218,6 +303,8 @@ class NetworkThread:
         """Flat length of each fragment: anything else is malformed."""
         self.inbox = inbox
         self.outbox = outbox
+        self._wake: Outbox | None = outbox if isinstance(outbox, Outbox) else None
+        self._wake_fd: int | None = None if self._wake is None else self._wake.fd
         self.stats = stats
         self.shard_endpoints = shard_endpoints
         self.stop = stop
@@ -258,6 +345,8 @@ class NetworkThread:
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(peer, zmq.POLLIN)
+        if self._wake_fd is not None:
+            poller.register(self._wake_fd, zmq.POLLIN)
         self._poller = poller
         registered: dict[int, zmq.Socket] = {}
         unsent_fetch: set[int] = set()
@@ -271,8 +360,10 @@ class NetworkThread:
                     if self.log is not None and client.bad_endpoints and client.bad_endpoints != bad:
                         self.log.warning("learner.bad_shard_endpoint", shards=client.bad_endpoints)
                 self.send(pub, client, unsent_fetch, peer)
-                for sock, _ in poller.poll(5):
-                    if sock is sub:
+                for sock, _ in poller.poll(POLL_MS if self._wake_fd is not None else 5):
+                    if sock == self._wake_fd:
+                        self._wake.drain_wakeups()   # what was put is sent at the top of the loop
+                    elif sock is sub:
                         self.receive_broadcasts(sub)
                     elif sock is peer:
                         self.on_peer_request(peer)
