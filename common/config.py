@@ -425,9 +425,13 @@ class SyncerOptions:
     0: any free port, logged)."""
     metrics_host: str = "127.0.0.1"
     """Address of the metrics endpoint (0.0.0.0: every interface, e.g. in a container)."""
+    merge_threads: int = 0
+    """Torch threads of the shard process, where merges run on a worker thread off the socket
+    loop (0: torch's setting, which ``ddloco up`` sets to 1 per process)."""
 
     def __post_init__(self) -> None:
         _check(-1 <= self.metrics_port <= 65535, "syncer.metrics_port must be -1 (none), 0 (any) or a port")
+        _check(self.merge_threads >= 0, "syncer.merge_threads must be >= 0")
         _check(self.shards >= 1, "syncer.shards must be >= 1")
         check_value("syncer.rpc_bind", self.rpc_bind, endpoint_problem)
         _check(0 <= self.shard < self.shards, "syncer.shard must be in [0, shards)")

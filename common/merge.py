@@ -88,6 +88,70 @@ def _span_kind(kind: str | bool) -> str:
     return kind
 
 
+class OuterAccumulator:
+    """The merged outer gradient Δ of one fragment, one contributor at a time.
+
+    Memory is O(numel) whatever M (two accumulators: Σ ŵ_m Δ_m and Σ ŵ_m unit(Δ_m) per piece,
+    plus a radius per piece), so a shard never stacks M copies of a large fragment. The result
+    equals ``merge_outer_gradients`` on the stacked rows up to summation order."""
+
+    def __init__(self, numel: int, spans: Sequence[tuple[int, int, str | bool]], rule: str = "rda",
+                 device: torch.device | str | None = None) -> None:
+        if rule not in MERGE_RULES:
+            raise ValueError(f"merge rule must be one of {MERGE_RULES}, got {rule!r}")
+        expected_start = 0
+        for start, stop, _ in spans:
+            if start < expected_start or stop < start:
+                raise ValueError(f"spans must be in order and disjoint within [0, {numel}), got {list(spans)}")
+            expected_start = stop
+        if expected_start > numel:
+            raise ValueError(f"spans cover {expected_start} values but outer_grads has {numel}")
+        self.numel = numel
+        self.pieces = [(start, stop, _span_kind(kind)) for start, stop, kind in spans]
+        self.rda = [kind == "param" and rule == "rda" for _, _, kind in self.pieces]
+        self.mean = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.direction = torch.zeros(numel, dtype=torch.float32, device=device) if any(self.rda) else None
+        self.radius = [0.0] * len(self.pieces)
+        self.weight_sum = 0.0
+        self.count = 0
+
+    def add(self, outer: torch.Tensor, weight: float) -> None:
+        """Fold in one contributor's Δ_m [numel] with normalised weight ŵ_m (Δ_m is only read)."""
+        if outer.dim() != 1 or outer.shape[0] != self.numel:
+            raise ValueError(f"outer gradient must be [{self.numel}], got shape {tuple(outer.shape)}")
+        w = float(weight)
+        first = self.count == 0
+        for i, (start, stop, kind) in enumerate(self.pieces):
+            block = outer[start:stop]
+            if kind == "int_buffer":           # the smallest Δ_m: Θ − Δ is the largest learner value
+                self.mean[start:stop] = block if first else torch.minimum(self.mean[start:stop], block)
+                continue
+            self.mean[start:stop].add_(block, alpha=w)
+            if self.rda[i]:
+                norm = float(torch.linalg.vector_norm(block))
+                if norm > 0:
+                    self.direction[start:stop].add_(block, alpha=w / norm)
+                self.radius[i] += w * norm
+        self.weight_sum += abs(w)
+        self.count += 1
+
+    def result(self, eps: float = 1e-6) -> torch.Tensor:
+        """Δ [numel]: RDA for param pieces (rule "rda"; the weighted average when the mean
+        direction nearly cancels, as ``radial_directional_average``), the weighted average
+        for the others, the minimum for integer buffers; gaps zero."""
+        if self.count == 0:
+            raise ValueError("nothing to merge: no contributors (M = 0)")
+        merged = self.mean
+        for i, (start, stop, _) in enumerate(self.pieces):
+            if not self.rda[i]:
+                continue
+            direction = self.direction[start:stop]
+            direction_norm = float(torch.linalg.vector_norm(direction))
+            if direction_norm >= eps * self.weight_sum and direction_norm > 0:
+                merged[start:stop] = direction * (self.radius[i] / direction_norm)
+        return merged
+
+
 def merge_outer_gradients(
     outer_grads: torch.Tensor,
     weights: torch.Tensor,
@@ -101,7 +165,7 @@ def merge_outer_gradients(
     gaps between them allowed. ``param`` pieces use ``rule``: "rda" (radial-directional
     average) or "mean" (weighted average), each piece separately; ``embedding`` and ``buffer``
     pieces the weighted average; ``int_buffer`` pieces the smallest Δ_m (so that Θ − Δ is the
-    largest learner value). Gaps stay zero.
+    largest learner value). Gaps stay zero. (``OuterAccumulator``: the same, row by row.)
     """
     if rule not in MERGE_RULES:
         raise ValueError(f"merge rule must be one of {MERGE_RULES}, got {rule!r}")
@@ -214,6 +278,14 @@ def outer_update(theta: torch.Tensor, momentum: torch.Tensor, outer_grads: torch
     step (η warmed up over ``algo.outer_warmup_merges``, μ, Nesterov or not). Returns
     (Θ_new, b_new); the inputs are left unchanged so a caller can still drop the result."""
     grad = merge_outer_gradients(outer_grads, weights, spans, rule or algo.merge_rule)    # [numel]
+    return outer_step(theta, momentum, grad, spans, algo, merges_done=merges_done)
+
+
+def outer_step(theta: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor,
+               spans: Sequence[tuple[int, int, str | bool]], algo: AlgoConfig, *, merges_done: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run's outer step with the merged outer gradient ``grad``, on copies (see
+    ``outer_update``); buffers take the learners' merged value, without the outer optimizer."""
     new_theta, momentum = theta.clone(), momentum.clone()
     outer_nesterov_step(new_theta, momentum, grad, lr=outer_lr_at(algo.outer_lr, merges_done, algo.outer_warmup_merges),
                         momentum_coef=algo.outer_momentum, nesterov=algo.outer_nesterov)

@@ -279,7 +279,8 @@ def cmd_syncer(args: argparse.Namespace) -> int:
     cfg = _resolve(args)
     opts = override(cfg.syncer, shard=args.shard, shards=args.shards, checkpoint_dir=args.checkpoint_dir,
                     checkpoint_every_merges=args.checkpoint_every, rpc_bind=args.rpc_bind,
-                    advertise_host=_advertise_host(args), fresh=True if args.fresh else None, **_metrics(args))
+                    advertise_host=_advertise_host(args), fresh=True if args.fresh else None,
+                    merge_threads=args.merge_threads, **_metrics(args))
     _setup_logging(args)
     _security_check(cfg.endpoints, args, "syncer", f"shard{opts.shard}")
     _check_redis_answers(args, cfg.endpoints.redis_url)
@@ -676,6 +677,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise-host", help="host learners use to reach --rpc-bind (env DDLOCO_ADVERTISE_HOST; "
                    "default: the bound address)")
     p.add_argument("--join", action="store_true", help="take the run config from Redis instead of publishing one")
+    p.add_argument("--merge-threads", type=int, help="torch threads for merges, which run on a worker thread off "
+                   "the socket loop (default: torch's setting)")
     _add_metrics(p)
     p.add_argument("--fresh", action="store_true", help="start over from the initial model: ignore the checkpoint "
                    "and the learners' copies (versions still go up, so learners adopt it)")

@@ -16,6 +16,7 @@ import socket
 import statistics
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -31,13 +32,18 @@ from common.keys import Keys
 from common.links import keep_alive
 from common.security import Security
 from common.log import get_logger
-from common.merge import contribution_weights, outer_update
+from common.merge import OuterAccumulator, contribution_weights, outer_step
 from common.robust import NormClipper, bound_claims
 from common.quorum import Decision, Ema, QuorumPolicy, RoundView, decide_round, due_fragments, grace_window_s
 from common import quant
 from tasks.contract import Task, TaskError, bind_task, build_model, count_tokens
 
 CONTROL_REFRESH_S = 0.5
+MERGE_WORKERS = 2
+"""Worker threads for merges: a fragment merges once at a time, two fragments may merge together
+(torch releases the GIL), and a slow merge never stops the socket loop."""
+BEHIND_FACTOR = 1.2
+"""A fragment whose merges come more than this many times H learner steps apart is behind schedule."""
 RECOVERY_QUIET_S = 3.0
 """A restarted shard that is not behind the run's record starts merging when no learner holding
 copies has been live for this long (after a Redis restart, learners come back within a heartbeat)."""
@@ -91,6 +97,37 @@ class FragmentState:
     """Set while the shard collects live learners' copies at start (no rounds meanwhile)."""
     clipper: NormClipper = field(default_factory=NormClipper)
     """Recent outer-gradient norms of this fragment (robust merge)."""
+    merging: "_MergeJob | None" = None
+    """A closed round whose merge runs on the worker thread (no new round opens meanwhile)."""
+    last_merged_at: float | None = None
+    effective_h: float = 0.0
+    """EMA of the learner steps between two merges of this fragment (schedule check)."""
+
+
+@dataclass
+class _MergeResult:
+    replica: torch.Tensor | None
+    """None: the merge was not finite (dropped)."""
+    master: torch.Tensor | None
+    momentum: torch.Tensor | None
+    frames: list[Any]
+    clipped: list[str]
+    seconds: float
+
+
+@dataclass
+class _MergeJob:
+    fragment: FragmentState
+    rnd: OpenRound
+    answers: list["Answer"]
+    weights: torch.Tensor
+    closed_at: float
+    reason: str
+    grace: float
+    version: int
+    epoch: int
+    future: "Future[_MergeResult] | None" = None
+    result: _MergeResult | None = None
 
 
 @dataclass
@@ -133,6 +170,10 @@ class ShardStats:
     """Answers refused or clipped by the robust-merge rules, by reason (common.robust.REASONS)."""
     round_s: metrics.Histogram = field(default_factory=metrics.Histogram)
     """Seconds from a round's open to its merge, of every merged round of this process."""
+    merge_s: metrics.Histogram = field(default_factory=metrics.Histogram)
+    """Seconds of merge computation (worker thread) per merged round."""
+    rounds_behind: int = 0
+    """Merges that came later than the schedule allows: effective H > BEHIND_FACTOR × H."""
 
     @property
     def dropped(self) -> int:
@@ -224,6 +265,9 @@ class Shard:
         self.grace_s = 0.0
         """The adaptive grace window of the last poll (seconds a round waits past its quorum)."""
         self.metrics: metrics.MetricsServer | None = None
+        self._behind_logged_at = -1e9
+        self._merger: ThreadPoolExecutor | None = None
+        """The merge worker: merges never block the socket loop."""
 
     # ---------------------------------------------------------------- set-up / tear-down
     def _prepare(self, run: RunConfig) -> torch.nn.Module:
@@ -281,6 +325,9 @@ class Shard:
         self._start_recovery(recorded, loaded)
         if self.run_tokens:  # Redis may have restarted empty: the learners' LR schedule must not go back
             control.raise_counter(self.redis, self.keys.tokens, self.run_tokens)
+        if self.options.merge_threads > 0:
+            torch.set_num_threads(self.options.merge_threads)
+        self._merger = ThreadPoolExecutor(max_workers=MERGE_WORKERS, thread_name_prefix=f"{self.id}-merge")
         self._open_sockets()
         self.started_at = self.clock()
         self._refresh_control(force=True)
@@ -327,6 +374,10 @@ class Shard:
             metrics.counter("shard_versions_behind_total", "Fragments that restarted below the run's recorded "
                             "version (no live learner had it).", st.versions_behind),
             metrics.histogram("shard_round_seconds", "Seconds from a round's open to its merge.", st.round_s),
+            metrics.histogram("shard_merge_seconds", "Seconds of merge computation per round (worker thread).",
+                              st.merge_s),
+            metrics.counter("shard_rounds_behind_total", "Merges later than the schedule: the fragment's "
+                            "learner steps between merges (EMA) above 1.2 x H.", st.rounds_behind),
             metrics.gauge("shard_grace_window_seconds", "The adaptive grace window: how long a round waits "
                           "for more answers past its quorum.", self.grace_s),
             metrics.gauge("shard_rounds_open", "Rounds in flight.", sum(f.round is not None for _, f in frags)),
@@ -383,6 +434,7 @@ class Shard:
         try:
             if self._lease_lost:
                 return
+            self._drain_merges()      # merges already computing are applied and broadcast, then saved
             self.checkpoint(wait=True)
             control.add_event(self.redis, self.keys, "shard_stop", shard=self.options.shard,
                               versions={p: f.version for p, f in self.frags.items()})
@@ -398,27 +450,26 @@ class Shard:
         self.log.info("syncer.stopped", merges=self.stats.merges, dropped=self.stats.dropped,
                       versions={p: f.version for p, f in self.frags.items()})
 
-    def _broadcast_merged(self, f: FragmentState, new: torch.Tensor) -> list[Any]:
-        """Adopt the outer step's result ``new`` and return the broadcast that carries it (ALGORITHM §7).
+    def _broadcast_merged(self, f: FragmentState, new: torch.Tensor, old_version: int, epoch: int
+                          ) -> tuple[torch.Tensor, torch.Tensor | None, list[Any]]:
+        """(replica, master, broadcast frames) after an outer step whose result is ``new`` (ALGORITHM §7).
 
-        fp32 downlink: the full value. Otherwise the update q(new − Θ_old) in the run's downlink
-        codec, from version ``f.version``; the shard and every learner holding Θ_old compute
-        Θ_old + deq(q(update)) with the same fp32 additions, so all replicas stay bit-identical,
-        while ``new`` stays the fp32 master (the next update carries what this one dropped)."""
+        fp32 downlink: the full value (replica = ``new``, no separate master). Otherwise the
+        update q(new − Θ_old) in the run's downlink codec, from version ``old_version``; the
+        shard and every learner holding Θ_old compute Θ_old + deq(q(update)) with the same fp32
+        additions, so all replicas stay bit-identical, while ``new`` stays the fp32 master (the
+        next update carries what this one dropped). Pure: runs on the merge worker."""
         codec = self.run.algo.downlink_codec
-        old_version = f.version
         if codec == "fp32":
-            f.theta, f.master = new, None
-            frames = self._frag_frames_for(f, old_version + 1)
-            f.reply = (self.epoch, old_version + 1, frames)
-            return frames
+            return new, None, wire.encode(kind=wire.FRAG, run=self.endpoints.run_id, sender=self.id,
+                                          fragment=f.spec.index, epoch=epoch, values=new, codec="fp32",
+                                          version=old_version + 1)
         update = new - f.theta
         frames = quant.encode(update, codec)
-        f.theta = f.theta + quant.decode(frames, codec, update.numel())
-        f.master = new
-        return wire.encode(kind=wire.FRAG, run=self.endpoints.run_id, sender=self.id, fragment=f.spec.index,
-                           epoch=self.epoch, codec=codec, encoded=(frames, update.numel()),
-                           version=old_version + 1, base=old_version)
+        replica = f.theta + quant.decode(frames, codec, update.numel())
+        return replica, new, wire.encode(kind=wire.FRAG, run=self.endpoints.run_id, sender=self.id,
+                                         fragment=f.spec.index, epoch=epoch, codec=codec,
+                                         encoded=(frames, update.numel()), version=old_version + 1, base=old_version)
 
     # ---------------------------------------------------------------- checkpoints
     @property
@@ -609,6 +660,7 @@ class Shard:
                 except zmq.Again:
                     break
                 self._on_request(frames)
+        self._finish_merges()
         now = self.clock()
         self._refresh_control(now=now)
         self._advance_recovery(now)
@@ -646,7 +698,7 @@ class Shard:
                 rnd.attempt += 1
                 self.stats.reopens += 1
                 self._send_open(f, now)
-        in_flight = [p for p, f in self.frags.items() if f.round is not None]
+        in_flight = [p for p, f in self.frags.items() if f.round is not None or f.merging is not None]
         if algo.lockstep:
             period, tau = 0.0, len(self.frags)
         else:
@@ -774,57 +826,121 @@ class Shard:
 
     def _frag_frames(self, f: FragmentState) -> list[Any]:
         """The full value every replica holds, exact (fp32): a join, a repair, a recovery."""
-        return self._frag_frames_for(f, f.version)
-
-    def _frag_frames_for(self, f: FragmentState, version: int) -> list[Any]:
         return wire.encode(kind=wire.FRAG, run=self.endpoints.run_id, sender=self.id, fragment=f.spec.index,
-                           epoch=self.epoch, values=f.theta, codec="fp32", version=version)
+                           epoch=self.epoch, values=f.theta, codec="fp32", version=f.version)
 
     # ---------------------------------------------------------------- merge (ALGORITHM §5)
     def _merge(self, f: FragmentState, now: float, reason: str, grace: float) -> None:
-        t0 = time.perf_counter()
-        algo = self.run.algo
+        """Close the round and hand its merge to the worker thread; ``_finish_merges`` applies the
+        result on this loop (which meanwhile goes on reading sockets and answering requests).
+        The fragment opens no round until then."""
         rnd = f.round
         answers = list(rnd.answers.values())
-        # Outer gradient of each contributor against the CURRENT value: Δ_m = Θ_p − (Θ_p^{base_m} + δ_m)
-        # (Θ_p: the fp32 master; Θ_p^{base_m} + δ_m: the learner's own value, built on the replica it held)
-        current = f.theta if f.master is None else f.master
-        outer = torch.stack([current - (f.history[a.base] + a.delta) for a in answers])  # [M, numel]
-        for m, a in enumerate(answers):   # robust: no contributor moves Θ more than a few rounds do
-            outer[m], clipped = f.clipper.clip(outer[m])
-            if clipped:
-                self._reject("clipped", a.sender, f.spec.index)
         weights = contribution_weights([a.tokens for a in answers], [a.steps for a in answers])  # [M]
+        f.round = None
         if float(weights.sum()) <= 0.0:
-            f.round = None
             return
-        theta, momentum = outer_update(current, f.momentum, outer, weights, f.spec.spans, algo,
-                                       merges_done=f.version)
-        if not bool(torch.isfinite(theta).all()):  # a diverged learner must not poison Θ
+        job = _MergeJob(fragment=f, rnd=rnd, answers=answers, weights=weights, closed_at=now, reason=reason,
+                        grace=grace, version=f.version, epoch=self.epoch)
+        f.merging = job
+        if self._merger is None:
+            job.result = self._compute_merge(job)
+            self._apply_merge(job)
+        else:
+            job.future = self._merger.submit(self._compute_merge, job)
+
+    def _compute_merge(self, job: "_MergeJob") -> "_MergeResult":
+        """ALGORITHM §5 on the worker thread. Reads the fragment's value, momentum, history and
+        clipper, which only the loop changes, and only when it applies this job's result; returns
+        new tensors. Memory: O(|fragment|) whatever the number of answers (accumulated, not stacked)."""
+        t0 = time.perf_counter()
+        f, algo = job.fragment, self.run.algo
+        current = f.theta if f.master is None else f.master     # the exact fp32 master
+        acc = OuterAccumulator(f.spec.numel, f.spec.spans, algo.merge_rule)
+        clipped = []
+        for a, w in zip(job.answers, job.weights.tolist()):
+            # Δ_m = Θ_p − (Θ_p^{base_m} + δ_m): the learner's own value, built on the replica it held
+            outer = f.history[a.base] + a.delta
+            torch.sub(current, outer, out=outer)
+            outer, cut = f.clipper.clip(outer)               # robust: nobody moves Θ more than a few rounds do
+            if cut:
+                clipped.append(a.sender)
+            acc.add(outer, w)
+        theta, momentum = outer_step(current, f.momentum, acc.result(), f.spec.spans, algo, merges_done=job.version)
+        if not bool(torch.isfinite(theta).all()):   # a diverged learner must not poison Θ
+            return _MergeResult(None, None, None, [], clipped, time.perf_counter() - t0)
+        replica, master, frames = self._broadcast_merged(f, theta, job.version, job.epoch)
+        return _MergeResult(replica, master, momentum, frames, clipped, time.perf_counter() - t0)
+
+    def _drain_merges(self) -> None:
+        merger, self._merger = self._merger, None
+        if merger is None:
+            return
+        merger.shutdown(wait=True)
+        for f in self.frags.values():
+            job = f.merging
+            if job is not None and job.future is not None:
+                job.result = job.future.result()
+                self._apply_merge(job)
+
+    def _finish_merges(self) -> None:
+        for f in self.frags.values():
+            job = f.merging
+            if job is not None and job.future is not None and job.future.done():
+                job.result = job.future.result()            # an exception here is a bug: the daemon stops
+                self._apply_merge(job)
+
+    def _apply_merge(self, job: "_MergeJob") -> None:
+        f, rnd, answers, res = job.fragment, job.rnd, job.answers, job.result
+        f.merging = None
+        for sender in res.clipped:
+            self._reject("clipped", sender, f.spec.index)
+        if res.replica is None:
             self.stats.nonfinite_rounds += 1
             self.log.warning("syncer.nonfinite_merge_dropped", fragment=f.spec.index, round=rnd.round_id,
                              contributors=[a.sender for a in answers])
-            f.round = None
             return
-        frames = self._broadcast_merged(f, theta)
-        f.momentum = momentum
+        algo = self.run.algo
+        f.theta, f.master, f.momentum = res.replica, res.master, res.momentum
         f.version += 1
-        f.history[f.version] = f.theta.clone()
+        if f.master is None:                      # fp32 downlink: the broadcast is the full value
+            f.reply = (job.epoch, f.version, res.frames)
+        f.history[f.version] = f.theta             # never changed in place: a new tensor every merge
         for v in sorted(f.history)[:-algo.history_versions]:
             del f.history[v]
-        f.round = None
-        self._publish(frames)
+        self._publish(res.frames)
+        now = self.clock()
         self.stats.merges += 1
         self.stats.round_s.observe(now - rnd.opened_at)
+        self.stats.merge_s.observe(res.seconds)
         self._merges_since_ckpt += 1
-        self.xi_sync.update(time.perf_counter() - t0)
+        self.xi_sync.update(res.seconds + (now - job.closed_at))
         contributors = [a.sender for a in answers]
-        waited = 0.0 if rnd.quorum_at is None else now - rnd.quorum_at
+        waited = 0.0 if rnd.quorum_at is None else job.closed_at - rnd.quorum_at
         self.log.info("syncer.merge", fragment=f.spec.index, version=f.version, round=rnd.round_id,
-                      contributors=contributors, reason=reason)
-        self._record_merge(f, rnd, answers, weights, waited, grace, reason)
+                      contributors=contributors, reason=job.reason, merge_s=round(res.seconds, 4))
+        self._record_merge(f, rnd, answers, job.weights, waited, job.grace, job.reason)
+        self._check_schedule(f, now)
         if self._merges_since_ckpt >= self.options.checkpoint_every_merges:
             self.checkpoint()
+
+    def _check_schedule(self, f: FragmentState, now: float) -> None:
+        """Rounds must come every H learner steps: the steps between two merges of a fragment
+        (time between them ÷ the median learner step time) are tracked as an EMA; above
+        BEHIND_FACTOR × H the merge is counted as behind and logged (at most every 10 s)."""
+        last, f.last_merged_at = f.last_merged_at, now
+        if last is None or self.run.algo.lockstep or not self.live:
+            return
+        h = (now - last) / max(self._xi_step(slowest=False), 1e-6)
+        f.effective_h = h if f.effective_h == 0.0 else 0.8 * f.effective_h + 0.2 * h
+        H = self.run.algo.sync_every_steps
+        if f.effective_h > BEHIND_FACTOR * H:
+            self.stats.rounds_behind += 1
+            if now - self._behind_logged_at >= 10.0:
+                self._behind_logged_at = now
+                self.log.warning("syncer.rounds_behind", fragment=f.spec.index, effective_h=round(f.effective_h, 1),
+                                 configured_h=H, last_merge_s=round(self.stats.merge_s.last_s, 4),
+                                 count=self.stats.rounds_behind)
 
     def _record_merge(self, f: FragmentState, rnd: OpenRound, answers: list[Answer], weights: torch.Tensor,
                       waited: float, grace: float, reason: str) -> None:

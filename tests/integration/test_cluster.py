@@ -669,3 +669,36 @@ def test_invented_topic_kinds_keep_the_brokers_counters_bounded(make_cluster):
         assert kinds["other"] >= 5_000
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_merge_runs_on_the_worker_thread_while_the_shard_answers_requests_and_merges_others(make_cluster,
+                                                                                             monkeypatch):
+    """Fragment 0's merge is held on its worker; meanwhile the socket loop serves full fragments
+    (at the version before that merge), receives answers and another fragment merges on the
+    second worker; released, the held merge lands."""
+    from common.rpc import fetch_fragments
+    from syncer.shard import Shard
+    entered, release = threading.Event(), threading.Event()
+    compute = Shard._compute_merge
+
+    def held(self, job):
+        if job.fragment.spec.index == 0 and not release.is_set():
+            entered.set()
+            release.wait(30)
+        return compute(self, job)
+    monkeypatch.setattr(Shard, "_compute_merge", held)
+    cluster = make_cluster(ASYNC)
+    shard = cluster.start_shard(0, 1)
+    cluster.start_learner(cluster.learner("l0", 0, step_time_floor_ms=5))
+    wait_until(entered.is_set, 30, what="fragment 0's merge on the worker")
+    held_version = shard.frags[0].version
+    answers_then = shard.stats.answers
+    r = control.connect(cluster.endpoints.redis_url)
+    got = fetch_fragments(r, Keys(cluster.endpoints.run_id), 4, timeout_s=10.0)   # served by the loop
+    assert got[0][0] == held_version
+    assert shard.frags[0].merging is not None and shard.frags[0].round is None   # no new round meanwhile
+    wait_until(lambda: shard.stats.answers > answers_then and shard.frags[1].version > 0, 10,
+               what="answers received and another fragment merged while fragment 0's merge is held")
+    release.set()
+    wait_until(lambda: shard.frags[0].version > held_version, 10, what="the held merge applied")
+    assert not cluster.errors, cluster.errors

@@ -257,3 +257,22 @@ def test_rda_falls_back_to_the_average_when_the_directions_nearly_cancel() -> No
     # rescaling the tiny residual direction to the full radius would invent a step of norm ~|v|
     assert torch.allclose(merged, weighted_average(vectors, weights), atol=1e-6)
     assert torch.linalg.vector_norm(merged) < 1e-6
+
+
+@pytest.mark.parametrize("rule", ["rda", "mean"])
+def test_the_accumulator_merges_one_contributor_at_a_time_like_the_stacked_rows(rule) -> None:
+    from common.merge import OuterAccumulator
+    gen = torch.Generator().manual_seed(3)
+    spans = [(0, 10, "param"), (12, 30, "embedding"), (30, 40, "param"), (40, 44, "int_buffer"), (44, 50, "buffer")]
+    rows = torch.randn(5, 52, generator=gen)
+    rows[:, 40:44] = torch.randint(-3, 3, (5, 4), generator=gen).float()
+    rows[2, 30:40] = 0.0                                                 # a zero piece: no direction
+    weights = torch.rand(5, generator=gen)
+    weights /= weights.sum()
+    for vectors, w in ((rows, weights), (torch.stack([rows[0], -rows[0]]), torch.tensor([0.5, 0.5]))):
+        acc = OuterAccumulator(52, spans, rule)
+        for m in range(vectors.shape[0]):
+            acc.add(vectors[m], float(w[m]))
+        torch.testing.assert_close(acc.result(), merge_outer_gradients(vectors, w, spans, rule), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="no contributors"):
+        OuterAccumulator(52, spans, rule).result()
