@@ -75,3 +75,9 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True   # someone else's process
     return True
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (MiB), as the kernel counts it (ru_maxrss)."""
+    import resource
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)

@@ -31,7 +31,7 @@ from common.fragments import (Fragment, describe_plan_difference, gather, model_
                               scatter, state_tensors)
 from common.keys import Keys
 from common.merge import Contribution, receive_merged
-from common.lifecycle import process_start_time
+from common.lifecycle import peak_rss_mb, process_start_time
 from common.log import get_logger
 from learner.network import (Answer, AskPeer, Fetch, FragmentArrived, Have, NetworkThread, Outbox, PeerState,
                              PeerStateArrived, PeerStateWanted, RoundOpened, StateRequested, optimizer_digest)
@@ -881,7 +881,8 @@ class Learner:
                 "bootstrap": s.bootstrap, "bootstraps_served": s.bootstraps_served,
                 "peer": getattr(getattr(self, "net", None), "peer_endpoint", ""), "last_contrib_at": s.last_contrib_at,
                 "data_shard": self.options.data_shard, "data_stream": self.stream, "pid": os.getpid(), "host": socket.gethostname(),
-                "data_position": self.data_position + s.batches, "answers_replaced": self._outbox.replaced}
+                "data_position": self.data_position + s.batches, "answers_replaced": self._outbox.replaced,
+                "peak_rss_mb": peak_rss_mb()}
 
     def _leave(self) -> None:
         try:

@@ -29,6 +29,7 @@ from common import control, metrics, wire
 from common.config import Endpoints, RunConfig, SyncerOptions
 from common.fragments import Fragment, gather, model_plan, owned_fragments, plan_digest, plan_layout, state_tensors
 from common.keys import Keys
+from common.lifecycle import peak_rss_mb
 from common.links import keep_alive
 from common.security import Security
 from common.log import get_logger
@@ -986,7 +987,10 @@ class Shard:
                 "status": "running", "merges": self.stats.merges, "dropped": self.stats.dropped,
                 "malformed": self.stats.malformed, "late_answers": self.stats.late_answers,
                 "stale_base": self.stats.stale_base, "bytes_out": self.stats.bytes_out,
-                "bytes_in": self.stats.bytes_in, "reopens": self.stats.reopens, "heartbeat_at": time.time()})
+                "bytes_in": self.stats.bytes_in, "reopens": self.stats.reopens, "heartbeat_at": time.time(),
+                "answers": self.stats.answers, "rounds_behind": self.stats.rounds_behind,
+                "merge_s_sum": round(self.stats.merge_s.sum_s, 4), "replies_cached": self.stats.replies_cached,
+                "requests": self.stats.requests, "peak_rss_mb": peak_rss_mb()})
             for p, f in self.frags.items():
                 if f.recovery is not None:
                     continue  # the recorded version stays until this fragment has caught up

@@ -1,0 +1,143 @@
+"""``ddloco bench sync``: does the sync path keep up with the learners? (issue "Scale")
+
+Runs the real daemons twice through ``ddloco up`` with a synthetic model of ``--params``
+parameters (``bench.synthetic``): once with the run's sync (rounds every H steps), once with
+the same learner config and no rounds (H beyond the run's length), each for ``--minutes``.
+Learners are stopped at the cap (no flush), so a learner's rate is its steps over the time
+from joined to stopped. Reports:
+
+- steps/s per learner with sync ÷ without (the sync path's cost to training);
+- bytes up and down per learner step, and down ÷ up;
+- merges/s per shard (over the learners' training window) vs required (every owned fragment
+  once per H steps of the median learner);
+- late answers (arrived after their round merged) ÷ answers received;
+- join time (process start to joined) and peak RSS per role (learner, shard), with the model's
+  fp32 bytes for scale.
+
+This machine runs everything on the same cores: the syncers' merges and the learners' network
+threads compete with training, which a deployment (syncers on their own CPU boxes) does not.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+
+def _up(tag: str, args: argparse.Namespace, out: Path, *, sync_every: int) -> dict[str, Any]:
+    report = out / tag
+    cmd = [sys.executable, "-m", "ddloco", "up", "--insecure", "--quiet", "--run-id", f"bsync-{tag}-{os.getpid()}",
+           "--task", "bench.synthetic:task", "--task-arg", f"params={int(args.params)}",
+           "--learners", str(args.learners), "--syncers", str(args.syncers), "--steps", "0",
+           "--minutes", str(args.minutes), "--step-time-floor-ms", str(args.step_time_floor_ms),
+           "--sync-every", str(sync_every), "--report", str(report)]
+    print(f"[bench sync] {tag}: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0 or not (report / "report.json").exists():
+        raise RuntimeError(f"ddloco up ({tag}) exited {proc.returncode}: {proc.stderr[-2000:]}")
+    print(f"[bench sync] {tag}: done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    return json.loads((report / "report.json").read_text())
+
+
+def _f(h: dict[str, Any], key: str) -> float:
+    try:
+        return float(h.get(key) or 0.0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _learner_rates(rep: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for lid, h in rep["learner_stats"].items():
+        span = _f(h, "stopped_at") - _f(h, "started_at") - _f(h, "boot_s")
+        if span > 0 and _f(h, "steps") > 0:
+            out[lid] = _f(h, "steps") / span
+    return out
+
+
+def summarise(with_sync: dict[str, Any], without: dict[str, Any], *, params: int, sync_every: int,
+              fragments: int, syncers: int) -> dict[str, Any]:
+    """The figures of one ``bench sync`` run from the two reports (pure: unit-tested)."""
+    rates, base = _learner_rates(with_sync), _learner_rates(without)
+    learners = with_sync["learner_stats"]
+    steps = sum(_f(h, "steps") for h in learners.values())
+    up = sum(_f(h, "bytes_up") for h in learners.values())
+    down = sum(_f(h, "bytes_down") for h in learners.values())
+    shards = with_sync["shard_stats"]
+    wall = float(with_sync.get("wall_s") or 0.0)
+    # merges are counted over the learners' training window (start-up and joins excluded)
+    spans = [_f(h, "stopped_at") - _f(h, "started_at") - _f(h, "boot_s") for h in learners.values()]
+    window = statistics.median(spans) if spans else 0.0
+    median_rate = statistics.median(rates.values()) if rates else 0.0
+    required = (fragments / syncers) * median_rate / sync_every                # merges/s one shard owes
+    answers = sum(_f(h, "answers") for h in shards.values())
+    late = sum(_f(h, "late_answers") for h in shards.values())
+    return {
+        "params": params,
+        "model_fp32_mb": round(params * 4 / 2**20, 1),
+        "steps_per_s_with_sync": round(sum(rates.values()), 4),
+        "steps_per_s_without_sync": round(sum(base.values()), 4),
+        "ratio": round(sum(rates.values()) / sum(base.values()), 4) if base and rates else None,
+        "per_learner_with": {k: round(v, 4) for k, v in rates.items()},
+        "per_learner_without": {k: round(v, 4) for k, v in base.items()},
+        "bytes_up_per_step": round(up / steps, 1) if steps else None,
+        "bytes_down_per_step": round(down / steps, 1) if steps else None,
+        "down_over_up": round(down / up, 3) if up else None,
+        "merges_per_s_per_shard": {k: round(_f(h, "merges") / window, 4) for k, h in shards.items()} if window > 0 else {},
+        "merges_per_s_required": round(required, 4),
+        "rounds_behind": int(sum(_f(h, "rounds_behind") for h in shards.values())),
+        "late_answers": int(late),
+        "late_fraction": round(late / (answers + late), 4) if answers + late else None,
+        "merge_s_per_merge": round(sum(_f(h, "merge_s_sum") for h in shards.values())
+                                   / max(1.0, sum(_f(h, "merges") for h in shards.values())), 4),
+        "join_s": {k: _f(h, "boot_s") for k, h in learners.items()},
+        "peak_rss_mb": {"learner": max((_f(h, "peak_rss_mb") for h in learners.values()), default=0.0),
+                        "shard": max((_f(h, "peak_rss_mb") for h in shards.values()), default=0.0)},
+        "wall_s": {"with": wall, "without": float(without.get("wall_s") or 0.0)},
+    }
+
+
+def main(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(prog="ddloco bench sync", description=__doc__.split("\n\n")[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=1e7, help="model parameters (default 1e7)")
+    ap.add_argument("--learners", type=int, default=2, help="learners (default 2)")
+    ap.add_argument("--syncers", type=int, default=2, help="syncer shards (default 2)")
+    ap.add_argument("--step-time-floor-ms", type=float, default=250.0, help="emulated accelerator step time (default 250)")
+    ap.add_argument("--minutes", type=float, default=1.5, help="length of each of the two runs (default 1.5)")
+    ap.add_argument("--sync-every", type=int, default=24, help="H of the run with sync (default 24, the run's default)")
+    ap.add_argument("--fragments", type=int, default=24, help="P (default 24, the run's default)")
+    ap.add_argument("--report", help="keep both runs' reports and bench.json here (default: a temp dir)")
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = ap.parse_args(list(argv))
+    if args.params < 1 or args.learners < 1 or args.minutes <= 0:
+        print("ddloco bench sync: --params, --learners and --minutes must be positive", file=sys.stderr)
+        return 2
+    out = Path(args.report) if args.report else Path(tempfile.mkdtemp(prefix="bench-sync-"))
+    out.mkdir(parents=True, exist_ok=True)
+    with_sync = _up("sync", args, out, sync_every=args.sync_every)
+    without = _up("nosync", args, out, sync_every=10**9)
+    res = summarise(with_sync, without, params=int(args.params), sync_every=args.sync_every,
+                    fragments=args.fragments, syncers=args.syncers)
+    res["config"] = {k: getattr(args, k) for k in ("learners", "syncers", "step_time_floor_ms", "minutes",
+                                                    "sync_every", "fragments")}
+    (out / "bench.json").write_text(json.dumps(res, indent=2))
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        for k, v in res.items():
+            print(f"{k:28s} {v}")
+        print(f"(reports in {out})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
