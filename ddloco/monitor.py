@@ -5,6 +5,7 @@ The global model is the union of the shards' current fragments, fetched over the
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable
 
@@ -57,6 +58,9 @@ class Monitor:
         self.lives: dict[tuple[str, str], dict[str, str]] = {}
         """The last counters seen of each learner process (id, incarnation): a restarted learner
         overwrites its hash in Redis, its earlier lives stay here."""
+        self._eval_thread: threading.Thread | None = None
+        """The periodic evaluation runs here, off ``up``'s control loop: progress lines, restarts
+        and the time cap never wait for it (one evaluation took ~90 s under a 32-learner load)."""
 
     token_offset: int = 0
     """Tokens of the earlier parts of a resumed run (``up --resume``)."""
@@ -72,7 +76,10 @@ class Monitor:
     def evaluate(self, *, initial: bool = False, final: bool = False,
                  state: tuple[Any, dict[int, int]] | None = None) -> float | None:
         """Evaluate the global model: ``state`` (a model and its fragments' versions, e.g. read
-        from checkpoints), else the shards' current fragments (the initial model of a new run)."""
+        from checkpoints), else the shards' current fragments (the initial model of a new run).
+        Called from the control loop it first waits for a periodic evaluation still running."""
+        if threading.current_thread() is not self._eval_thread:
+            self.wait_evaluation()
         versions: dict[int, int] = {}
         if state is not None:
             self.model.load_state_dict(state[0].state_dict(), strict=True)
@@ -102,9 +109,29 @@ class Monitor:
         self.say(f"{tag:<10} global model eval loss {loss:.4f} at {self.tokens_total():,} tokens")
         return loss
 
+    def evaluate_in_background(self) -> None:
+        """Start a periodic evaluation on its own thread unless one is running (then skip)."""
+        if self._eval_thread is not None and self._eval_thread.is_alive():
+            return
+        self.last_eval = time.time()
+        self._eval_thread = threading.Thread(target=self._background_evaluation, name="monitor-eval", daemon=True)
+        self._eval_thread.start()
+
+    def _background_evaluation(self) -> None:
+        try:
+            self.evaluate()
+        except Exception as e:   # an evaluation must never take the run down
+            self.say(f"eval       failed: {e!r}")
+
+    def wait_evaluation(self, timeout_s: float | None = None) -> None:
+        t = self._eval_thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout_s)
+
     def adopt_final(self, model: Any, versions: dict[int, int]) -> None:
         """The shards' final model (from their checkpoints): it replaces the final evaluation when
         merges landed after it (the report and model.safetensors then describe the same model)."""
+        self.wait_evaluation()
         if self.final_versions is not None and versions == self.final_versions:
             return
         self.model.load_state_dict(model.state_dict(), strict=True)
@@ -197,7 +224,7 @@ class Monitor:
                 status = "blocked"
             self.samples[lid].append((now - self.t0, status))
         if now - self.last_eval >= self.cfg.up.eval_every_s:
-            self.evaluate()
+            self.evaluate_in_background()
         if now - self.last_print >= 5.0:
             self.last_print = now
             self.say(self.progress_line())
