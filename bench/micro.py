@@ -14,7 +14,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from common import quant, wire
-from common.merge import contribution_weights, merge_outer_gradients, outer_nesterov_step
+from common.config import AlgoConfig
+from common.merge import OuterAccumulator, contribution_weights, outer_step
 
 
 def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
@@ -27,10 +28,21 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times) * 1000.0
 
 
+def memcpy_ms(numel: int, repeats: int) -> float:
+    """A copy of ``numel`` fp32 values into a buffer allocated once: the baseline the codec and
+    merge figures are divided by (``*_vs_memcpy`` = memcpy time ÷ their time, 1 = as fast)."""
+    src, dst = torch.randn(numel), torch.empty(numel)
+    return _median_ms(lambda: dst.copy_(src), repeats)
+
+
 def bench_codec(numel: int, repeats: int) -> list[dict[str, Any]]:
-    """Encode/decode time, payload size and max abs error of each codec on N(0,1) values."""
+    """Encode/decode time, payload size and max abs error of each codec on N(0,1) values, and
+    their speed relative to a memcpy of the same fp32 values measured in the same process."""
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-    rows = []
+    copy = memcpy_ms(numel, repeats)
+    rows = [{"codec": "memcpy", "numel": numel, "bytes": 4 * numel, "bits_per_value": 32.0, "encode_ms": copy,
+             "decode_ms": copy, "encode_input_GB_per_s": numel * 4 / copy / 1e6, "max_abs_error": 0.0,
+             "encode_vs_memcpy": 1.0, "decode_vs_memcpy": 1.0}]
     for codec in quant.CODECS:
         frames = quant.encode(x, codec)
         err = float((quant.decode(frames, codec, numel) - x).abs().max())
@@ -39,7 +51,7 @@ def bench_codec(numel: int, repeats: int) -> list[dict[str, Any]]:
         nbytes = quant.payload_nbytes(numel, codec)
         rows.append({"codec": codec, "numel": numel, "bytes": nbytes, "bits_per_value": 8 * nbytes / numel,
                      "encode_ms": enc, "decode_ms": dec, "encode_input_GB_per_s": numel * 4 / enc / 1e6,
-                     "max_abs_error": err})
+                     "max_abs_error": err, "encode_vs_memcpy": copy / enc, "decode_vs_memcpy": copy / dec})
     return rows
 
 
@@ -60,19 +72,32 @@ def bench_wire(numel: int, repeats: int) -> list[dict[str, Any]]:
 
 
 def bench_merge(numel: int, repeats: int, learners: Sequence[int] = (2, 4, 8)) -> list[dict[str, Any]]:
-    """Syncer merge of one fragment (24 tensors): weights, per-tensor RDA, outer Nesterov step."""
+    """The shard's merge path of one fragment (24 tensors) with M answers, as ``Shard._compute_merge``
+    runs it: each Δ_m = Θ − (Θ^base + δ_m) built and folded into the accumulator one at a time
+    (RDA per tensor), then the outer step; and its speed relative to a memcpy of its fp32 inputs
+    (M deltas) measured in the same process."""
     per = numel // 24
     spans = tuple((i * per, (i + 1) * per, i == 0) for i in range(24))
     n = per * 24
+    algo = AlgoConfig()
     rows = []
     for m in learners:
-        g = torch.randn(m, n, generator=torch.Generator().manual_seed(m))
-        theta, mom = torch.zeros(n), torch.zeros(n)
+        gen = torch.Generator().manual_seed(m)
+        deltas = [torch.randn(n, generator=gen) for _ in range(m)]
+        theta, base, mom = torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.zeros(n)
 
         def merge() -> None:
-            w = contribution_weights([1024.0 * 24] * m, [24] * m)
-            outer_nesterov_step(theta, mom, merge_outer_gradients(g, w, spans), lr=0.7, momentum_coef=0.9)
-        rows.append({"learners": m, "numel": n, "merge_ms": _median_ms(merge, repeats)})
+            w = contribution_weights([1024.0 * 24] * m, [24] * m).tolist()
+            acc = OuterAccumulator(n, spans, "rda")
+            for d, wm in zip(deltas, w):
+                outer = base + d
+                torch.sub(theta, outer, out=outer)
+                acc.add(outer, wm)
+            outer_step(theta, mom, acc.result(), spans, algo)
+        ms = _median_ms(merge, repeats)
+        copy = memcpy_ms(m * n, repeats)
+        rows.append({"learners": m, "numel": n, "merge_ms": ms, "memcpy_inputs_ms": copy,
+                     "merge_vs_memcpy": copy / ms})
     return rows
 
 

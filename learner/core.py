@@ -306,7 +306,7 @@ class Learner:
         deadline = time.monotonic() + self.options.join_timeout_s
         last_log = 0.0
         self._outbox.put(Fetch(tuple(sorted(need))))
-        asked = time.monotonic()
+        asked = arrived_at = time.monotonic()
         while need and not self.stop.is_set():
             now = time.monotonic()
             if now > deadline:
@@ -314,7 +314,8 @@ class Learner:
                                   f"within {self.options.join_timeout_s}s (are the syncers running?)")
             if self._fatal is not None:
                 raise RuntimeError(f"learner helper thread failed: {self._fatal!r}") from self._fatal
-            if now - asked > 2.0:  # lost request or shard not up yet: ask again
+            if now - asked > 2.0 and now - arrived_at > 2.0:  # lost request or shard not up yet: ask again
+                # (not while fragments keep arriving: a large model's replies take longer than 2 s)
                 self._check_shard_plan()  # shards that registered since: refuse a layout mismatch now
                 self._outbox.put(Fetch(tuple(sorted(need))))
                 asked = now
@@ -326,6 +327,7 @@ class Learner:
             except queue.Empty:
                 continue
             if isinstance(item, FragmentArrived):
+                arrived_at = time.monotonic()
                 self._apply(item, joining=True)
                 if self.base_values[item.fragment] is not None:   # an update needs the full value first
                     need.discard(item.fragment)

@@ -40,6 +40,9 @@ from common import quant
 from tasks.contract import Task, TaskError, bind_task, build_model, count_tokens
 
 CONTROL_REFRESH_S = 0.5
+REQUEST_DEDUPE_S = 5.0
+"""A requester asking again for the fragment version it was sent less than this long ago is
+ignored (the reply is on its way; a large fragment takes longer than a client's retry)."""
 MERGE_WORKERS = 2
 """Worker threads for merges: a fragment merges once at a time, two fragments may merge together
 (torch releases the GIL), and a slow merge never stops the socket loop."""
@@ -163,6 +166,8 @@ class ShardStats:
     bytes_in: int = 0
     bytes_out: int = 0
     requests: int = 0
+    requests_deduped: int = 0
+    """Requests for a value just sent to the same requester (within REQUEST_DEDUPE_S): dropped."""
     replies_cached: int = 0
     """Fragment requests answered with the frames already encoded for that version."""
     requests_deferred: int = 0
@@ -267,6 +272,8 @@ class Shard:
         """The adaptive grace window of the last poll (seconds a round waits past its quorum)."""
         self.metrics: metrics.MetricsServer | None = None
         self._behind_logged_at = -1e9
+        self._served: dict[tuple[bytes, int], tuple[int, int]] = {}
+        self._served_at: dict[tuple[bytes, int], float] = {}
         self._merger: ThreadPoolExecutor | None = None
         """The merge worker: merges never block the socket loop."""
 
@@ -368,7 +375,8 @@ class Shard:
             metrics.counter("shard_bytes_total", "Message bytes: in (answers, copies), out (opens, merged "
                             "fragments, replies).", {"in": st.bytes_in, "out": st.bytes_out}, "direction"),
             metrics.counter("shard_fragment_requests_total", "Full-fragment requests: served, deferred (the "
-                            "fragment was recovering).", {"served": st.requests, "deferred": st.requests_deferred},
+                            "fragment was recovering), deduped (sent to that requester moments ago).",
+                            {"served": st.requests, "deferred": st.requests_deferred, "deduped": st.requests_deduped},
                             "outcome"),
             metrics.counter("shard_checkpoints_total", "Checkpoints: written, failed.",
                             {"written": st.checkpoints, "failed": st.checkpoint_errors}, "outcome"),
@@ -813,6 +821,15 @@ class Shard:
             # asks again and gets the recovered value; never serve a value that would move it back
             self.stats.requests_deferred += 1
             return
+        key = (bytes(ident.buffer if hasattr(ident, "buffer") else ident), f.spec.index)
+        now = self.clock()
+        if self._served.get(key) == (self.epoch, f.version) and now - self._served_at.get(key, -1e9) < REQUEST_DEDUPE_S:
+            self.stats.requests_deduped += 1     # the same value is on its way to that requester
+            return
+        self._served[key], self._served_at[key] = (self.epoch, f.version), now
+        if len(self._served) > 100_000:          # bounded whatever requesters do
+            self._served.clear()
+            self._served_at.clear()
         self.stats.requests += 1
         if f.reply is None or f.reply[:2] != (self.epoch, f.version):
             f.reply = (self.epoch, f.version, self._frag_frames(f))
@@ -990,7 +1007,8 @@ class Shard:
                 "bytes_in": self.stats.bytes_in, "reopens": self.stats.reopens, "heartbeat_at": time.time(),
                 "answers": self.stats.answers, "rounds_behind": self.stats.rounds_behind,
                 "merge_s_sum": round(self.stats.merge_s.sum_s, 4), "replies_cached": self.stats.replies_cached,
-                "requests": self.stats.requests, "peak_rss_mb": peak_rss_mb()})
+                "requests": self.stats.requests, "requests_deduped": self.stats.requests_deduped,
+                "peak_rss_mb": peak_rss_mb()})
             for p, f in self.frags.items():
                 if f.recovery is not None:
                     continue  # the recorded version stays until this fragment has caught up

@@ -177,9 +177,10 @@ def test_bench_reports_every_codec_with_exact_sizes():
     res = ddloco("bench", "codec", "--numel", "4096", "--repeats", "2", "--json", timeout=120)
     assert res.returncode == 0, res.stderr
     rows = {r["codec"]: r for r in json.loads(res.stdout)["results"]["codec"]}
-    assert set(rows) == {"fp32", "bf16", "int8", "int4"}
+    assert set(rows) == {"memcpy", "fp32", "bf16", "int8", "int4"}
     assert rows["int4"]["bytes"] == 4096 // 2 + 2 * (4096 // 64)
     assert rows["fp32"]["max_abs_error"] == 0.0
+    assert rows["memcpy"]["encode_vs_memcpy"] == 1.0 and rows["int4"]["encode_vs_memcpy"] > 0
 
 
 def _help(capsys, *argv: str) -> str:
