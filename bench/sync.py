@@ -7,7 +7,8 @@ Learners are stopped at the cap (no flush), so a learner's rate is its steps ove
 from joined to stopped. Reports:
 
 - steps/s per learner with sync ÷ without (the sync path's cost to training);
-- bytes up and down per learner step, and down ÷ up;
+- bytes up and down per learner step, and down ÷ up: all of it, and the broadcasts alone (the
+  full values fetched at join and for repairs counted apart);
 - merges/s per shard (over the learners' training window) vs required (every owned fragment
   once per H steps of the median learner);
 - late answers (arrived after their round merged) ÷ answers received;
@@ -71,6 +72,7 @@ def summarise(with_sync: dict[str, Any], without: dict[str, Any], *, params: int
     steps = sum(_f(h, "steps") for h in learners.values())
     up = sum(_f(h, "bytes_up") for h in learners.values())
     down = sum(_f(h, "bytes_down") for h in learners.values())
+    fetched = sum(_f(h, "bytes_fetched") for h in learners.values())   # joins and repairs (full fp32 values)
     shards = with_sync["shard_stats"]
     wall = float(with_sync.get("wall_s") or 0.0)
     # merges are counted over the learners' training window (start-up and joins excluded)
@@ -90,7 +92,10 @@ def summarise(with_sync: dict[str, Any], without: dict[str, Any], *, params: int
         "per_learner_without": {k: round(v, 4) for k, v in base.items()},
         "bytes_up_per_step": round(up / steps, 1) if steps else None,
         "bytes_down_per_step": round(down / steps, 1) if steps else None,
+        "bytes_down_broadcast_per_step": round((down - fetched) / steps, 1) if steps else None,
+        "bytes_fetched": int(fetched),
         "down_over_up": round(down / up, 3) if up else None,
+        "broadcast_down_over_up": round((down - fetched) / up, 3) if up else None,
         "merges_per_s_per_shard": {k: round(_f(h, "merges") / window, 4) for k, h in shards.items()} if window > 0 else {},
         "merges_per_s_required": round(required, 4),
         "rounds_behind": int(sum(_f(h, "rounds_behind") for h in shards.values())),

@@ -72,6 +72,8 @@ class LearnerStats:
     malformed: int = 0
     bytes_up: int = 0
     bytes_down: int = 0
+    bytes_fetched: int = 0
+    """Of bytes_down: full fragment values fetched from the shards (join, repairs)."""
     train_s: float = 0.0
     blocked_s: float = 0.0
     boot_s: float = 0.0
@@ -884,6 +886,7 @@ class Learner:
                 "peer": getattr(getattr(self, "net", None), "peer_endpoint", ""), "last_contrib_at": s.last_contrib_at,
                 "data_shard": self.options.data_shard, "data_stream": self.stream, "pid": os.getpid(), "host": socket.gethostname(),
                 "data_position": self.data_position + s.batches, "answers_replaced": self._outbox.replaced,
+                "bytes_fetched": s.bytes_fetched,
                 "peak_rss_mb": peak_rss_mb()}
 
     def _leave(self) -> None:

@@ -457,6 +457,8 @@ class NetworkThread:
             self.malformed += 1
             return
         self.stats.bytes_down += msg.payload_nbytes
+        if requested:   # full values fetched (join, repairs): counted apart from the broadcasts
+            self.stats.bytes_fetched += msg.payload_nbytes
         update_base = msg.base if msg.base >= 0 and not requested else -1
         self.inbox.put(FragmentArrived(msg.fragment, msg.epoch, msg.version, values, requested, update_base))
 

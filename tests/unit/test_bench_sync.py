@@ -1,0 +1,28 @@
+"""``ddloco bench sync``'s figures from two ``ddloco up`` reports."""
+from __future__ import annotations
+
+import pytest
+
+from bench.sync import summarise
+
+
+def _learner(steps: int, span: float, up: int, down: int, fetched: int) -> dict:
+    return {"steps": str(steps), "started_at": "100.0", "boot_s": "5.0", "stopped_at": str(105.0 + span),
+            "bytes_up": str(up), "bytes_down": str(down), "bytes_fetched": str(fetched), "peak_rss_mb": "900.5"}
+
+
+def test_rates_bytes_and_merges_come_from_the_learners_training_window() -> None:
+    with_sync = {"wall_s": 200.0,
+                 "learner_stats": {"a": _learner(90, 100.0, 1000, 9000, 7000), "b": _learner(80, 100.0, 1000, 9000, 7000)},
+                 "shard_stats": {"0": {"merges": "50", "answers": "95", "late_answers": "5", "merge_s_sum": "10",
+                                       "rounds_behind": "1", "peak_rss_mb": "700"}}}
+    without = {"wall_s": 200.0, "learner_stats": {"a": _learner(100, 100.0, 0, 0, 0), "b": _learner(100, 100.0, 0, 0, 0)},
+               "shard_stats": {}}
+    res = summarise(with_sync, without, params=1000, sync_every=10, fragments=4, syncers=1)
+    assert res["ratio"] == pytest.approx(170 / 200)
+    assert res["broadcast_down_over_up"] == pytest.approx(4000 / 2000)   # fetched values counted apart
+    assert res["down_over_up"] == pytest.approx(18000 / 2000)
+    assert res["merges_per_s_per_shard"] == {"0": 0.5}                     # over the 100 s window, not the wall
+    assert res["merges_per_s_required"] == pytest.approx(4 * 0.85 / 10)     # 4 fragments, median 0.85 steps/s, H 10
+    assert res["late_fraction"] == pytest.approx(5 / 100)
+    assert res["peak_rss_mb"] == {"learner": 900.5, "shard": 700.0}
