@@ -96,7 +96,11 @@ class OuterAccumulator:
     equals ``merge_outer_gradients`` on the stacked rows up to summation order."""
 
     def __init__(self, numel: int, spans: Sequence[tuple[int, int, str | bool]], rule: str = "rda",
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """``scratch``: two fp32 buffers of ``numel`` to accumulate in (zeroed here; reusing them
+        across merges of a fragment spares fresh memory's page faults). ``result()`` returns the
+        first one: use it before the next merge reuses it."""
         if rule not in MERGE_RULES:
             raise ValueError(f"merge rule must be one of {MERGE_RULES}, got {rule!r}")
         expected_start = 0
@@ -109,8 +113,12 @@ class OuterAccumulator:
         self.numel = numel
         self.pieces = [(start, stop, _span_kind(kind)) for start, stop, kind in spans]
         self.rda = [kind == "param" and rule == "rda" for _, _, kind in self.pieces]
-        self.mean = torch.zeros(numel, dtype=torch.float32, device=device)
-        self.direction = torch.zeros(numel, dtype=torch.float32, device=device) if any(self.rda) else None
+        if scratch is not None and all(b.numel() == numel and b.dtype == torch.float32 for b in scratch):
+            self.mean = scratch[0].zero_()
+            self.direction = scratch[1].zero_() if any(self.rda) else None
+        else:
+            self.mean = torch.zeros(numel, dtype=torch.float32, device=device)
+            self.direction = torch.zeros(numel, dtype=torch.float32, device=device) if any(self.rda) else None
         self.radius = [0.0] * len(self.pieces)
         self.weight_sum = 0.0
         self.count = 0

@@ -103,6 +103,8 @@ class FragmentState:
     """Recent outer-gradient norms of this fragment (robust merge)."""
     merging: "_MergeJob | None" = None
     """A closed round whose merge runs on the worker thread (no new round opens meanwhile)."""
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The merge accumulator's buffers, reused by every merge of this fragment (one at a time)."""
     last_merged_at: float | None = None
     effective_h: float = 0.0
     """EMA of the learner steps between two merges of this fragment (schedule check)."""
@@ -874,7 +876,9 @@ class Shard:
         t0 = time.perf_counter()
         f, algo = job.fragment, self.run.algo
         current = f.theta if f.master is None else f.master     # the exact fp32 master
-        acc = OuterAccumulator(f.spec.numel, f.spec.spans, algo.merge_rule)
+        if f.scratch is None:
+            f.scratch = (torch.empty(f.spec.numel), torch.empty(f.spec.numel))
+        acc = OuterAccumulator(f.spec.numel, f.spec.spans, algo.merge_rule, scratch=f.scratch)
         clipped = []
         for a, w in zip(job.answers, job.weights.tolist()):
             # Δ_m = Θ_p − (Θ_p^{base_m} + δ_m): the learner's own value, built on the replica it held
