@@ -34,6 +34,16 @@ def _check_matrix(vectors: torch.Tensor, weights: torch.Tensor) -> None:
         raise ValueError("nothing to merge: no contributors (M = 0)")
 
 
+def _check_spans(spans: Sequence[tuple[int, int, str | bool]], numel: int) -> None:
+    expected_start = 0
+    for start, stop, _ in spans:
+        if start < expected_start or stop < start:
+            raise ValueError(f"spans must be in order and disjoint within [0, {numel}), got {list(spans)}")
+        expected_start = stop
+    if expected_start > numel:
+        raise ValueError(f"spans cover {expected_start} values but outer_grads has {numel}")
+
+
 def contribution_weights(c_tokens: Sequence[float], c_steps: Sequence[float]) -> torch.Tensor:
     """Normalised contribution weights ŵ [M] (float32) of a round's contributors.
 
@@ -103,13 +113,7 @@ class OuterAccumulator:
         first one: use it before the next merge reuses it."""
         if rule not in MERGE_RULES:
             raise ValueError(f"merge rule must be one of {MERGE_RULES}, got {rule!r}")
-        expected_start = 0
-        for start, stop, _ in spans:
-            if start < expected_start or stop < start:
-                raise ValueError(f"spans must be in order and disjoint within [0, {numel}), got {list(spans)}")
-            expected_start = stop
-        if expected_start > numel:
-            raise ValueError(f"spans cover {expected_start} values but outer_grads has {numel}")
+        _check_spans(spans, numel)
         self.numel = numel
         self.pieces = [(start, stop, _span_kind(kind)) for start, stop, kind in spans]
         self.rda = [kind == "param" and rule == "rda" for _, _, kind in self.pieces]
@@ -179,13 +183,7 @@ def merge_outer_gradients(
         raise ValueError(f"merge rule must be one of {MERGE_RULES}, got {rule!r}")
     _check_matrix(outer_grads, weights)
     numel = outer_grads.shape[1]
-    expected_start = 0
-    for start, stop, _ in spans:
-        if start < expected_start or stop < start:
-            raise ValueError(f"spans must be in order and disjoint within [0, {numel}), got {list(spans)}")
-        expected_start = stop
-    if expected_start > numel:
-        raise ValueError(f"spans cover {expected_start} values but outer_grads has {numel}")
+    _check_spans(spans, numel)
     merged = torch.zeros(numel, dtype=torch.float32, device=outer_grads.device)
     for start, stop, kind in spans:
         block = outer_grads[:, start:stop]                              # [M, stop - start]

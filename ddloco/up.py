@@ -790,7 +790,9 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         bad = [c for c in learners if c.proc.returncode not in (0, -signal.SIGTERM, 128 + signal.SIGTERM)]
         for c in bad:   # an error, so printed even with --quiet
             print(f"ddloco up: {c.name} exited with {c.proc.returncode}: {c.log_tail(3)}", file=sys.stderr, flush=True)
+        monitor.last_eval = time.time()   # no new periodic evaluation now; one still running ends first
         monitor.tick()
+        monitor.wait_evaluation(60.0)
         if not failure and not interrupted:
             monitor.evaluate(final=True)
         _stop_all(daemons)

@@ -40,6 +40,11 @@ from tasks.contract import Task, TaskError, batch_to, bind_task, build_model, ch
 
 
 FETCH_RETRY_S = 1.0
+FETCH_PENDING_S = 5.0
+"""A missed update asks for the full value again only if no fetch of that fragment went out this
+recently (the reply of a large fragment takes a while; updates meanwhile are kept and replayed)."""
+AHEAD_UPDATES = 16
+"""Updates kept per fragment while its full value is on its way."""
 REDIS_JOIN_PATIENCE_S = 30.0
 """How long a joining learner waits for an unreachable Redis (restarting) before it exits."""
 SERVE_COST_STEPS = 20
@@ -257,6 +262,8 @@ class Learner:
         self._contributed: dict[int, Contribution] = {}
         self._answered: set[tuple[int, int, int, int]] = set()
         self._fetch_asked: dict[int, tuple[int, int, float]] = {}
+        self._ahead: dict[int, dict[tuple[int, int], FragmentArrived]] = {}
+        """Per fragment: broadcast updates keyed by (epoch, base) that arrived before their base."""
         self._check_shard_plan()
 
     def _redis_patient(self, step: Callable[[], None], what: str) -> None:
@@ -773,23 +780,45 @@ class Learner:
         self.base_epoch[p] = item.epoch
         if not joining:
             self.stats.merges_applied += 1
+        if self._ahead.get(p):
+            self._replay_ahead(p)
 
     def _resolve_update(self, item: FragmentArrived) -> FragmentArrived | None:
         """A broadcast update Θ_v − Θ_base (quantized downlink, ALGORITHM §7) → the full Θ_v, computed
         as the shard computed it (base + deq(update) in fp32: bit-identical). None when it does not
-        apply: old news, or a missed update (a lost broadcast, a shard life whose full value we have
-        not seen), repaired by fetching the full value."""
+        apply now: old news; or an update ahead of our copy (we are joining, or missed one: a lost
+        broadcast, a shard life whose full value we have not seen), kept to be replayed once the
+        full value is here (broadcasts and fetch replies travel on different sockets, in no
+        particular order), and the full value fetched unless a fetch is already on its way."""
         p = item.fragment
-        if self.base_values[p] is None:
-            return None                               # joining: the full value is on its way
+        known = self.base_values[p] is not None
         epoch, version = int(self.base_epoch[p]), int(self.base_version[p])
-        if item.epoch == epoch and item.update_base == version:
+        if known and item.epoch == epoch and item.update_base == version:
             return replace(item, values=self.base_values[p] + item.values, update_base=-1)
-        if item.epoch < epoch or (item.epoch == epoch and item.version <= version):
+        if known and (item.epoch < epoch or (item.epoch == epoch and item.version <= version)):
             return None
-        self.stats.version_gaps += 1
-        self._request_fetch(p, item.epoch, item.version)
+        ahead = self._ahead.setdefault(p, {})
+        ahead[(item.epoch, item.update_base)] = item
+        while len(ahead) > AHEAD_UPDATES:
+            del ahead[min(ahead)]
+        if known:
+            self.stats.version_gaps += 1
+            asked = self._fetch_asked.get(p)
+            if asked is None or time.monotonic() - asked[2] >= FETCH_PENDING_S:
+                self._request_fetch(p, item.epoch, item.version)
         return None
+
+    def _replay_ahead(self, p: int) -> None:
+        """Updates that arrived before the value they apply to: applied in order once it is here."""
+        ahead = self._ahead.get(p)
+        while ahead:
+            epoch, version = int(self.base_epoch[p]), int(self.base_version[p])
+            for key in [k for k in ahead if k[0] < epoch or (k[0] == epoch and k[1] < version)]:
+                del ahead[key]                                # older than our copy: no use any more
+            item = ahead.pop((epoch, version), None)
+            if item is None:
+                return
+            self._apply(item)
 
     def _answer_open_rounds(self, min_steps: int) -> None:
         for p, o in list(self._pending_open.items()):

@@ -828,10 +828,6 @@ class Shard:
         if self._served.get(key) == (self.epoch, f.version) and now - self._served_at.get(key, -1e9) < REQUEST_DEDUPE_S:
             self.stats.requests_deduped += 1     # the same value is on its way to that requester
             return
-        self._served[key], self._served_at[key] = (self.epoch, f.version), now
-        if len(self._served) > 100_000:          # bounded whatever requesters do
-            self._served.clear()
-            self._served_at.clear()
         self.stats.requests += 1
         if f.reply is None or f.reply[:2] != (self.epoch, f.version):
             f.reply = (self.epoch, f.version, self._frag_frames(f))
@@ -842,7 +838,11 @@ class Shard:
             self.router.send_multipart([ident, *reply], zmq.NOBLOCK, copy=False)
             self.stats.bytes_out += wire.message_nbytes(reply)
         except zmq.Again:
-            pass
+            return                                # not sent: a retry is served
+        if len(self._served) > 100_000:          # bounded whatever requesters do
+            self._served.clear()
+            self._served_at.clear()
+        self._served[key], self._served_at[key] = (self.epoch, f.version), now
 
     def _frag_frames(self, f: FragmentState) -> list[Any]:
         """The full value every replica holds, exact (fp32): a join, a repair, a recovery."""
@@ -875,20 +875,22 @@ class Shard:
         new tensors. Memory: O(|fragment|) whatever the number of answers (accumulated, not stacked)."""
         t0 = time.perf_counter()
         f, algo = job.fragment, self.run.algo
-        current = f.theta if f.master is None else f.master     # the exact fp32 master
+        master = f.theta if f.master is None else f.master      # the exact fp32 master
         if f.scratch is None:
             f.scratch = (torch.empty(f.spec.numel), torch.empty(f.spec.numel))
         acc = OuterAccumulator(f.spec.numel, f.spec.spans, algo.merge_rule, scratch=f.scratch)
         clipped = []
         for a, w in zip(job.answers, job.weights.tolist()):
-            # Δ_m = Θ_p − (Θ_p^{base_m} + δ_m): the learner's own value, built on the replica it held
+            # Δ_m = Θ_p − (Θ_p^{base_m} + δ_m) against the replica every learner holds (the learner's
+            # own value is built on it); the step is taken from the master, so what quantization left
+            # out of the replica (master − replica) is carried, never mistaken for a gradient
             outer = f.history[a.base] + a.delta
-            torch.sub(current, outer, out=outer)
+            torch.sub(f.theta, outer, out=outer)
             outer, cut = f.clipper.clip(outer)               # robust: nobody moves Θ more than a few rounds do
             if cut:
                 clipped.append(a.sender)
             acc.add(outer, w)
-        theta, momentum = outer_step(current, f.momentum, acc.result(), f.spec.spans, algo, merges_done=job.version)
+        theta, momentum = outer_step(master, f.momentum, acc.result(), f.spec.spans, algo, merges_done=job.version)
         if not bool(torch.isfinite(theta).all()):   # a diverged learner must not poison Θ
             return _MergeResult(None, None, None, [], clipped, time.perf_counter() - t0)
         replica, master, frames = self._broadcast_merged(f, theta, job.version, job.epoch)
@@ -902,7 +904,12 @@ class Shard:
         for f in self.frags.values():
             job = f.merging
             if job is not None and job.future is not None:
-                job.result = job.future.result()
+                try:
+                    job.result = job.future.result()
+                except Exception as e:   # logged; the checkpoint of what was merged still gets written
+                    f.merging = None
+                    self.log.error("syncer.merge_failed", fragment=f.spec.index, error=repr(e))
+                    continue
                 self._apply_merge(job)
 
     def _finish_merges(self) -> None:

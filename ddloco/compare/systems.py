@@ -250,7 +250,7 @@ def run_decoupled_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps
             delta = snap - bval                                                        # δ_m
             deq = quant.decode(quant.encode(delta, algo.uplink_codec), algo.uplink_codec, delta.numel())
             bytes_up += quant.payload_nbytes(delta.numel(), algo.uplink_codec)
-            outer.append(theta[p] - (history[p][bv] + deq))                            # Δ_m
+            outer.append(replica[p] - (history[p][bv] + deq))                          # Δ_m (vs the replica)
             toks.append(c_tokens[m][p])
             stps.append(c_steps[m][p])
             answered[m][p] = Contribution(snap, c_steps[m][p], c_tokens[m][p])
