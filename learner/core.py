@@ -78,6 +78,8 @@ class LearnerStats:
     bytes_up: int = 0
     bytes_down: int = 0
     bytes_fetched: int = 0
+    updates_replayed: int = 0
+    """Broadcast updates that arrived before the value they apply to, applied once it was here."""
     """Of bytes_down: full fragment values fetched from the shards (join, repairs)."""
     train_s: float = 0.0
     blocked_s: float = 0.0
@@ -818,6 +820,7 @@ class Learner:
             item = ahead.pop((epoch, version), None)
             if item is None:
                 return
+            self.stats.updates_replayed += 1
             self._apply(item)
 
     def _answer_open_rounds(self, min_steps: int) -> None:

@@ -702,3 +702,50 @@ def test_a_merge_runs_on_the_worker_thread_while_the_shard_answers_requests_and_
     release.set()
     wait_until(lambda: shard.frags[0].version > held_version, 10, what="the held merge applied")
     assert not cluster.errors, cluster.errors
+
+
+def test_an_update_that_arrives_before_the_full_value_it_applies_to_is_replayed_not_refetched(make_cluster):
+    """A joining learner's fetch reply and the next broadcast update travel on different sockets:
+    here the update (base = the reply's version) reaches the learner first. It is kept, applied
+    once the full value is in, and the learner's copy is bit-identical to the shard's; no repair."""
+    from learner.core import Learner
+    from learner.network import NetworkThread
+
+    class ReorderingNetwork(NetworkThread):
+        held = None
+        bases: set = set()
+
+        def on_fragment(self, msg, *, requested):
+            cls = type(self)
+            if msg.fragment == 0 and not requested:
+                cls.bases.add(msg.base)
+            if requested and msg.fragment == 0 and cls.held is None:
+                if msg.version in cls.bases:                       # the update on it came first anyway
+                    cls.held = True
+                    return super().on_fragment(msg, requested=True)
+                cls.held = msg                                     # the join's reply, held back...
+                return
+            if not requested and cls.held not in (None, True) and msg.base == cls.held.version:
+                super().on_fragment(msg, requested=False)          # ...until the update built on it
+                super().on_fragment(cls.held, requested=True)      # has arrived, then delivered after it
+                cls.held = True
+                return
+            super().on_fragment(msg, requested=requested)
+
+    class ReorderedLearner(Learner):
+        network_class = ReorderingNetwork
+    cluster = make_cluster(ASYNC)
+    shard = cluster.start_shard(0, 1)
+    cluster.start_learner(cluster.learner("steady", 0, step_time_floor_ms=5))
+    wait_until(lambda: shard.frags[0].version >= 2, 30, what="merges before the join")
+    base = cluster.learner("late", 1, step_time_floor_ms=5, max_steps=40, peer_bootstrap=False)   # from the shard
+    late = ReorderedLearner(endpoints=base.endpoints, options=base.options, task=base.task, run=base._run_arg,
+                            stop=base.stop)
+    t = cluster.start_learner(late)
+    wait_until(lambda: ReorderingNetwork.held is True, 30, what="the update delivered before the reply")
+    t.join(timeout=60)
+    assert not t.is_alive() and not cluster.errors, cluster.errors
+    assert late.stats.updates_replayed >= 1 and late.stats.fetches == 0, late.stats
+    for p, f in shard.frags.items():
+        v = int(late.base_version[p])
+        assert v in f.history and torch.equal(late.base_values[p], f.history[v]), (p, v, sorted(f.history))
