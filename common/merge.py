@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
+from common import quant
 from common.config import MERGE_RULES, AlgoConfig
 
 
@@ -238,6 +239,14 @@ def outer_lr_at(lr: float, merges_done: int, warmup_merges: int) -> float:
     if warmup_merges <= 0:
         return lr
     return lr * min(1.0, (merges_done + 1) / warmup_merges)
+
+
+def quantized_update(replica: torch.Tensor, master: torch.Tensor, codec: str) -> tuple[torch.Tensor, list[Any]]:
+    """The quantized-update downlink (ALGORITHM §7): (the new replica, the broadcast's codec
+    frames). The frames carry q(master − replica); the new replica is replica + deq(frames), the
+    same fp32 addition every learner holding ``replica`` makes, so all copies stay bit-identical."""
+    frames = quant.encode(master - replica, codec)
+    return replica + quant.decode(frames, codec, master.numel()), frames
 
 
 def carry_local_steps(merged: torch.Tensor, local: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:

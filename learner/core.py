@@ -78,9 +78,9 @@ class LearnerStats:
     bytes_up: int = 0
     bytes_down: int = 0
     bytes_fetched: int = 0
+    """Of bytes_down: full fragment values fetched from the shards (join, repairs)."""
     updates_replayed: int = 0
     """Broadcast updates that arrived before the value they apply to, applied once it was here."""
-    """Of bytes_down: full fragment values fetched from the shards (join, repairs)."""
     train_s: float = 0.0
     blocked_s: float = 0.0
     boot_s: float = 0.0
@@ -811,15 +811,14 @@ class Learner:
         return None
 
     def _replay_ahead(self, p: int) -> None:
-        """Updates that arrived before the value they apply to: applied in order once it is here."""
-        ahead = self._ahead.get(p)
-        while ahead:
-            epoch, version = int(self.base_epoch[p]), int(self.base_version[p])
-            for key in [k for k in ahead if k[0] < epoch or (k[0] == epoch and k[1] < version)]:
-                del ahead[key]                                # older than our copy: no use any more
-            item = ahead.pop((epoch, version), None)
-            if item is None:
-                return
+        """The kept update built on the value just applied, if any (``_apply`` then comes back
+        here for the next one: the chain is applied in order)."""
+        ahead = self._ahead[p]
+        epoch, version = int(self.base_epoch[p]), int(self.base_version[p])
+        for key in [k for k in ahead if k[0] < epoch or (k[0] == epoch and k[1] < version)]:
+            del ahead[key]                                    # older than our copy: no use any more
+        item = ahead.pop((epoch, version), None)
+        if item is not None:
             self.stats.updates_replayed += 1
             self._apply(item)
 

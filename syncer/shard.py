@@ -33,10 +33,9 @@ from common.lifecycle import peak_rss_mb
 from common.links import keep_alive
 from common.security import Security
 from common.log import get_logger
-from common.merge import OuterAccumulator, contribution_weights, outer_step
+from common.merge import OuterAccumulator, contribution_weights, outer_step, quantized_update
 from common.robust import NormClipper, bound_claims
 from common.quorum import Decision, Ema, QuorumPolicy, RoundView, decide_round, due_fragments, grace_window_s
-from common import quant
 from tasks.contract import Task, TaskError, bind_task, build_model, count_tokens
 
 CONTROL_REFRESH_S = 0.5
@@ -274,8 +273,8 @@ class Shard:
         """The adaptive grace window of the last poll (seconds a round waits past its quorum)."""
         self.metrics: metrics.MetricsServer | None = None
         self._behind_logged_at = -1e9
-        self._served: dict[tuple[bytes, int], tuple[int, int]] = {}
-        self._served_at: dict[tuple[bytes, int], float] = {}
+        self._served: dict[tuple[bytes, int], tuple[int, int, float]] = {}
+        """(requester, fragment) -> (epoch, version, when) of the last full value sent to it."""
         self._merger: ThreadPoolExecutor | None = None
         """The merge worker: merges never block the socket loop."""
 
@@ -475,12 +474,10 @@ class Shard:
             return new, None, wire.encode(kind=wire.FRAG, run=self.endpoints.run_id, sender=self.id,
                                           fragment=f.spec.index, epoch=epoch, values=new, codec="fp32",
                                           version=old_version + 1)
-        update = new - f.theta
-        frames = quant.encode(update, codec)
-        replica = f.theta + quant.decode(frames, codec, update.numel())
+        replica, frames = quantized_update(f.theta, new, codec)
         return replica, new, wire.encode(kind=wire.FRAG, run=self.endpoints.run_id, sender=self.id,
                                          fragment=f.spec.index, epoch=epoch, codec=codec,
-                                         encoded=(frames, update.numel()), version=old_version + 1, base=old_version)
+                                         encoded=(frames, new.numel()), version=old_version + 1, base=old_version)
 
     # ---------------------------------------------------------------- checkpoints
     @property
@@ -823,9 +820,10 @@ class Shard:
             # asks again and gets the recovered value; never serve a value that would move it back
             self.stats.requests_deferred += 1
             return
-        key = (bytes(ident.buffer if hasattr(ident, "buffer") else ident), f.spec.index)
+        key = (ident.bytes, f.spec.index)
         now = self.clock()
-        if self._served.get(key) == (self.epoch, f.version) and now - self._served_at.get(key, -1e9) < REQUEST_DEDUPE_S:
+        last = self._served.get(key)
+        if last is not None and last[:2] == (self.epoch, f.version) and now - last[2] < REQUEST_DEDUPE_S:
             self.stats.requests_deduped += 1     # the same value is on its way to that requester
             return
         self.stats.requests += 1
@@ -841,8 +839,7 @@ class Shard:
             return                                # not sent: a retry is served
         if len(self._served) > 100_000:          # bounded whatever requesters do
             self._served.clear()
-            self._served_at.clear()
-        self._served[key], self._served_at[key] = (self.epoch, f.version), now
+        self._served[key] = (self.epoch, f.version, now)
 
     def _frag_frames(self, f: FragmentState) -> list[Any]:
         """The full value every replica holds, exact (fp32): a join, a repair, a recovery."""
@@ -943,7 +940,7 @@ class Shard:
         self.stats.round_s.observe(now - rnd.opened_at)
         self.stats.merge_s.observe(res.seconds)
         self._merges_since_ckpt += 1
-        self.xi_sync.update(res.seconds + (now - job.closed_at))
+        self.xi_sync.update(now - job.closed_at)    # round closed -> merged value out (compute included)
         contributors = [a.sender for a in answers]
         waited = 0.0 if rnd.quorum_at is None else job.closed_at - rnd.quorum_at
         self.log.info("syncer.merge", fragment=f.spec.index, version=f.version, round=rnd.round_id,

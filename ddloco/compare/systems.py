@@ -27,7 +27,7 @@ import torch
 from common import quant
 from common.config import AlgoConfig
 from common.fragments import Fragment, gather, model_plan, scatter, state_tensors
-from common.merge import Contribution, contribution_weights, outer_update, receive_merged
+from common.merge import Contribution, contribution_weights, outer_update, quantized_update, receive_merged
 from tasks.contract import Task, build_model, count_tokens, evaluate, scalar_loss
 from learner.inner import inner_step, make_inner_optimizer
 
@@ -262,9 +262,7 @@ def run_decoupled_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps
         if algo.downlink_codec == "fp32":
             replica[p] = theta[p].clone()
         else:   # the shard's update downlink (ALGORITHM §7): replicas += deq(q(master − replica))
-            update = theta[p] - replica[p]
-            replica[p] = replica[p] + quant.decode(quant.encode(update, algo.downlink_codec), algo.downlink_codec,
-                                                   update.numel())
+            replica[p], _ = quantized_update(replica[p], theta[p], algo.downlink_codec)
         version[p] += 1
         history[p][version[p]] = replica[p].clone()
         for v in sorted(history[p])[:-algo.history_versions]:
