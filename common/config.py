@@ -428,10 +428,14 @@ class SyncerOptions:
     merge_threads: int = 0
     """Torch threads of the shard process, where merges run on a worker thread off the socket
     loop (0: torch's setting, which ``ddloco up`` sets to 1 per process)."""
+    reply_chunk_values: int = 1 << 20
+    """A fragment requested in full (join, repair) larger than this many values is sent in
+    chunks of this size (4 MiB of fp32), each its own message the requester assembles (0: whole)."""
 
     def __post_init__(self) -> None:
         _check(-1 <= self.metrics_port <= 65535, "syncer.metrics_port must be -1 (none), 0 (any) or a port")
         _check(self.merge_threads >= 0, "syncer.merge_threads must be >= 0")
+        _check(self.reply_chunk_values >= 0, "syncer.reply_chunk_values must be >= 0")
         _check(self.shards >= 1, "syncer.shards must be >= 1")
         check_value("syncer.rpc_bind", self.rpc_bind, endpoint_problem)
         _check(0 <= self.shard < self.shards, "syncer.shard must be in [0, shards)")

@@ -1,7 +1,12 @@
 """The fragment request path: DEALER sockets asking the owning shard's ROUTER for fragment p.
 
 Used by a joining learner, by a learner that detected a version gap, and by the `ddloco up`
-monitor that evaluates the global model. Replies are ordinary FRAG messages (``common.wire``).
+monitor that evaluates the global model. Replies are ordinary FRAG messages (``common.wire``);
+a fragment larger than the shard's ``reply_chunk_values`` comes as several chunks, each with its
+own checksum, which ``FragmentClient.receive`` assembles: a chunk lost to a full queue or a
+corrupt one costs a re-ask that completes the value already partly here (chunks of the same
+epoch and version are kept), not a new transfer from zero, and a chunk of a newer version
+replaces an unfinished older one.
 """
 from __future__ import annotations
 
@@ -15,6 +20,31 @@ from common import control, wire
 from common.fragments import owner
 from common.keys import Keys
 from common.links import keep_alive
+
+
+class _Assembly:
+    """One fragment's value arriving in chunks: (epoch, version), the buffer, offsets received."""
+
+    def __init__(self, msg: wire.Message) -> None:
+        self.key = (msg.epoch, msg.version)
+        self.first = msg
+        self.values = torch.empty(msg.of, dtype=torch.float32)
+        self.offsets: set[int] = set()
+        self.filled = 0
+
+    def add(self, msg: wire.Message, values: torch.Tensor) -> bool:
+        """Put one chunk in place; True when every value is here."""
+        if msg.offset not in self.offsets:
+            self.values[msg.offset:msg.offset + msg.numel] = values
+            self.offsets.add(msg.offset)
+            self.filled += msg.numel
+        return self.filled >= self.values.numel()
+
+    def message(self) -> wire.Message:
+        """The whole value as one exact (fp32) FRAG message."""
+        from dataclasses import replace
+        return replace(self.first, codec="fp32", numel=self.values.numel(), offset=0, of=self.values.numel(),
+                       payload=(memoryview(self.values.numpy()).cast("B"),))
 
 
 class FragmentClient:
@@ -33,6 +63,9 @@ class FragmentClient:
         self.bad_endpoints: dict[int, tuple[str, str]] = {}
         """Shards whose advertised endpoint could not be connected to: (endpoint, why). Tried
         again when the shard advertises another one; the caller logs them."""
+        self._partial: dict[int, _Assembly] = {}
+        self.chunks = 0
+        """Chunks received (replies of fragments larger than the shard's chunk size)."""
 
     def set_endpoints(self, shards: int, endpoints: dict[int, str]) -> None:
         """(Re)connect to the shards' advertised endpoints; a moved shard gets a new socket."""
@@ -106,10 +139,32 @@ class FragmentClient:
             except wire.WireError:
                 self.malformed += 1
                 continue
-            if msg.kind == wire.FRAG:
+            if msg.kind != wire.FRAG:
+                self.malformed += 1
+            elif not msg.is_chunk:
                 out.append(msg)
             else:
-                self.malformed += 1
+                whole = self._assemble(msg)
+                if whole is not None:
+                    out.append(whole)
+
+    def _assemble(self, msg: wire.Message) -> wire.Message | None:
+        """Add one chunk; the whole value once its last chunk is here."""
+        try:
+            values = msg.values()
+        except wire.WireError:
+            self.malformed += 1
+            return None
+        self.chunks += 1
+        asm = self._partial.get(msg.fragment)
+        if asm is not None and (msg.epoch, msg.version) < asm.key:
+            return None                               # an older value's chunk: a newer one is arriving
+        if asm is None or asm.key != (msg.epoch, msg.version) or asm.values.numel() != msg.of:
+            asm = self._partial[msg.fragment] = _Assembly(msg)
+        if not asm.add(msg, values):
+            return None
+        del self._partial[msg.fragment]
+        return asm.message()
 
     def close(self) -> None:
         for s in self.sockets.values():

@@ -96,6 +96,14 @@ class Message:
     numel: int = 0
     sent_at: float = 0.0
     payload: tuple[Any, ...] = field(default=(), repr=False)
+    offset: int = 0
+    """Of a chunk (a large fragment's reply in pieces): where its ``numel`` values start in the value."""
+    of: int = 0
+    """Of a chunk: the element count of the whole value (``numel`` for a message that is not a chunk)."""
+
+    @property
+    def is_chunk(self) -> bool:
+        return self.offset > 0 or self.of > self.numel
 
     @property
     def payload_nbytes(self) -> int:
@@ -129,10 +137,12 @@ def _crc(frames: Sequence[Any]) -> int:
 
 def encode(*, kind: str, run: str, sender: str, fragment: int, values: torch.Tensor | None = None,
            codec: str = "fp32", epoch: int = 0, round: int = -1, attempt: int = 0, version: int = -1,
-           base: int = -1, steps: int = 0, tokens: int = 0, encoded: tuple[Sequence[Any], int] | None = None
-           ) -> list[Any]:
+           base: int = -1, steps: int = 0, tokens: int = 0, encoded: tuple[Sequence[Any], int] | None = None,
+           offset: int = 0, of: int = -1) -> list[Any]:
     """Build the frames of one message; ``values`` (flat fp32) is quantized with ``codec``, or
     ``encoded`` = (frames already quantized with ``codec``, element count) is sent as it is.
+    ``offset`` / ``of`` (>= 0): the message is a chunk, values [offset, offset + numel) of a
+    value of ``of`` elements (the receiver assembles them: ``common.rpc.FragmentClient``).
 
     ``epoch`` identifies one life of the shard that owns the fragment (a run-wide counter
     incremented at every shard start). Versions never go back across epochs: a restarted shard
@@ -156,6 +166,8 @@ def encode(*, kind: str, run: str, sender: str, fragment: int, values: torch.Ten
         "steps": int(steps), "tokens": int(tokens), "codec": codec, "numel": numel,
         "sizes": sizes, "crc": _crc(payload), "t": time.time(),
     }
+    if of >= 0:
+        header["off"], header["of"] = int(offset), int(of)
     return [topic(run, kind, fragment), msgpack.packb(header, use_bin_type=True), *payload]
 
 
@@ -197,6 +209,9 @@ def decode(frames: Sequence[Any], *, expect_run: str | None = None) -> Message:
         raise HeaderError("topic does not match header")
     if header["frag"] < 0 or header["numel"] < 0 or header["steps"] < 0 or header["tokens"] < 0:
         raise HeaderError("negative fragment, element count or counter")
+    offset, of = header.get("off", 0), header.get("of", header["numel"])
+    if type(offset) is not int or type(of) is not int or offset < 0 or offset + header["numel"] > of:
+        raise HeaderError("chunk offset and size do not fit the value")
     payload = tuple(parts[2:])
     sizes = header["sizes"]
     if not isinstance(sizes, list) or len(sizes) != len(payload):
@@ -215,7 +230,7 @@ def decode(frames: Sequence[Any], *, expect_run: str | None = None) -> Message:
                    epoch=header["epoch"], round=header["round"], attempt=header["attempt"], version=header["ver"],
                    base=header["base"], steps=header["steps"], tokens=header["tokens"],
                    codec=header["codec"], numel=header["numel"], sent_at=float(header["t"]),
-                   payload=payload)
+                   payload=payload, offset=offset, of=of)
 
 
 def message_nbytes(frames: Sequence[Any]) -> int:

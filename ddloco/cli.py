@@ -304,6 +304,8 @@ def cmd_syncer(args: argparse.Namespace) -> int:
 
 
 def cmd_learner(args: argparse.Namespace) -> int:
+    if args.nproc is not None and args.nproc != 1:
+        return _exec_torchrun(args)
     from common.control import RunConfigMissing
     from common.lifecycle import install_stop_handlers
     from learner.api import train
@@ -341,6 +343,33 @@ def cmd_learner(args: argparse.Namespace) -> int:
         print(f"ddloco learner: Redis at {_redact(cfg.endpoints.redis_url)} failed: {e}", file=sys.stderr)
         return EXIT_FAILURE
     return 0
+
+
+def _exec_torchrun(args: argparse.Namespace) -> int:
+    """``learner --nproc N``: become ``torchrun --standalone --nproc-per-node N -m learner ARGS``
+    (the same arguments less --nproc): N ranks, one learner of the run (learner/group.py). On
+    several machines run torchrun yourself with its rendezvous flags."""
+    from learner.group import group_from_env
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.standby:
+        raise ConfigError("--nproc and --standby cannot be combined (a standby is one process)")
+    if group_from_env() is not None:
+        raise ConfigError("--nproc inside a torchrun job: the job already has its ranks (drop --nproc)")
+    rest, skip = [], False
+    for a in args.argv[1:]:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+            "-m", "learner", *rest]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, argv)   # signals reach torchrun, which passes them to every rank
+    return EXIT_FAILURE   # not reached
 
 
 def _advertise_host(args: argparse.Namespace) -> str | None:
@@ -700,6 +729,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-time-floor-ms", type=float, help="emulated accelerator step time: a step never takes "
                    "less (ms; default 0)")
     p.add_argument("--threads", type=int, help="torch threads (default 1)")
+    p.add_argument("--nproc", type=int, metavar="N", help="run this learner as N data-parallel processes (torchrun "
+                   "--standalone --nproc-per-node N; DDP, gloo on CPU, NCCL on CUDA, one GPU per rank): one "
+                   "learner of the run with N times the tokens per step; rank 0 talks to the run")
     p.add_argument("--device", help="auto (cuda if available), cpu, cuda, cuda:N (default auto)")
     p.add_argument("--autocast", choices=["auto", "bf16", "off"], help="mixed precision of the forward pass "
                    "(default auto: bf16 on CUDA, none on CPU)")
@@ -750,6 +782,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ddloco.chaos import main as chaos_main
         return chaos_main(argv[1:])
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         _check_flag_values(args)
         return args.func(args)

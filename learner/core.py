@@ -10,6 +10,8 @@ Hand-over between them is by queues of whole fragments; the training thread neve
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import queue
@@ -35,6 +37,7 @@ from common.lifecycle import peak_rss_mb, process_start_time
 from common.log import get_logger
 from learner.network import (Answer, AskPeer, Fetch, FragmentArrived, Have, NetworkThread, Outbox, PeerState,
                              PeerStateArrived, PeerStateWanted, RoundOpened, StateRequested, optimizer_digest)
+from learner.group import Group, group_from_env, params_digest, rank_stream
 from learner.inner import apply_step, make_inner_optimizer
 from tasks.contract import Task, TaskError, batch_to, bind_task, build_model, check_task, count_tokens, scalar_loss
 
@@ -79,6 +82,8 @@ class LearnerStats:
     bytes_down: int = 0
     bytes_fetched: int = 0
     """Of bytes_down: full fragment values fetched from the shards (join, repairs)."""
+    chunks_fetched: int = 0
+    """Chunks of fragments fetched in pieces (larger than the shard's ``reply_chunk_values``)."""
     updates_replayed: int = 0
     """Broadcast updates that arrived before the value they apply to, applied once it was here."""
     train_s: float = 0.0
@@ -171,6 +176,12 @@ class Learner:
         self.incarnation = secrets.token_hex(4)
         """This process's life under ``self.id``: a restart with the same id is a new incarnation."""
         self.metrics: metrics.MetricsServer | None = None
+        ranks = group_from_env()
+        self.group: Group | None = Group(*ranks) if ranks is not None else None
+        """This process's rank of a torchrun learner (learner/group.py); None: a learner of one process."""
+        self._changed: dict[int, torch.Tensor] = {}
+        """In a group, rank 0's fragments changed since the last step boundary (the values it scattered)."""
+        self._group_run_tokens = 0.0
 
     # ------------------------------------------------------------------ join
     def _prepare(self, run: RunConfig) -> None:
@@ -179,6 +190,10 @@ class Learner:
         self.task, self.run_cfg = bind_task(run, self.task)
         self.algo = self.run_cfg.algo
         self.device = resolve_device(self.options.device)
+        if self.group is not None and self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", self.group.local_rank)    # one GPU per rank
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.model = build_model(self.task, self.run_cfg.task.seed).to(self.device)
         self.tensors = state_tensors(self.model)
         self.plan: tuple[Fragment, ...] = model_plan(self.model, self.task.embedding_names, self.algo.fragments)
@@ -347,7 +362,10 @@ class Learner:
 
     # ------------------------------------------------------------------ training thread
     def run(self) -> LearnerSummary:
-        """Join, train, leave; ``/metrics`` is served meanwhile when ``options.metrics_port`` asks."""
+        """Join, train, leave; ``/metrics`` is served meanwhile when ``options.metrics_port`` asks.
+        A rank other than 0 of a group follows rank 0 (``_follow``)."""
+        if self.group is not None and not self.group.leader:
+            return self._follow()
         self.metrics = metrics.start(role="learner", run_id=self.endpoints.run_id, member=lambda: self.id,
                                      read=self.readings, host=self.options.metrics_host,
                                      port=self.options.metrics_port, info={"device": self.options.device})
@@ -407,6 +425,8 @@ class Learner:
 
     def _run(self) -> LearnerSummary:
         self._redis_patient(self._join_control, "join")
+        if self.group is not None:
+            self._lead_group()
         self._outbox.own_pipe()
         self.net = self.network_class(learner_id=self.id, endpoints=self.endpoints, codec=self.algo.uplink_codec,
                                       numels=[f.numel for f in self.plan], inbox=self._inbox, outbox=self._outbox,
@@ -420,9 +440,15 @@ class Learner:
             t.start()
         try:
             self._redis_patient(self._announce_join, "announce")
-            if not (self.options.peer_bootstrap and self._bootstrap_from_peer()):
+            # a group starts from the shards: a peer's AdamW state would be rank 0's alone
+            if not (self.options.peer_bootstrap and self.group is None and self._bootstrap_from_peer()):
                 self._load_current_fragments()
                 self.stats.bootstrap = "shards"
+            if self.group is not None:      # every rank starts from the fragments rank 0 joined with
+                self.group.share_fragments(self.plan, self.tensors,
+                                           {p: gather(self.tensors, f) for p, f in enumerate(self.plan)},
+                                           range(len(self.plan)))
+                self._changed.clear()
             self.stats.boot_s = time.time() - self._process_started_at
             self.stats.boot_phases["joined"] = round(self.stats.boot_s, 3)
             self.joined_versions = {p: int(v) for p, v in enumerate(self.base_version)}
@@ -438,16 +464,61 @@ class Learner:
             if not threads[0].is_alive():
                 self._outbox.close()
             self._leave()
+            if self.group is not None:
+                self.group.close()
         return LearnerSummary(self.id, self.stats, {p: int(v) for p, v in enumerate(self.base_version)})
 
     def _train(self) -> None:
-        if self._train_steps():
+        ended = self._train_steps()
+        if self.group is not None:
+            self.log.info("learner.group_trained", rank=0, ranks=self.group.world, steps=self.stats.steps,
+                          params_digest=params_digest(self.model))
+        if ended:
             self._flush()
         self._drain_inbox()
 
+    # ------------------------------------------------------------------ a torchrun group (learner/group.py)
+    def _lead_group(self) -> None:
+        """Rank 0, prepared: join the group and tell the other ranks what they cannot read
+        themselves (the run config, data stream and position, the schedule's token count)."""
+        g = self.group
+        g.start(self.device)
+        self._group_run_tokens = self.run_tokens()
+        g.share({"run": self.run_cfg.to_dict(), "learner_id": self.id, "stream": self.stream,
+                 "data_position": self.data_position, "run_tokens": self._group_run_tokens})
+        self.log.info("learner.group", ranks=g.world, backend=g.backend, device=str(self.device))
+
+    def _follow(self) -> LearnerSummary:
+        """A rank other than 0: no Redis, no sockets. Build the same model, take rank 0's
+        fragments, then train in step with it; merged fragments arrive at step boundaries."""
+        from common.config import run_config_from_dict
+        g = self.group
+        g.start(resolve_device(self.options.device))     # its type picks the backend, as on rank 0
+        info = g.share()
+        self.id = str(info["learner_id"])
+        self.log = get_logger("learner", learner=self.id, run=self.endpoints.run_id, rank=g.rank)
+        self._prepare(run_config_from_dict(info["run"]))
+        self.stream = rank_stream(int(info["stream"]), g.rank)
+        self.data_position = int(info["data_position"])
+        self._group_run_tokens = float(info["run_tokens"])
+        n = len(self.plan)
+        self.c_steps = np.zeros(n, dtype=np.int64)
+        self.c_tokens = np.zeros(n, dtype=np.int64)
+        g.share_fragments(self.plan, self.tensors, {}, range(n))
+        try:
+            self._train_steps()
+            self.log.info("learner.group_trained", rank=g.rank, ranks=g.world, steps=self.stats.steps,
+                          params_digest=params_digest(self.model))
+        finally:
+            self.status = "stopped"
+            g.close()
+        return LearnerSummary(self.id, self.stats)
+
     def _train_steps(self) -> bool:
-        """The inner loop; True when it ended on its own (step budget, data), not on ``stop``."""
-        opt, sched = make_inner_optimizer(self.model.parameters(), self.algo, tokens=self.run_tokens)
+        """The inner loop; True when it ended on its own (step budget, data), not on ``stop``.
+        In a group (torchrun) every rank runs it; rank 0 alone does the network work at each
+        step boundary and the group then agrees on what happens next (``Group.boundary``)."""
+        opt, sched = make_inner_optimizer(self.model.parameters(), self.algo, tokens=self._step_run_tokens)
         if self._boot_optimizer is not None:  # a peer's AdamW state and place in the per-life ramp
             opt.load_state_dict(self._boot_optimizer)
             sched.last_epoch = self._boot_life_steps
@@ -457,6 +528,9 @@ class Learner:
                           life_steps=self._boot_life_steps)
             self._boot_optimizer = None
         self._opt, self._sched = opt, sched
+        group = self.group
+        leader = group is None or group.leader
+        train_model = group.wrap(self.model, self.device) if group is not None else self.model
         accum = self.algo.inner_grad_accum
         autocast = self._autocast()
         batches: Iterator[Any] = iter(self.task.batches(self.stream, self.run_cfg.task.seed, self.data_position))
@@ -464,35 +538,52 @@ class Learner:
         min_steps = H if self.algo.lockstep else 1
         self.status = "training"
         self.model.train()
-        while not self.stop.is_set():
-            if self.options.max_steps and self.stats.steps >= self.options.max_steps:
-                return True
-            if self._fatal is not None:
-                raise RuntimeError(f"learner helper thread failed: {self._fatal!r}") from self._fatal
+        ready: list[Any] | None = None                      # the next step's batches (kept over a skip)
+        while True:
+            stop, done, skip = self.stop.is_set(), False, False
             t_iter = time.perf_counter()   # applying merges and snapshotting answers is training work
-            self._drain_inbox()
-            self._answer_open_rounds(min_steps)
-            if self.algo.lockstep and int(self.c_steps.max()) >= H:
-                self._wait_blocked(min_steps)
+            if self.options.max_steps and self.stats.steps >= self.options.max_steps:
+                done = True
+            elif leader and not stop:
+                if self._fatal is not None:
+                    raise RuntimeError(f"learner helper thread failed: {self._fatal!r}") from self._fatal
+                self._drain_inbox()
+                self._answer_open_rounds(min_steps)
+                if self.algo.lockstep and int(self.c_steps.max()) >= H:
+                    self._wait_blocked(min_steps)
+                    skip = True
+            if ready is None and not (stop or done):
+                ready = list(itertools.islice(batches, accum))
+                if len(ready) < accum:
+                    self.log.info("learner.data_exhausted", steps=self.stats.steps)
+                    done = True
+            tokens = sum(count_tokens(self.task, b) for b in ready) if ready and not (stop or done or skip) else 0
+            if group is not None:   # the group agrees: stop, budget, barrier, tokens, merged fragments
+                b = group.boundary(fragments=len(self.plan), stop=stop, done=done, skip=skip, tokens=tokens,
+                                   run_tokens=self.run_tokens() if leader else 0.0, changed=self._changed)
+                group.share_fragments(self.plan, self.tensors, self._changed, b.changed)
+                self._changed.clear()
+                stop, done, skip, tokens, self._group_run_tokens = b.stop, b.done, b.skip, b.tokens, b.run_tokens
+            if stop or done:
+                return done and not stop
+            if skip:
                 continue
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            tokens, loss_sum = 0, torch.zeros((), device=self.device)
-            for _ in range(accum):                           # ∇L over inner_grad_accum micro-batches
-                try:
-                    batch = next(batches)
-                except StopIteration:
-                    self.log.info("learner.data_exhausted", steps=self.stats.steps)
-                    return True
-                tokens += count_tokens(self.task, batch)
+            loss_sum = torch.zeros((), device=self.device)
+            for i, batch in enumerate(ready):                # ∇L over inner_grad_accum micro-batches
                 self.stats.batches += 1
-                with autocast:
-                    loss = scalar_loss(self.task, self.model, batch_to(batch, self.device)) / accum
-                loss.backward()
+                # in a group, gradients are averaged over the ranks on the last micro-batch only
+                sync = contextlib.nullcontext() if group is None or i == accum - 1 else train_model.no_sync()
+                with sync:
+                    with autocast:
+                        loss = scalar_loss(self.task, train_model, batch_to(batch, self.device)) / accum
+                    loss.backward()
                 loss_sum = loss_sum + loss.detach().float()        # stays on the device: no sync
+            ready = None
             self.stats.lr = apply_step(self.model, opt, sched, self.algo)   # θ ← AdamW(θ, ∇L(θ; batch))
             self.c_steps += 1                                # for every p: c_steps[p] += 1
-            self.c_tokens += tokens                          #              c_tokens[p] += tokens
+            self.c_tokens += tokens                          #              c_tokens[p] += tokens (all ranks)
             self.stats.steps += 1
             self.stats.tokens += tokens
             compute_s = time.perf_counter() - t0
@@ -507,7 +598,11 @@ class Learner:
                 self._watch_serve_cost(iter_s)
             self.stats.step_ema_s = step_s if ema == 0 else 0.9 * ema + 0.1 * step_s
             self._note_loss(loss_sum)
-        return False
+
+    def _step_run_tokens(self) -> float:
+        """The global token count the learning-rate schedule reads: in a group, rank 0's count
+        as of the last step boundary (the same on every rank), else the live one."""
+        return self._group_run_tokens if self.group is not None else self.run_tokens()
 
     def _note_loss(self, loss: torch.Tensor) -> None:
         """Loss EMA. On an accelerator the step's loss stays on the device and is read in batches
@@ -529,7 +624,6 @@ class Learner:
 
     def _autocast(self) -> Any:
         """bf16 autocast of the forward pass (``learner.autocast``), or a no-op context."""
-        import contextlib
         mode = self.options.autocast
         if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
             return contextlib.nullcontext()
@@ -777,6 +871,8 @@ class Learner:
                 item.values, local, self.base_values[p], contributed, int(self.c_steps[p]),
                 int(self.c_tokens[p]), carry=carry, mix_alpha=self.algo.mix_alpha)
         scatter(self.tensors, frag, value)
+        if self.group is not None:
+            self._changed[p] = value
         self.base_values[p] = item.values
         self.base_version[p] = item.version
         self.base_epoch[p] = item.epoch

@@ -373,6 +373,7 @@ class NetworkThread:
                         for msg in client.receive(sock):
                             self.on_fragment(msg, requested=True)
                 self.stats.malformed = self.malformed + client.malformed
+                self.stats.chunks_fetched = client.chunks
         finally:
             client.close()
             if sec is not None:

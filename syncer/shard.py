@@ -828,18 +828,29 @@ class Shard:
             return
         self.stats.requests += 1
         if f.reply is None or f.reply[:2] != (self.epoch, f.version):
-            f.reply = (self.epoch, f.version, self._frag_frames(f))
+            f.reply = (self.epoch, f.version, self._reply_messages(f))
         else:
             self.stats.replies_cached += 1
-        reply = f.reply[2]
-        try:
-            self.router.send_multipart([ident, *reply], zmq.NOBLOCK, copy=False)
-            self.stats.bytes_out += wire.message_nbytes(reply)
-        except zmq.Again:
-            return                                # not sent: a retry is served
+        for reply in f.reply[2]:
+            try:
+                self.router.send_multipart([ident, *reply], zmq.NOBLOCK, copy=False)
+                self.stats.bytes_out += wire.message_nbytes(reply)
+            except zmq.Again:
+                return                            # not (all) sent: a retry is served, the chunks here are kept
         if len(self._served) > 100_000:          # bounded whatever requesters do
             self._served.clear()
         self._served[key] = (self.epoch, f.version, now)
+
+    def _reply_messages(self, f: FragmentState) -> list[list[Any]]:
+        """The reply to a request: the full value, in chunks of ``reply_chunk_values`` when it
+        is larger (each its own message: the requester assembles them, common/rpc.py)."""
+        n, chunk = f.theta.numel(), self.options.reply_chunk_values
+        if chunk <= 0 or n <= chunk:
+            return [self._frag_frames(f)]
+        return [wire.encode(kind=wire.FRAG, run=self.endpoints.run_id, sender=self.id, fragment=f.spec.index,
+                            epoch=self.epoch, values=f.theta[off:off + chunk], codec="fp32", version=f.version,
+                            offset=off, of=n)
+                for off in range(0, n, chunk)]
 
     def _frag_frames(self, f: FragmentState) -> list[Any]:
         """The full value every replica holds, exact (fp32): a join, a repair, a recovery."""
@@ -929,8 +940,9 @@ class Shard:
         algo = self.run.algo
         f.theta, f.master, f.momentum = res.replica, res.master, res.momentum
         f.version += 1
-        if f.master is None:                      # fp32 downlink: the broadcast is the full value
-            f.reply = (job.epoch, f.version, res.frames)
+        chunk = self.options.reply_chunk_values
+        if f.master is None and (chunk <= 0 or f.theta.numel() <= chunk):
+            f.reply = (job.epoch, f.version, [res.frames])   # fp32 downlink: the broadcast is the reply
         f.history[f.version] = f.theta             # never changed in place: a new tensor every merge
         for v in sorted(f.history)[:-algo.history_versions]:
             del f.history[v]

@@ -749,3 +749,27 @@ def test_an_update_that_arrives_before_the_full_value_it_applies_to_is_replayed_
     for p, f in shard.frags.items():
         v = int(late.base_version[p])
         assert v in f.history and torch.equal(late.base_values[p], f.history[v]), (p, v, sorted(f.history))
+
+
+def test_a_fragment_larger_than_the_chunk_size_is_served_in_chunks_and_assembled_bit_identical(make_cluster):
+    """Replies larger than ``reply_chunk_values`` travel as several messages (each with its own
+    checksum); the joining learner and the monitor assemble them into the exact value."""
+    from common.rpc import fetch_fragments
+    cluster = make_cluster(ASYNC)
+    shard = cluster.start_shard(0, 1, reply_chunk_values=16)
+    assert min(f.theta.numel() for f in shard.frags.values()) > 2 * 16
+    cluster.start_learner(cluster.learner("steady", 0, step_time_floor_ms=5))
+    wait_until(lambda: min(_versions(cluster).values()) >= 2, 30, what="merges before the join")
+    late = cluster.learner("late", 1, step_time_floor_ms=5, max_steps=40, peer_bootstrap=False)   # from the shard
+    t = cluster.start_learner(late)
+    t.join(timeout=60)
+    assert not t.is_alive() and not cluster.errors, cluster.errors
+    assert late.stats.chunks_fetched >= 4 * 3, late.stats      # every fragment in >= 3 pieces
+    # its copy was built on the assembled value: after the int4 updates since, still the shard's exactly
+    for p, f in shard.frags.items():
+        v = int(late.base_version[p])
+        assert v in f.history and torch.equal(late.base_values[p], f.history[v]), (p, v, sorted(f.history))
+    got = fetch_fragments(control.connect(cluster.endpoints.redis_url), Keys(cluster.endpoints.run_id), 4,
+                          timeout_s=20)
+    for p, (v, value) in got.items():
+        assert v in shard.frags[p].history and torch.equal(value, shard.frags[p].history[v]), (p, v)

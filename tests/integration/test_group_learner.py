@@ -1,0 +1,74 @@
+"""A learner that is a torchrun job (learner/group.py): 2 gloo ranks, one learner of the run."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from common import control
+from common.keys import Keys
+from common.redis_server import free_port
+from tests.conftest import TINY_TOML as TINY
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _events(text: str, name: str) -> list[dict]:
+    """Flat JSON log records of event ``name`` (both ranks write to one pipe: lines can run together)."""
+    return [json.loads(m) for m in re.findall(r'\{[^{}]*"event": "' + re.escape(name) + r'"[^{}]*\}', text)]
+
+
+def test_a_two_rank_torchrun_learner_contributes_and_every_rank_receives_the_merges(tmp_path, redis_server):
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY)
+    pub, sub = free_port(), free_port()
+    net = ["--insecure", "--redis-url", redis_server.url, "--broker-pub", f"tcp://127.0.0.1:{pub}",
+           "--broker-sub", f"tcp://127.0.0.1:{sub}", "--run-id", "grp", "--log-format", "json"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DDLOCO_INSECURE": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "broker", "--xsub", f"tcp://127.0.0.1:{pub}",
+                               "--xpub", f"tcp://127.0.0.1:{sub}"], env=env, stderr=subprocess.DEVNULL),
+             subprocess.Popen([sys.executable, "-m", "syncer", "--config", str(cfg), *net,
+                               "--checkpoint-dir", str(tmp_path / "ck")], env=env, stderr=subprocess.DEVNULL)]
+    try:
+        solo = subprocess.Popen([sys.executable, "-m", "learner", *net, "--learner-id", "solo", "--steps", "60",
+                                 "--step-time-floor-ms", "30"],
+                                env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        group = subprocess.Popen([sys.executable, "-m", "ddloco", "learner", "--nproc", "2", *net,
+                                  "--learner-id", "pair", "--steps", "60", "--step-time-floor-ms", "30"],
+                                 env=env, stderr=subprocess.STDOUT, stdout=subprocess.PIPE, text=True)
+        procs += [solo, group]
+        out, _ = group.communicate(timeout=240)
+        assert group.returncode == 0, out[-3000:]
+        _, err = solo.communicate(timeout=120)
+        assert solo.returncode == 0, err[-2000:]
+
+        # both ranks trained 60 steps and ended with the same parameters: rank 1 received every
+        # merged fragment rank 0 applied (without the boundary broadcast they drift apart)
+        trained = {e["rank"]: e for e in _events(out, "learner.group_trained")}
+        assert set(trained) == {0, 1}, out[-3000:]
+        assert trained[0]["steps"] == trained[1]["steps"] == 60
+        assert trained[0]["params_digest"] == trained[1]["params_digest"]
+        assert _events(out, "learner.group")[0]["backend"] == "gloo"
+
+        # the run saw one learner "pair" (no rank 1 member) with twice the tokens per step of "solo"
+        r = control.connect(redis_server.url)
+        keys = Keys("grp")
+        members = {e["learner"] for e in control.read_events(r, keys, kind="join")}
+        assert members == {"solo", "pair"}
+        pair, alone = r.hgetall(keys.learner("pair")), r.hgetall(keys.learner("solo"))
+        assert int(pair["steps"]) == int(alone["steps"]) == 60
+        assert int(pair["tokens"]) == 2 * int(alone["tokens"]) > 0
+        assert int(pair["answers"]) >= 1 and int(pair["merges_applied"]) >= 1
+        res = subprocess.run([sys.executable, "-m", "ddloco", "status", "--json", *net[:-2]], capture_output=True,
+                             text=True, env=env, timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["learners"]["pair"]["merged_contributions"] >= 1
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
