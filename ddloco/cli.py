@@ -303,9 +303,25 @@ def cmd_syncer(args: argparse.Namespace) -> int:
     return 0
 
 
+_FORKED = False
+"""This process is a learner forked by a standby factory (``learner --standby``, fork orders)."""
+
+
 def cmd_learner(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc != 1:
         return _exec_torchrun(args)
+    code = _learner(args)
+    if _FORKED:
+        # a fork's interpreter teardown walks (and so copies, page by page) every object it
+        # inherited: 2-3 s per learner, 30 s and more with 32 on two cores. Everything is written
+        # (Redis, logs): end here, as multiprocessing ends its forked children.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _learner(args: argparse.Namespace) -> int:
     from common.control import RunConfigMissing
     from common.lifecycle import install_stop_handlers
     from learner.api import train
@@ -461,11 +477,15 @@ def _fork_learner(line: str, forks: dict[int, str]) -> bool:
     from common.lifecycle import die_with_parent
     orders = json.loads(line)
     reply = Path(orders["reply"])
+    global _FORKED
     sys.stdout.flush()
     sys.stderr.flush()
     factory = os.getpid()
+    import gc
+    gc.freeze()   # what the factory holds is never collected: the fork's collector skips it (no copy)
     pid = os.fork()
     if pid == 0:
+        _FORKED = True
         die_with_parent(factory)
         fd = os.open(orders["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(fd, 1)

@@ -119,9 +119,9 @@ class Group:
             for p in changed:
                 v[5 + p] = 1.0
         dist.all_reduce(v, group=self.ctl)
-        return Boundary(stop=v[0].item() > 0, done=v[1].item() > 0, skip=v[2].item() > 0, tokens=int(v[3].item()),
-                        run_tokens=float(v[4].item()),
-                        changed=[p for p in range(fragments) if v[5 + p].item() > 0])
+        x = v.tolist()
+        return Boundary(stop=x[0] > 0, done=x[1] > 0, skip=x[2] > 0, tokens=int(x[3]), run_tokens=x[4],
+                        changed=[p for p in range(fragments) if x[5 + p] > 0])
 
     def share_fragments(self, plan: tuple[Fragment, ...], tensors: Mapping[str, torch.Tensor],
                         values: Mapping[int, torch.Tensor], changed: Iterable[int]) -> None:
