@@ -74,6 +74,11 @@ class OpenRound:
     last_sent_at: float = 0.0
     answers: dict[str, Answer] = field(default_factory=dict)
     quorum_at: float | None = None
+    timed: bool = True
+    """Some learner was training when the round opened: its open-to-quorum time measures the
+    path (ξ_quorum). A round opened before any learner trained (shard start, learners still
+    booting or joining) waited for the learners instead: counted, it shut the grace window for
+    the next dozen rounds (10 % of the answers late in a 30 s `bench sync`)."""
 
 
 @dataclass
@@ -718,7 +723,8 @@ class Shard:
                                period_s=period, tau=tau, started_s=self.started_at, n_fragments=algo.fragments,
                                min_spacing_s=spacing, last_open_any_s=max(last.values(), default=None)):
             f = self.frags[p]
-            f.round = OpenRound(round_id=f.next_round, opened_at=now)
+            f.round = OpenRound(round_id=f.next_round, opened_at=now,
+                                timed=any(h.get("status") == "training" for h in self.live.values()))
             f.next_round += 1
             f.last_opened_at = now
             self._send_open(f, now)
@@ -789,7 +795,8 @@ class Shard:
         self.stats.answers += 1
         if rnd.quorum_at is None and len(rnd.answers) >= self.policy.quorum:
             rnd.quorum_at = now
-            self.xi_quorum.update(now - rnd.opened_at)
+            if rnd.timed:
+                self.xi_quorum.update(now - rnd.opened_at)
 
     def _reject(self, reason: str, sender: str, fragment: int, **detail: Any) -> None:
         """Count an answer refused, or its claims or outer gradient cut, by the robust-merge rules."""

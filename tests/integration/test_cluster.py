@@ -773,3 +773,22 @@ def test_a_fragment_larger_than_the_chunk_size_is_served_in_chunks_and_assembled
                           timeout_s=20)
     for p, (v, value) in got.items():
         assert v in shard.frags[p].history and torch.equal(value, shard.frags[p].history[v]), (p, v)
+
+
+def test_a_round_opened_before_any_learner_trained_does_not_shut_the_grace_window(make_cluster):
+    """ξ_quorum (open to quorum) measures the path only from rounds opened while a learner was
+    training: the first rounds of a fresh shard wait for booting learners instead, and counted
+    they shut the grace window (answers dropped as late) for the next dozen rounds."""
+    cluster = make_cluster(ASYNC)
+    shard = cluster.start_shard(0, 1)
+    wait_until(lambda: any(f.round is not None and f.round.attempt >= 4 for f in shard.frags.values()), 30,
+               what="a round re-opened 4 times (> 1 s) while no learner was there")
+    samples: list[float] = []
+    update = shard.xi_quorum.update
+    shard.xi_quorum.update = lambda x: (samples.append(x), update(x))[1]
+    for i in range(2):
+        cluster.start_learner(cluster.learner(f"l{i}", i, step_time_floor_ms=20))
+    wait_until(lambda: min(_versions(cluster).values()) >= 3 and len(samples) >= 8, 60,
+               what="3 merges of every fragment and 8 timed rounds")
+    assert max(samples) < 0.6, samples
+    assert not cluster.errors, cluster.errors
