@@ -125,24 +125,27 @@ def _quantise_blocks(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.
     """
     n = x.numel()
     n_blocks = math.ceil(n / BLOCK)
-    padded = x.new_zeros(n_blocks * BLOCK)
-    padded[:n] = x
-    blocks = padded.view(n_blocks, BLOCK)                             # [B, 64]
+    if n == n_blocks * BLOCK:
+        blocks = x.view(n_blocks, BLOCK)                              # [B, 64], not copied
+    else:
+        padded = x.new_zeros(n_blocks * BLOCK)
+        padded[:n] = x
+        blocks = padded.view(n_blocks, BLOCK)
     absmax = _finite(blocks.abs().amax(dim=1))                        # [B], NaN/inf propagate
     scales = (absmax / levels).to(torch.bfloat16)                     # [B]
     scales_f = scales.float()
     # An all-zero block has scale 0: divide by 1 instead (its values are 0 anyway). So does a
     # block whose absmax/L underflows bf16 (absmax below ~6e-39): it decodes to zeros.
     divisor = torch.where(scales_f > 0, scales_f, torch.ones_like(scales_f))
-    blocks.div_(divisor.unsqueeze(1)).round_().clamp_(-levels, levels)
-    return padded.to(torch.int8), scales
+    q = torch.div(blocks, divisor.unsqueeze(1)).round_().clamp_(-levels, levels)   # a new tensor
+    return q.view(-1).to(torch.int8), scales
 
 
 def _pack_nibbles(q: torch.Tensor, n: int) -> torch.Tensor:
     """Pack int8 values in [-8, 7] two per byte, low nibble first: ceil(n/2) uint8 bytes."""
     n_bytes = math.ceil(n / 2)
-    pairs = q[: 2 * n_bytes].view(torch.uint8).view(n_bytes, 2)       # [n/2, 2], two's compl.
-    return (pairs[:, 0] & 0x0F) | (pairs[:, 1] << 4)
+    w = q[: 2 * n_bytes].view(torch.int16)        # one (low, high) pair per int16, little-endian
+    return ((w & 0x0F) | ((w >> 4) & 0xF0)).to(torch.uint8)   # contiguous ops, not strided
 
 
 def encode(x: torch.Tensor, codec: str) -> list[memoryview]:
@@ -189,16 +192,20 @@ def _to_tensor(view: memoryview, dtype: np.dtype) -> torch.Tensor:
 def _dequantise_blocks(q: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
     """``q * scale`` per block; ``q`` is int8 of length >= n, scales bf16 [n_blocks]."""
     n_blocks = scales.numel()
-    out = torch.zeros(n_blocks * BLOCK, dtype=torch.float32)
-    out[:n] = q[:n]
+    if n == n_blocks * BLOCK and q.numel() == n:
+        out = q.to(torch.float32)
+    else:
+        out = torch.zeros(n_blocks * BLOCK, dtype=torch.float32)
+        out[:n] = q[:n]
     out.view(n_blocks, BLOCK).mul_(scales.float().unsqueeze(1))
     return out[:n]
 
 
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of ``_pack_nibbles``: uint8 [k] -> int8 [2k] in [-8, 7]."""
-    nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=1).view(-1)   # [2k] in 0..15
-    return (nibbles.view(torch.int8) ^ 8) - 8                            # sign-extend 4 bits
+    w = packed.to(torch.int16)
+    nibbles = ((w & 0x0F) | ((w & 0xF0) << 4)).view(torch.int8)    # [2k] in 0..15, low nibble first
+    return (nibbles ^ 8) - 8                                       # sign-extend 4 bits
 
 
 def decode(frames: Sequence[Any], codec: str, numel: int) -> torch.Tensor:
