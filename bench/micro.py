@@ -85,15 +85,14 @@ def bench_merge(numel: int, repeats: int, learners: Sequence[int] = (2, 4, 8)) -
         gen = torch.Generator().manual_seed(m)
         deltas = [torch.randn(n, generator=gen) for _ in range(m)]
         theta, base, mom = torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.zeros(n)
-        scratch = (torch.empty(n), torch.empty(n))   # the shard reuses them per fragment
+        scratch = (torch.empty(n), torch.empty(n), torch.empty(n))   # the shard reuses them per fragment
 
         def merge() -> None:
             w = contribution_weights([1024.0 * 24] * m, [24] * m).tolist()
-            acc = OuterAccumulator(n, spans, "rda", scratch=scratch)
+            acc = OuterAccumulator(n, spans, "rda", scratch=scratch[:2])
             for d, wm in zip(deltas, w):
-                outer = base + d
-                torch.sub(theta, outer, out=outer)
-                acc.add(outer, wm)
+                torch.add(base, d, out=scratch[2])
+                acc.add(torch.sub(theta, scratch[2], out=scratch[2]), wm)
             outer_step(theta, mom, acc.result(), spans, algo)
         ms = _median_ms(merge, repeats)
         copy = memcpy_ms(m * n, repeats)

@@ -118,6 +118,9 @@ class OuterAccumulator:
         self.numel = numel
         self.pieces = [(start, stop, _span_kind(kind)) for start, stop, kind in spans]
         self.rda = [kind == "param" and rule == "rda" for _, _, kind in self.pieces]
+        ends = [0] + [stop for _, stop, _ in self.pieces]
+        self.gaps = [(end, start) for end, (start, _, _) in zip(ends, self.pieces + [(numel, 0, "")]) if start > end]
+        """Stretches no piece covers: zero in the result (``add`` sums whole vectors, gaps included)."""
         if scratch is not None and all(b.numel() == numel and b.dtype == torch.float32 for b in scratch):
             self.mean = scratch[0].zero_()
             self.direction = scratch[1].zero_() if any(self.rda) else None
@@ -134,17 +137,21 @@ class OuterAccumulator:
             raise ValueError(f"outer gradient must be [{self.numel}], got shape {tuple(outer.shape)}")
         w = float(weight)
         first = self.count == 0
-        for i, (start, stop, kind) in enumerate(self.pieces):
+        ints = [(start, stop) for start, stop, kind in self.pieces if kind == "int_buffer"]
+        kept = [self.mean[a:b].clone() for a, b in ints] if ints and not first else []
+        self.mean.add_(outer, alpha=w)          # one pass over the fragment (gaps add zeros)
+        for (start, stop), old in zip(ints, kept or [None] * len(ints)):
+            # integer buffers: the smallest Δ_m (Θ − Δ is the largest learner value)
             block = outer[start:stop]
-            if kind == "int_buffer":           # the smallest Δ_m: Θ − Δ is the largest learner value
-                self.mean[start:stop] = block if first else torch.minimum(self.mean[start:stop], block)
-                continue
-            self.mean[start:stop].add_(block, alpha=w)
-            if self.rda[i]:
-                norm = float(torch.linalg.vector_norm(block))
-                if norm > 0:
-                    self.direction[start:stop].add_(block, alpha=w / norm)
-                self.radius[i] += w * norm
+            self.mean[start:stop] = block if old is None else torch.minimum(old, block)
+        rda = [i for i, on in enumerate(self.rda) if on]
+        if rda:   # per piece: ‖Δ_m‖ and Δ_m / ‖Δ_m‖, in a few calls over all the pieces at once
+            blocks = [outer[self.pieces[i][0]:self.pieces[i][1]] for i in rda]
+            norms = torch.stack(torch._foreach_norm(blocks)).tolist()
+            for i, block, n in zip(rda, blocks, norms):
+                if n > 0:
+                    self.direction[self.pieces[i][0]:self.pieces[i][1]].add_(block, alpha=w / n)
+                self.radius[i] += w * n
         self.weight_sum += abs(w)
         self.count += 1
 
@@ -155,6 +162,8 @@ class OuterAccumulator:
         if self.count == 0:
             raise ValueError("nothing to merge: no contributors (M = 0)")
         merged = self.mean
+        for start, stop in self.gaps:
+            merged[start:stop] = 0.0
         for i, (start, stop, _) in enumerate(self.pieces):
             if not self.rda[i]:
                 continue

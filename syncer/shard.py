@@ -107,8 +107,9 @@ class FragmentState:
     """Recent outer-gradient norms of this fragment (robust merge)."""
     merging: "_MergeJob | None" = None
     """A closed round whose merge runs on the worker thread (no new round opens meanwhile)."""
-    scratch: tuple[torch.Tensor, torch.Tensor] | None = None
-    """The merge accumulator's buffers, reused by every merge of this fragment (one at a time)."""
+    scratch: tuple[torch.Tensor, ...] | None = None
+    """The merge accumulator's two buffers and one for an answer's outer gradient, reused by every
+    merge of this fragment (one at a time): fresh memory's page faults cost as much as the math."""
     last_merged_at: float | None = None
     effective_h: float = 0.0
     """EMA of the learner steps between two merges of this fragment (schedule check)."""
@@ -892,16 +893,16 @@ class Shard:
         f, algo = job.fragment, self.run.algo
         master = f.theta if f.master is None else f.master      # the exact fp32 master
         if f.scratch is None:
-            f.scratch = (torch.empty(f.spec.numel), torch.empty(f.spec.numel))
-        acc = OuterAccumulator(f.spec.numel, f.spec.spans, algo.merge_rule, scratch=f.scratch)
+            f.scratch = tuple(torch.empty(f.spec.numel) for _ in range(3))
+        acc = OuterAccumulator(f.spec.numel, f.spec.spans, algo.merge_rule, scratch=f.scratch[:2])
+        buf = f.scratch[2]
         clipped = []
         for a, w in zip(job.answers, job.weights.tolist()):
             # Δ_m = Θ_p − (Θ_p^{base_m} + δ_m) against the replica every learner holds (the learner's
             # own value is built on it); the step is taken from the master, so what quantization left
             # out of the replica (master − replica) is carried, never mistaken for a gradient
-            outer = f.history[a.base] + a.delta
-            torch.sub(f.theta, outer, out=outer)
-            outer, cut = f.clipper.clip(outer)               # robust: nobody moves Θ more than a few rounds do
+            torch.add(f.history[a.base], a.delta, out=buf)
+            outer, cut = f.clipper.clip(torch.sub(f.theta, buf, out=buf))               # robust: nobody moves Θ more than a few rounds do
             if cut:
                 clipped.append(a.sender)
             acc.add(outer, w)
