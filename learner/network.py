@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 import zmq
 
-from common import wire
+from common import quant, wire
 from common.config import Endpoints
 from common.links import keep_alive
 from common.rpc import FragmentClient
@@ -309,6 +309,8 @@ class NetworkThread:
         self.shard_endpoints = shard_endpoints
         self.stop = stop
         self.malformed = 0
+        self._delta: torch.Tensor | None = None
+        """The answers' δ buffer (the largest fragment answered so far)."""
 
     def run(self) -> None:
         ctx = zmq.Context()
@@ -413,13 +415,18 @@ class NetworkThread:
                     pass
                 continue
             a: Answer = item
-            delta = a.snapshot - a.base_values                    # δ_m = θ_{m,p} − Θ_p^{base_m}
-            if not bool(torch.isfinite(delta).all()):
+            # δ_m = θ_{m,p} − Θ_p^{base_m}, in a buffer kept for the next answer (a fresh one costs
+            # its page faults); the codec's frames never alias it
+            if self._delta is None or self._delta.numel() < a.snapshot.numel():
+                self._delta = torch.empty(a.snapshot.numel())
+            delta = torch.sub(a.snapshot, a.base_values, out=self._delta[:a.snapshot.numel()])
+            try:
+                frames = wire.encode(kind=wire.UPDATE, run=self.endpoints.run_id, sender=self.id,
+                                     fragment=a.fragment, values=delta, codec=self.codec, epoch=a.epoch,
+                                     round=a.round, attempt=a.attempt, base=a.base, steps=a.steps, tokens=a.tokens)
+            except quant.CodecError:                               # NaN/inf: every codec refuses them
                 self.stats.nonfinite_answers += 1                  # diverged: never send NaN/inf
                 continue
-            frames = wire.encode(kind=wire.UPDATE, run=self.endpoints.run_id, sender=self.id, fragment=a.fragment,
-                                 values=delta, codec=self.codec, epoch=a.epoch, round=a.round, attempt=a.attempt,
-                                 base=a.base, steps=a.steps, tokens=a.tokens)
             try:
                 pub.send_multipart(frames, zmq.NOBLOCK, copy=False)
                 self.stats.bytes_up += wire.message_nbytes(frames)

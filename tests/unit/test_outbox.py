@@ -50,3 +50,49 @@ def test_a_forked_process_gets_a_pipe_of_its_own() -> None:
         assert select.select([box.fd], [], [], 0)[0]
     finally:
         box.close()
+
+
+@pytest.mark.parametrize("codec", ["int4", "fp32"])
+def test_the_network_thread_sends_deltas_and_counts_a_non_finite_one_without_sending_it(codec) -> None:
+    """δ = snapshot − base is computed in a buffer reused from answer to answer; a NaN/inf δ is
+    refused by the codec, counted, and never published."""
+    import threading
+    import zmq
+    from common import wire
+    from common.config import Endpoints
+    from learner.core import LearnerStats
+    from learner.network import NetworkThread
+    stats = LearnerStats()
+    box = Outbox()
+    net = NetworkThread(learner_id="l", endpoints=Endpoints(run_id="r"), codec=codec, numels=[8, 8],
+                        inbox=queue.SimpleQueue(), outbox=box, stats=stats, shard_endpoints=lambda: (0, {}),
+                        stop=threading.Event())
+    ctx = zmq.Context()
+    pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        pub.bind("inproc://answers")
+        sub.connect("inproc://answers")
+        base = torch.arange(8, dtype=torch.float32)
+        bad = base.clone()
+        bad[3] = float("nan")
+        for fragment, snapshot in ((0, base + 1.0), (1, bad)):
+            box.put(Answer(fragment=fragment, epoch=1, round=0, attempt=0, base=0, base_values=base,
+                           snapshot=snapshot, steps=2, tokens=8))
+        pending: set = set()
+        while not sub.poll(0):             # the first publish may precede the subscription: resend
+            box.put(Answer(fragment=0, epoch=1, round=0, attempt=0, base=0, base_values=base,
+                           snapshot=base + 1.0, steps=2, tokens=8))
+            net.send(pub, None, pending)
+        msg = wire.decode(sub.recv_multipart())
+        assert msg.fragment == 0 and torch.allclose(msg.values(), torch.ones(8), atol=0.2)
+        assert stats.nonfinite_answers >= 1
+        sent = []
+        while sub.poll(50):
+            sent.append(wire.decode(sub.recv_multipart()).fragment)
+        assert 1 not in sent
+    finally:
+        pub.close(0)
+        sub.close(0)
+        ctx.term()
+        box.close()
