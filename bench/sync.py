@@ -17,6 +17,8 @@ from joined to stopped. Reports:
 
 This machine runs everything on the same cores: the syncers' merges and the learners' network
 threads compete with training, which a deployment (syncers on their own CPU boxes) does not.
+``up``'s periodic evaluation of the global model (it fetches every fragment and runs the model)
+is not part of the sync path: off by default here (``--eval-every-s``), in both runs alike.
 """
 from __future__ import annotations
 
@@ -39,6 +41,10 @@ def _up(tag: str, args: argparse.Namespace, out: Path, *, sync_every: int) -> di
            "--learners", str(args.learners), "--syncers", str(args.syncers), "--steps", "0",
            "--minutes", str(args.minutes), "--step-time-floor-ms", str(args.step_time_floor_ms),
            "--sync-every", str(sync_every), "--report", str(report)]
+    if args.eval_every_s > 0:
+        cmd += ["--eval-every-s", str(args.eval_every_s)]
+    else:
+        cmd += ["--eval-every-s", "1e9"]    # the initial and final evaluations only
     print(f"[bench sync] {tag}: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -120,6 +126,8 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--minutes", type=float, default=1.5, help="length of each of the two runs (default 1.5)")
     ap.add_argument("--sync-every", type=int, default=24, help="H of the run with sync (default 24, the run's default)")
     ap.add_argument("--fragments", type=int, default=24, help="P (default 24, the run's default)")
+    ap.add_argument("--eval-every-s", type=float, default=0.0, help="up's periodic evaluation of the global "
+                    "model, seconds (default 0: none, only the initial and final ones; it is not the sync path)")
     ap.add_argument("--report", help="keep both runs' reports and bench.json here (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = ap.parse_args(list(argv))

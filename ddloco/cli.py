@@ -542,7 +542,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if steps is None and args.minutes is not None:
         steps = 0  # --minutes alone: train for that long (no step budget)
     up = override(cfg.up, learners=args.learners, syncers=args.syncers, steps=steps, minutes=args.minutes,
-                  report_dir=args.report)
+                  report_dir=args.report, eval_every_s=args.eval_every_s)
     chaos = None
     if args.chaos:
         from ddloco.chaos import parse_chaos
@@ -649,6 +649,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="inner steps per learner (default 400, or none when --minutes is "
                    "given; 0 = until --minutes)")
     p.add_argument("--minutes", type=float, help="wall-clock cap (default 4)")
+    p.add_argument("--eval-every-s", type=float, metavar="SECONDS", help="evaluate the global model this often "
+                   "(default 8; it fetches every fragment: make it rarer for a large model)")
     p.add_argument("--report", metavar="DIR", help="write DIR/report.json, PNG plots and DIR/model.safetensors "
                    "(the final global model)")
     p.add_argument("--step-time-floor-ms", type=float, default=None,

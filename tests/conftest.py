@@ -206,3 +206,40 @@ def make_cluster(redis_server: EmbeddedRedis, tmp_path) -> Iterator[Callable[...
     yield make
     for c in made:
         c.close()
+
+
+@dataclass
+class HandDaemons:
+    """A broker and one syncer started as processes, the way a user starts them by hand."""
+
+    net: list[str]
+    """The flags every command of this run needs (endpoints, run id, --insecure, JSON logs)."""
+    env: dict[str, str]
+    procs: list[Any]
+
+
+def start_hand_daemons(tmp_path: Any, redis_url: str, run_id: str, *, broker_args: tuple[str, ...] = (),
+                       syncer_env: dict[str, str] | None = None) -> HandDaemons:
+    """Broker and syncer processes on the TINY_TOML task; stop them with ``stop_processes``."""
+    import os
+    import subprocess
+    import sys
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY_TOML)
+    pub, sub = free_port(), free_port()
+    net = ["--insecure", "--redis-url", redis_url, "--broker-pub", f"tcp://127.0.0.1:{pub}",
+           "--broker-sub", f"tcp://127.0.0.1:{sub}", "--run-id", run_id, "--log-format", "json"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DDLOCO_INSECURE": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "broker", "--xsub", f"tcp://127.0.0.1:{pub}",
+                               "--xpub", f"tcp://127.0.0.1:{sub}", *broker_args], env=env, stderr=subprocess.DEVNULL),
+             subprocess.Popen([sys.executable, "-m", "syncer", "--config", str(cfg), *net,
+                               "--checkpoint-dir", str(tmp_path / "ck")],
+                              env={**env, **(syncer_env or {})}, stderr=subprocess.DEVNULL)]
+    return HandDaemons(net, env, procs)
+
+
+def stop_processes(procs: list[Any]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

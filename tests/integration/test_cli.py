@@ -13,7 +13,7 @@ from common import control
 from common.config import ConfigError
 from common.keys import Keys
 from common.redis_server import free_port
-from tests.conftest import TINY_TOML as TINY, wait_until
+from tests.conftest import TINY_TOML as TINY, start_hand_daemons, stop_processes, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -95,18 +95,10 @@ def test_up_runs_a_cluster_writes_report_and_leaves_no_process(tmp_path):
 
 def test_daemons_by_hand_status_and_refused_learner(tmp_path, redis_server):
     cfg = tmp_path / "tiny.toml"
-    cfg.write_text(TINY)
-    pub, sub = free_port(), free_port()
-    net = ["--insecure", "--redis-url", redis_server.url, "--broker-pub", f"tcp://127.0.0.1:{pub}",
-           "--broker-sub", f"tcp://127.0.0.1:{sub}", "--run-id", "byhand", "--log-format", "json"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DDLOCO_INSECURE": "1"}
     broker_metrics, shard_metrics = free_port(), free_port()   # the flag for one, the environment for the other
-    procs = [subprocess.Popen([sys.executable, "-m", "broker", "--xsub", f"tcp://127.0.0.1:{pub}",
-                               "--xpub", f"tcp://127.0.0.1:{sub}", "--metrics-port", str(broker_metrics)],
-                              env=env, stderr=subprocess.DEVNULL),
-             subprocess.Popen([sys.executable, "-m", "syncer", "--config", str(cfg), *net,
-                               "--checkpoint-dir", str(tmp_path / "ck")],
-                              env={**env, "DDLOCO_METRICS_PORT": str(shard_metrics)}, stderr=subprocess.DEVNULL)]
+    d = start_hand_daemons(tmp_path, redis_server.url, "byhand", broker_args=("--metrics-port", str(broker_metrics)),
+                           syncer_env={"DDLOCO_METRICS_PORT": str(shard_metrics)})
+    net, env, procs = d.net, d.env, d.procs
     try:
         # a learner needs only the broker, Redis and the run id: the config comes from Redis
         learner = subprocess.Popen([sys.executable, "-m", "learner", *net, "--learner-id", "hand-1", "--steps", "30"],
@@ -137,10 +129,7 @@ def test_daemons_by_hand_status_and_refused_learner(tmp_path, redis_server):
         assert procs[1].wait(timeout=30) == 0
         assert (tmp_path / "ck" / "byhand-shard0of1.pt").exists()
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        stop_processes(procs)
 
 
 def test_ctrl_c_stops_every_process_and_still_writes_the_report(tmp_path):

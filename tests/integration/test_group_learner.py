@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -11,8 +10,7 @@ import pytest
 
 from common import control
 from common.keys import Keys
-from common.redis_server import free_port
-from tests.conftest import TINY_TOML as TINY
+from tests.conftest import start_hand_daemons, stop_processes
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -23,16 +21,8 @@ def _events(text: str, name: str) -> list[dict]:
 
 
 def test_a_two_rank_torchrun_learner_contributes_and_every_rank_receives_the_merges(tmp_path, redis_server):
-    cfg = tmp_path / "tiny.toml"
-    cfg.write_text(TINY)
-    pub, sub = free_port(), free_port()
-    net = ["--insecure", "--redis-url", redis_server.url, "--broker-pub", f"tcp://127.0.0.1:{pub}",
-           "--broker-sub", f"tcp://127.0.0.1:{sub}", "--run-id", "grp", "--log-format", "json"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DDLOCO_INSECURE": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "broker", "--xsub", f"tcp://127.0.0.1:{pub}",
-                               "--xpub", f"tcp://127.0.0.1:{sub}"], env=env, stderr=subprocess.DEVNULL),
-             subprocess.Popen([sys.executable, "-m", "syncer", "--config", str(cfg), *net,
-                               "--checkpoint-dir", str(tmp_path / "ck")], env=env, stderr=subprocess.DEVNULL)]
+    d = start_hand_daemons(tmp_path, redis_server.url, "grp")
+    net, env, procs = d.net, d.env, d.procs
     try:
         solo = subprocess.Popen([sys.executable, "-m", "learner", *net, "--learner-id", "solo", "--steps", "60",
                                  "--step-time-floor-ms", "30"],
@@ -68,7 +58,4 @@ def test_a_two_rank_torchrun_learner_contributes_and_every_rank_receives_the_mer
         assert res.returncode == 0, res.stderr
         assert json.loads(res.stdout)["learners"]["pair"]["merged_contributions"] >= 1
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        stop_processes(procs)
