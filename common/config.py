@@ -471,7 +471,7 @@ class UpOptions:
         _check(self.syncers >= 1, "up.syncers must be >= 1")
         _check(self.steps >= 0, "up.steps must be >= 0")
         _check(self.minutes > 0, "up.minutes must be > 0")
-        _check(self.eval_every_s > 0, "up.eval_every_s must be > 0")
+        _check(self.eval_every_s >= 0, "up.eval_every_s must be >= 0 (0: at every tick of the control loop)")
 
 
 T = TypeVar("T")

@@ -27,10 +27,14 @@ affected by later in-place changes of the input.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Sequence
 
 import numpy as np
 import torch
+
+if sys.byteorder != "little":   # the frame layout and the int16 views of the nibble packing assume it
+    raise ImportError("common.quant: the wire format is little-endian; this machine is big-endian")
 
 CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
 """Codec names, in order of decreasing precision."""

@@ -11,7 +11,7 @@ replaces an unfinished older one.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import zmq
@@ -29,16 +29,26 @@ class _Assembly:
         self.key = (msg.epoch, msg.version)
         self.first = msg
         self.values = torch.empty(msg.of, dtype=torch.float32)
-        self.offsets: set[int] = set()
+        self.parts: dict[int, int] = {}
+        """offset -> element count of each chunk here."""
         self.filled = 0
 
     def add(self, msg: wire.Message, values: torch.Tensor) -> bool:
         """Put one chunk in place; True when every value is here."""
-        if msg.offset not in self.offsets:
+        if msg.offset not in self.parts:
             self.values[msg.offset:msg.offset + msg.numel] = values
-            self.offsets.add(msg.offset)
+            self.parts[msg.offset] = msg.numel
             self.filled += msg.numel
         return self.filled >= self.values.numel()
+
+    def tiled(self) -> bool:
+        """The chunks cover the value exactly once (no overlap, no hole left uninitialised)."""
+        end = 0
+        for offset in sorted(self.parts):
+            if offset != end:
+                return False
+            end += self.parts[offset]
+        return end == self.values.numel()
 
     def message(self) -> wire.Message:
         """The whole value as one exact (fp32) FRAG message."""
@@ -50,8 +60,12 @@ class _Assembly:
 class FragmentClient:
     """Owns one DEALER per shard endpoint; not thread-safe (use from one thread)."""
 
-    def __init__(self, ctx: zmq.Context, *, run_id: str, sender: str, security: Any = None) -> None:
+    def __init__(self, ctx: zmq.Context, *, run_id: str, sender: str, security: Any = None,
+                 numels: Sequence[int] | None = None) -> None:
+        """``numels``: each fragment's element count, when the caller knows the model (a chunk
+        announcing another size is malformed, not a buffer to allocate)."""
         self.ctx = ctx
+        self.numels = list(numels) if numels is not None else None
         self.security = security
         """``common.security.Security``: each DEALER is a CURVE client of shard k's key."""
         self.run_id = run_id
@@ -155,15 +169,25 @@ class FragmentClient:
         except wire.WireError:
             self.malformed += 1
             return None
+        if self.numels is not None and (msg.fragment >= len(self.numels) or msg.of != self.numels[msg.fragment]):
+            self.malformed += 1
+            return None
         self.chunks += 1
         asm = self._partial.get(msg.fragment)
         if asm is not None and (msg.epoch, msg.version) < asm.key:
             return None                               # an older value's chunk: a newer one is arriving
         if asm is None or asm.key != (msg.epoch, msg.version) or asm.values.numel() != msg.of:
-            asm = self._partial[msg.fragment] = _Assembly(msg)
+            try:
+                asm = self._partial[msg.fragment] = _Assembly(msg)
+            except (RuntimeError, ValueError, MemoryError):   # an absurd size announced
+                self.malformed += 1
+                return None
         if not asm.add(msg, values):
             return None
         del self._partial[msg.fragment]
+        if not asm.tiled():                           # overlapping chunks: not one consistent value
+            self.malformed += 1
+            return None
         return asm.message()
 
     def close(self) -> None:
@@ -174,11 +198,13 @@ class FragmentClient:
 
 
 def fetch_fragments(r: Any, keys: Keys, n_fragments: int, *, timeout_s: float = 10.0,
-                    sender: str = "monitor", security: Any = None) -> dict[int, tuple[int, torch.Tensor]]:
+                    sender: str = "monitor", security: Any = None,
+                    numels: Sequence[int] | None = None) -> dict[int, tuple[int, torch.Tensor]]:
     """Blocking: current (version, value) of every fragment, from the shards. Raises TimeoutError.
-    ``security``: the caller's CURVE identity (``common.security.Security``) when the run has keys."""
+    ``security``: the caller's CURVE identity (``common.security.Security``) when the run has keys.
+    ``numels``: each fragment's element count when known (see ``FragmentClient``)."""
     ctx = zmq.Context()
-    client = FragmentClient(ctx, run_id=keys.run_id, sender=sender, security=security)
+    client = FragmentClient(ctx, run_id=keys.run_id, sender=sender, security=security, numels=numels)
     got: dict[int, tuple[int, torch.Tensor]] = {}
     try:
         deadline = time.monotonic() + timeout_s

@@ -308,7 +308,8 @@ _FORKED = False
 
 
 def cmd_learner(args: argparse.Namespace) -> int:
-    if args.nproc is not None and args.nproc != 1:
+    from learner.group import group_from_env
+    if args.nproc is not None and args.nproc != 1 and group_from_env() is None:   # a rank ignores it
         return _exec_torchrun(args)
     code = _learner(args)
     if _FORKED:
@@ -333,9 +334,12 @@ def _learner(args: argparse.Namespace) -> int:
                     device=args.device, autocast=args.autocast, peer_bind=args.peer_bind,
                     advertise_host=_advertise_host(args), **_metrics(args))
     _setup_logging(args)
-    # a standby's identity (and so its key) is known only when it is told whom to replace
-    _security_check(cfg.endpoints, args, "learner", "" if args.standby else opts.learner_id)
-    _check_redis_answers(args, cfg.endpoints.redis_url)
+    from learner.group import group_from_env
+    ranks = group_from_env()
+    if ranks is None or ranks[0] == 0:   # other ranks of a torchrun learner never reach Redis or the broker
+        # a standby's identity (and so its key) is known only when it is told whom to replace
+        _security_check(cfg.endpoints, args, "learner", "" if args.standby else opts.learner_id)
+        _check_redis_answers(args, cfg.endpoints.redis_url)
     stop = threading.Event()
     install_stop_handlers(stop)
     run, task = _run_and_task(cfg, args, starts_run=False)
@@ -365,20 +369,18 @@ def _exec_torchrun(args: argparse.Namespace) -> int:
     """``learner --nproc N``: become ``torchrun --standalone --nproc-per-node N -m learner ARGS``
     (the same arguments less --nproc): N ranks, one learner of the run (learner/group.py). On
     several machines run torchrun yourself with its rendezvous flags."""
-    from learner.group import group_from_env
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     if args.standby:
         raise ConfigError("--nproc and --standby cannot be combined (a standby is one process)")
-    if group_from_env() is not None:
-        raise ConfigError("--nproc inside a torchrun job: the job already has its ranks (drop --nproc)")
     rest, skip = [], False
     for a in args.argv[1:]:
+        flag = a.split("=", 1)[0]
         if skip:
             skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
+        elif len(flag) >= 4 and "--nproc".startswith(flag):   # --nproc and what argparse takes for it (--npro)
+            skip = "=" not in a
+        else:
             rest.append(a)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
             "-m", "learner", *rest]
@@ -650,7 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "given; 0 = until --minutes)")
     p.add_argument("--minutes", type=float, help="wall-clock cap (default 4)")
     p.add_argument("--eval-every-s", type=float, metavar="SECONDS", help="evaluate the global model this often "
-                   "(default 8; it fetches every fragment: make it rarer for a large model)")
+                   "(default 8; it fetches every fragment: make it rarer for a large model; 0: every second)")
     p.add_argument("--report", metavar="DIR", help="write DIR/report.json, PNG plots and DIR/model.safetensors "
                    "(the final global model)")
     p.add_argument("--step-time-floor-ms", type=float, default=None,

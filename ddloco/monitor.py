@@ -88,6 +88,7 @@ class Monitor:
             try:
                 # a periodic evaluation skips rather than stall the monitor (a shard may be recovering)
                 frags = fetch_fragments(self.r, self.keys, len(self.plan), security=self.security,
+                                        numels=[f.numel for f in self.plan],
                                         timeout_s=60.0 if initial or final else 5.0)
             except (TimeoutError, redis.RedisError) as e:
                 self.say(f"eval       skipped: {e}")

@@ -189,11 +189,7 @@ class Learner:
         that can refuse this learner, before it writes anything to Redis."""
         self.task, self.run_cfg = bind_task(run, self.task)
         self.algo = self.run_cfg.algo
-        self.device = resolve_device(self.options.device)
-        if self.group is not None and self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", self.group.local_rank)    # one GPU per rank
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.device = self._resolve_device()
         self.model = build_model(self.task, self.run_cfg.task.seed).to(self.device)
         self.tensors = state_tensors(self.model)
         self.plan: tuple[Fragment, ...] = model_plan(self.model, self.task.embedding_names, self.algo.fragments)
@@ -201,6 +197,18 @@ class Learner:
         self.stream = data_stream(self.options, self.id)
         check_task(self.task, self.model, seed=self.run_cfg.task.seed, stream=self.stream)
         self.stats.boot_phases["prepared"] = round(time.time() - self._process_started_at, 3)
+
+    def _resolve_device(self) -> torch.device:
+        """``options.device``; in a group on CUDA, this rank's GPU (cuda:LOCAL_RANK: one GPU per
+        rank, whatever index was given), made the current device."""
+        device = resolve_device(self.options.device)
+        if self.group is not None and device.type == "cuda":
+            if device.index is not None and device.index != self.group.local_rank:
+                self.log.warning("learner.group_device", given=str(device), used=f"cuda:{self.group.local_rank}",
+                                 detail="a torchrun learner puts rank r on cuda:LOCAL_RANK")
+            device = torch.device("cuda", self.group.local_rank)
+            torch.cuda.set_device(device)
+        return device
 
     def prepare(self) -> None:
         """Connect to Redis, take (or publish) the run config, build the task and model, dry-run
@@ -424,8 +432,16 @@ class Learner:
         ]
 
     def _run(self) -> LearnerSummary:
-        self._redis_patient(self._join_control, "join")
-        if self.group is not None:
+        if self.group is None:
+            self._redis_patient(self._join_control, "join")
+        else:   # form the group first: a refusal or failure here must release the other ranks
+            self.group.start(self._resolve_device())
+            try:
+                self._redis_patient(self._join_control, "join")
+            except BaseException as e:
+                self.group.share({"abort": f"{type(e).__name__}: {e}"})
+                self.group.close()
+                raise
             self._lead_group()
         self._outbox.own_pipe()
         self.net = self.network_class(learner_id=self.id, endpoints=self.endpoints, codec=self.algo.uplink_codec,
@@ -482,7 +498,6 @@ class Learner:
         """Rank 0, prepared: join the group and tell the other ranks what they cannot read
         themselves (the run config, data stream and position, the schedule's token count)."""
         g = self.group
-        g.start(self.device)
         self._group_run_tokens = self.run_tokens()
         g.share({"run": self.run_cfg.to_dict(), "learner_id": self.id, "stream": self.stream,
                  "data_position": self.data_position, "run_tokens": self._group_run_tokens})
@@ -493,8 +508,12 @@ class Learner:
         fragments, then train in step with it; merged fragments arrive at step boundaries."""
         from common.config import run_config_from_dict
         g = self.group
-        g.start(resolve_device(self.options.device))     # its type picks the backend, as on rank 0
+        g.start(self._resolve_device())                # its type picks the backend, as on rank 0
         info = g.share()
+        if "abort" in info:                            # rank 0 was refused or failed to join
+            self.log.info("learner.group_aborted", rank=g.rank, reason=info["abort"])
+            g.close()
+            return LearnerSummary(self.id, self.stats)
         self.id = str(info["learner_id"])
         self.log = get_logger("learner", learner=self.id, run=self.endpoints.run_id, rank=g.rank)
         self._prepare(run_config_from_dict(info["run"]))
@@ -539,6 +558,7 @@ class Learner:
         self.status = "training"
         self.model.train()
         ready: list[Any] | None = None                      # the next step's batches (kept over a skip)
+        ready_s = 0.0                                       # what reading them took (part of the step)
         while True:
             stop, done, skip = self.stop.is_set(), False, False
             t_iter = time.perf_counter()   # applying merges and snapshotting answers is training work
@@ -553,7 +573,9 @@ class Learner:
                     self._wait_blocked(min_steps)
                     skip = True
             if ready is None and not (stop or done):
+                t_read = time.perf_counter()
                 ready = list(itertools.islice(batches, accum))
+                ready_s = time.perf_counter() - t_read
                 if len(ready) < accum:
                     self.log.info("learner.data_exhausted", steps=self.stats.steps)
                     done = True
@@ -586,11 +608,11 @@ class Learner:
             self.c_tokens += tokens                          #              c_tokens[p] += tokens (all ranks)
             self.stats.steps += 1
             self.stats.tokens += tokens
-            compute_s = time.perf_counter() - t0
+            compute_s = time.perf_counter() - t0 + ready_s
             target_s = max(compute_s * self.options.slowdown, self.options.step_time_floor_ms / 1000.0)
             if target_s > compute_s:                         # emulated slower chip / accelerator step time
                 self.stop.wait(target_s - compute_s)
-            step_s = time.perf_counter() - t0
+            step_s = time.perf_counter() - t0 + ready_s
             ema = self.stats.step_ema_s
             iter_s = time.perf_counter() - t_iter
             self.stats.train_s += min(iter_s, 3 * ema) if ema > 0 else iter_s  # a frozen step is no work
@@ -1013,7 +1035,7 @@ class Learner:
                 "peer": getattr(getattr(self, "net", None), "peer_endpoint", ""), "last_contrib_at": s.last_contrib_at,
                 "data_shard": self.options.data_shard, "data_stream": self.stream, "pid": os.getpid(), "host": socket.gethostname(),
                 "data_position": self.data_position + s.batches, "answers_replaced": self._outbox.replaced,
-                "bytes_fetched": s.bytes_fetched,
+                "bytes_fetched": s.bytes_fetched, "chunks_fetched": s.chunks_fetched,
                 "peak_rss_mb": peak_rss_mb()}
 
     def _leave(self) -> None:

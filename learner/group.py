@@ -42,7 +42,7 @@ def group_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int, int]
         world = int(env.get("WORLD_SIZE", "1"))
     except ValueError:
         return None
-    if world <= 1:
+    if world <= 1 or "RANK" not in env:
         return None
     return int(env.get("RANK", "0")), world, int(env.get("LOCAL_RANK", "0"))
 

@@ -333,7 +333,7 @@ class NetworkThread:
         if sec is not None:
             sec.client(pub, "broker")
         pub.connect(self.endpoints.broker_pub)
-        client = FragmentClient(ctx, run_id=run, sender=self.id, security=sec)
+        client = FragmentClient(ctx, run_id=run, sender=self.id, security=sec, numels=self.numels)
         peer = keep_alive(ctx.socket(zmq.ROUTER))
         peer.setsockopt(zmq.LINGER, 0)
         peer.setsockopt(zmq.SNDHWM, 0)  # a state in flight is bounded by its size, not dropped
@@ -418,7 +418,7 @@ class NetworkThread:
             # δ_m = θ_{m,p} − Θ_p^{base_m}, in a buffer kept for the next answer (a fresh one costs
             # its page faults); the codec's frames never alias it
             if self._delta is None or self._delta.numel() < a.snapshot.numel():
-                self._delta = torch.empty(a.snapshot.numel())
+                self._delta = torch.empty(a.snapshot.numel(), dtype=torch.float32)
             delta = torch.sub(a.snapshot, a.base_values, out=self._delta[:a.snapshot.numel()])
             try:
                 frames = wire.encode(kind=wire.UPDATE, run=self.endpoints.run_id, sender=self.id,

@@ -75,7 +75,8 @@ class OpenRound:
     answers: dict[str, Answer] = field(default_factory=dict)
     quorum_at: float | None = None
     timed: bool = True
-    """Some learner was training when the round opened: its open-to-quorum time measures the
+    """Some learner was past its join (training, blocked at the lock-step barrier, flushing) when
+    the round opened: its open-to-quorum time measures the
     path (ξ_quorum). A round opened before any learner trained (shard start, learners still
     booting or joining) waited for the learners instead: counted, it shut the grace window for
     the next dozen rounds (10 % of the answers late in a 30 s `bench sync`)."""
@@ -725,7 +726,7 @@ class Shard:
                                min_spacing_s=spacing, last_open_any_s=max(last.values(), default=None)):
             f = self.frags[p]
             f.round = OpenRound(round_id=f.next_round, opened_at=now,
-                                timed=any(h.get("status") == "training" for h in self.live.values()))
+                                timed=any(h.get("status") in HOLDING for h in self.live.values()))
             f.next_round += 1
             f.last_opened_at = now
             self._send_open(f, now)
@@ -893,7 +894,7 @@ class Shard:
         f, algo = job.fragment, self.run.algo
         master = f.theta if f.master is None else f.master      # the exact fp32 master
         if f.scratch is None:
-            f.scratch = tuple(torch.empty(f.spec.numel) for _ in range(3))
+            f.scratch = tuple(torch.empty(f.spec.numel, dtype=torch.float32) for _ in range(3))
         acc = OuterAccumulator(f.spec.numel, f.spec.spans, algo.merge_rule, scratch=f.scratch[:2])
         buf = f.scratch[2]
         clipped = []

@@ -57,5 +57,14 @@ def test_a_two_rank_torchrun_learner_contributes_and_every_rank_receives_the_mer
                              text=True, env=env, timeout=60)
         assert res.returncode == 0, res.stderr
         assert json.loads(res.stdout)["learners"]["pair"]["merged_contributions"] >= 1
+
+        # a group whose rank 0 the run refuses ends at once, even when a refusal exits 0 (compose's
+        # setting): rank 1 is told, it does not wait 30 min in a collective for a rank 0 that is gone
+        refused = subprocess.run([sys.executable, "-m", "ddloco", "learner", "--nproc", "2", *net, "--quorum", "2",
+                                  "--learner-id", "odd", "--steps", "5"], env={**env, "DDLOCO_REFUSED_EXIT_CODE": "0"},
+                                 capture_output=True, text=True, timeout=180)
+        text = refused.stdout + refused.stderr
+        assert refused.returncode == 0 and "algo.quorum=2 (run has 1)" in text, text[-3000:]
+        assert [e["rank"] for e in _events(text, "learner.group_aborted")] == [1], text[-3000:]
     finally:
         stop_processes(procs)

@@ -64,3 +64,23 @@ def test_a_chunk_that_does_not_fit_its_value_is_malformed():
                          offset=95, of=100)
     with pytest.raises(wire.HeaderError):
         wire.decode(frames)
+
+
+def test_chunks_that_overlap_or_announce_another_size_are_malformed_not_assembled():
+    value = torch.randn(200)
+    ctx = zmq.Context()
+    c = FragmentClient(ctx, run_id="r", sender="me", numels=[200])
+    try:
+        wrong = wire.decode(wire.encode(kind=wire.FRAG, run="r", sender="s", fragment=0, version=3,
+                                        values=value[:100], codec="fp32", offset=0, of=10**12))
+        assert c._assemble(wrong) is None and c.malformed == 1          # never allocated
+        parts = _chunks(value, 100)
+        overlap = wire.decode(wire.encode(kind=wire.FRAG, run="r", sender="s", fragment=0, epoch=1, version=3,
+                                          values=value[50:150], codec="fp32", offset=50, of=200))
+        assert c._assemble(parts[0]) is None and c._assemble(overlap) is None   # 100 + 100 values, a hole at 150-200
+        assert c.malformed == 2
+        assert c._assemble(parts[0]) is None
+        assert torch.equal(c._assemble(parts[1]).values(), value)       # the proper chunks still assemble
+    finally:
+        c.close()
+        ctx.term()
