@@ -164,12 +164,12 @@ class FragmentClient:
 
     def _assemble(self, msg: wire.Message) -> wire.Message | None:
         """Add one chunk; the whole value once its last chunk is here."""
+        if self.numels is not None and (msg.fragment >= len(self.numels) or msg.of != self.numels[msg.fragment]):
+            self.malformed += 1
+            return None
         try:
             values = msg.values()
         except wire.WireError:
-            self.malformed += 1
-            return None
-        if self.numels is not None and (msg.fragment >= len(self.numels) or msg.of != self.numels[msg.fragment]):
             self.malformed += 1
             return None
         self.chunks += 1

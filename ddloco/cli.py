@@ -309,9 +309,10 @@ _FORKED = False
 
 def cmd_learner(args: argparse.Namespace) -> int:
     from learner.group import group_from_env
-    if args.nproc is not None and args.nproc != 1 and group_from_env() is None:   # a rank ignores it
+    ranks = group_from_env()
+    if args.nproc is not None and args.nproc != 1 and ranks is None:   # a rank ignores it
         return _exec_torchrun(args)
-    code = _learner(args)
+    code = _learner(args, ranks)
     if _FORKED:
         # a fork's interpreter teardown walks (and so copies, page by page) every object it
         # inherited: 2-3 s per learner, 30 s and more with 32 on two cores. Everything is written
@@ -322,7 +323,8 @@ def cmd_learner(args: argparse.Namespace) -> int:
     return code
 
 
-def _learner(args: argparse.Namespace) -> int:
+def _learner(args: argparse.Namespace, ranks: tuple[int, int, int] | None) -> int:
+    """One learner process (``ranks``: its place in a torchrun learner, learner/group.py)."""
     from common.control import RunConfigMissing
     from common.lifecycle import install_stop_handlers
     from learner.api import train
@@ -334,8 +336,6 @@ def _learner(args: argparse.Namespace) -> int:
                     device=args.device, autocast=args.autocast, peer_bind=args.peer_bind,
                     advertise_host=_advertise_host(args), **_metrics(args))
     _setup_logging(args)
-    from learner.group import group_from_env
-    ranks = group_from_env()
     if ranks is None or ranks[0] == 0:   # other ranks of a torchrun learner never reach Redis or the broker
         # a standby's identity (and so its key) is known only when it is told whom to replace
         _security_check(cfg.endpoints, args, "learner", "" if args.standby else opts.learner_id)

@@ -461,9 +461,9 @@ class Learner:
                 self._load_current_fragments()
                 self.stats.bootstrap = "shards"
             if self.group is not None:      # every rank starts from the fragments rank 0 joined with
-                self.group.share_fragments(self.plan, self.tensors,
-                                           {p: gather(self.tensors, f) for p, f in enumerate(self.plan)},
-                                           range(len(self.plan)))
+                joined = {p: v if v is not None else gather(self.tensors, f)   # None: stopped while joining
+                          for p, (v, f) in enumerate(zip(self.base_values, self.plan))}
+                self.group.share_fragments(self.plan, self.tensors, joined, range(len(self.plan)))
                 self._changed.clear()
             self.stats.boot_s = time.time() - self._process_started_at
             self.stats.boot_phases["joined"] = round(self.stats.boot_s, 3)

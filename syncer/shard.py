@@ -853,18 +853,23 @@ class Shard:
     def _reply_messages(self, f: FragmentState) -> list[list[Any]]:
         """The reply to a request: the full value, in chunks of ``reply_chunk_values`` when it
         is larger (each its own message: the requester assembles them, common/rpc.py)."""
-        n, chunk = f.theta.numel(), self.options.reply_chunk_values
-        if chunk <= 0 or n <= chunk:
+        if self._whole_reply(f):
             return [self._frag_frames(f)]
-        return [wire.encode(kind=wire.FRAG, run=self.endpoints.run_id, sender=self.id, fragment=f.spec.index,
-                            epoch=self.epoch, values=f.theta[off:off + chunk], codec="fp32", version=f.version,
-                            offset=off, of=n)
-                for off in range(0, n, chunk)]
+        n, chunk = f.theta.numel(), self.options.reply_chunk_values
+        return [self._frag_frames(f, off, chunk) for off in range(0, n, chunk)]
 
-    def _frag_frames(self, f: FragmentState) -> list[Any]:
-        """The full value every replica holds, exact (fp32): a join, a repair, a recovery."""
+    def _whole_reply(self, f: FragmentState) -> bool:
+        chunk = self.options.reply_chunk_values
+        return chunk <= 0 or f.theta.numel() <= chunk
+
+    def _frag_frames(self, f: FragmentState, offset: int = 0, count: int | None = None) -> list[Any]:
+        """The full value every replica holds, exact (fp32): a join, a repair, a recovery; or
+        ``count`` values of it from ``offset``, a chunk of the reply (``of`` = the whole)."""
+        whole = count is None
+        values = f.theta if whole else f.theta[offset:offset + count]
         return wire.encode(kind=wire.FRAG, run=self.endpoints.run_id, sender=self.id, fragment=f.spec.index,
-                           epoch=self.epoch, values=f.theta, codec="fp32", version=f.version)
+                           epoch=self.epoch, values=values, codec="fp32", version=f.version,
+                           offset=offset, of=-1 if whole else f.theta.numel())
 
     # ---------------------------------------------------------------- merge (ALGORITHM §5)
     def _merge(self, f: FragmentState, now: float, reason: str, grace: float) -> None:
@@ -949,8 +954,7 @@ class Shard:
         algo = self.run.algo
         f.theta, f.master, f.momentum = res.replica, res.master, res.momentum
         f.version += 1
-        chunk = self.options.reply_chunk_values
-        if f.master is None and (chunk <= 0 or f.theta.numel() <= chunk):
+        if f.master is None and self._whole_reply(f):
             f.reply = (job.epoch, f.version, [res.frames])   # fp32 downlink: the broadcast is the reply
         f.history[f.version] = f.theta             # never changed in place: a new tensor every merge
         for v in sorted(f.history)[:-algo.history_versions]:
