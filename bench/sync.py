@@ -124,8 +124,11 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--syncers", type=int, default=2, help="syncer shards (default 2)")
     ap.add_argument("--step-time-floor-ms", type=float, default=250.0, help="emulated accelerator step time (default 250)")
     ap.add_argument("--minutes", type=float, default=1.5, help="length of each of the two runs (default 1.5)")
-    ap.add_argument("--sync-every", type=int, default=24, help="H of the run with sync (default 24, the run's default)")
-    ap.add_argument("--fragments", type=int, default=24, help="P (default 24, the run's default)")
+    from common.config import AlgoConfig
+    d = AlgoConfig()
+    ap.add_argument("--sync-every", type=int, default=d.sync_every_steps,
+                    help=f"H of the run with sync (default {d.sync_every_steps}, the run's default)")
+    ap.add_argument("--fragments", type=int, default=d.fragments, help=f"P (default {d.fragments}, the run's default)")
     ap.add_argument("--eval-every-s", type=float, default=0.0, help="up's periodic evaluation of the global "
                     "model, seconds (default 0: none, only the initial and final ones; it is not the sync path)")
     ap.add_argument("--report", help="keep both runs' reports and bench.json here (default: a temp dir)")

@@ -25,8 +25,8 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
-from common.config import (ConfigError, ConfigFile, Endpoints, LearnerOptions, SyncerOptions, TaskConfig,
-                           check_value, endpoint_problem, load_config, override, redis_url_problem)
+from common.config import (AlgoConfig, ConfigError, ConfigFile, Endpoints, LearnerOptions, SyncerOptions,
+                           TaskConfig, check_value, endpoint_problem, load_config, override, redis_url_problem)
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_REFUSED = 1, 2, 3
 
@@ -70,10 +70,11 @@ def _add_common(p: argparse.ArgumentParser, command: str = "") -> None:
 
 
 def _add_algo(p: argparse.ArgumentParser) -> None:
+    d = AlgoConfig()
     g = p.add_argument_group("algorithm (must match the run's)")
-    g.add_argument("--fragments", type=int, help="P: number of fragments (default 24)")
-    g.add_argument("--sync-every", type=int, help="H: steps between merges of a fragment (default 24)")
-    g.add_argument("--tau", type=int, help="tau: rounds in flight per shard (default 2)")
+    g.add_argument("--fragments", type=int, help=f"P: number of fragments (default {d.fragments})")
+    g.add_argument("--sync-every", type=int, help=f"H: steps between merges of a fragment (default {d.sync_every_steps})")
+    g.add_argument("--tau", type=int, help=f"tau: rounds in flight per shard (default {d.tau})")
     g.add_argument("--quorum", type=int, help="K: minimum answers per round (default 1)")
     g.add_argument("--codec", choices=["fp32", "bf16", "int8", "int4"], help="uplink codec (default int4)")
     g.add_argument("--no-grace", action="store_true", help="disable the adaptive grace window")

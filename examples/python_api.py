@@ -25,7 +25,7 @@ def main(steps: int = 150) -> dict[str, float]:
     with ddloco.embedded_redis() as redis:
         ep = Endpoints(run_id="api-demo", redis_url=redis.url, broker_pub=f"tcp://127.0.0.1:{free_port()}",
                        broker_sub=f"tcp://127.0.0.1:{free_port()}")
-        run = RunConfig(algo=AlgoConfig())                      # the defaults: P 24, H 24, int4
+        run = RunConfig(algo=AlgoConfig())                      # the defaults: P 24, H 12, int4
         daemons = [threading.Thread(target=ddloco.run_broker, kwargs=dict(endpoints=ep, stop=stop))]
         daemons += [threading.Thread(target=ddloco.run_shard, args=(my_task,),
                                      kwargs=dict(endpoints=ep, run=run, stop=stop, shard=k, shards=2,

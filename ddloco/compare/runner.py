@@ -227,6 +227,13 @@ def summarise(results: dict[str, list[dict[str, Any]]], eval_points: int) -> dic
                 rm, rlo, rhi = mean_ci(paired)
                 s["ratio_to_dp"] = rm
                 s["ratio_to_dp_ci"] = [rlo, rhi]
+    if "decoupled" in out:   # the defaults against their own variants (issue 9: int4 vs fp32, K = 1 vs K = M)
+        ours = out["decoupled"]["per_seed"]
+        for system in ("decoupled_fp32", "decoupled_lockstep"):
+            other = out.get(system, {}).get("per_seed", {})
+            paired = [ours[k] / other[k] for k in ours if k in other]
+            if paired:
+                out["decoupled"].setdefault("ratio_to", {})[system] = list(mean_ci(paired))
     if "single" in out:
         one = out["single"]
         for system, s in out.items():
@@ -256,6 +263,8 @@ def write_markdown(path: Path, summary: dict[str, Any], meta: dict[str, Any]) ->
         per = " / ".join(f"{v:.3f}" for v in s["per_seed"].values())
         lines.append(f"| {system} | {s['eval_loss_final']:.3f} [{s['eval_loss_ci'][0]:.3f}, {s['eval_loss_ci'][1]:.3f}]"
                      f" | {ratio} | {gain} | {per} | {s['tokens']:,} | {s['wall_s']:.0f} | {s['bytes_per_token']:.1f} |")
+    for other, (m, lo, hi) in summary.get("decoupled", {}).get("ratio_to", {}).items():
+        lines += ["", f"decoupled ÷ {other}, paired by seed: {m:.4f} [{lo:.4f}, {hi:.4f}]"]
     lines += ["", "below single: one learner's final loss minus the system's, same seed (positive: better than "
               "one learner at equal steps), mean and 95 % CI over seeds; \"CIs apart\" when the system's CI "
               "lies wholly below one learner's.", "",
@@ -424,7 +433,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
     summary = summarise({s: sorted(v, key=lambda r: r["seed"]) for s, v in results.items()}, args.eval_points)
     meta = {"task": run.task.spec, "learners": args.learners, "tokens": steps * args.learners * per_batch,
             "steps_per_learner": steps, "seeds": seeds, "algo": asdict(run.algo), "task_config": asdict(run.task),
-            "command": "ddloco compare " + " ".join(argv), "wall_s": round(time.time() - t_start, 1),
+            "command": "ddloco compare " + " ".join(a for a in argv if a not in ("--render-only", "--resume")), "wall_s": round(time.time() - t_start, 1),
             "failures": failures}
     doc = {"meta": meta, "systems": summary}
     tmp = report / "compare.json.tmp"

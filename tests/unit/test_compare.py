@@ -46,8 +46,25 @@ def test_summary_ratios_are_paired_by_seed() -> None:
                             "decoupled": [run("decoupled", 0, 2.2), run("decoupled", 1, 3.3)]}, 2)
     assert out["decoupled"]["ratio_to_dp"] == pytest.approx(1.1)
     assert out["decoupled"]["ratio_to_dp_ci"][0] == pytest.approx(1.1)   # identical ratios: zero width
+    assert "ratio_to" not in out["decoupled"]
     assert out["dp"]["curve"]["tokens"] == [0, 50, 100]
     assert out["dp"]["curve"]["mean"][1] == pytest.approx((3.5 + 4.0) / 2)
+
+
+def test_summary_pairs_the_defaults_with_their_fp32_and_lockstep_variants(tmp_path) -> None:
+    def run(system: str, seed: int, loss: float) -> dict:
+        return {"system": system, "seed": seed, "tokens": 100, "wall_s": 1.0, "eval_loss_final": loss,
+                "curve": [[0, 5.0], [100, loss]], "bytes_per_token": 0.0}
+    out = runner.summarise({"decoupled": [run("decoupled", 0, 2.0), run("decoupled", 1, 3.0)],
+                            "decoupled_fp32": [run("decoupled_fp32", 0, 2.5), run("decoupled_fp32", 1, 2.0)],
+                            "decoupled_lockstep": [run("decoupled_lockstep", 1, 2.0)]}, 2)
+    m, lo, hi = out["decoupled"]["ratio_to"]["decoupled_fp32"]
+    assert m == pytest.approx((0.8 + 1.5) / 2) and lo < 0.8 and hi > 1.5          # per seed, not of the means
+    assert out["decoupled"]["ratio_to"]["decoupled_lockstep"] == pytest.approx([1.5, 1.5, 1.5])   # seed 1 only
+    path = tmp_path / "compare.md"
+    runner.write_markdown(path, out, {"task": "gpt", "learners": 2, "tokens": 100, "seeds": [0, 1],
+                                      "command": "x", "algo": {}})
+    assert "decoupled ÷ decoupled_lockstep, paired by seed: 1.5000 [1.5000, 1.5000]" in path.read_text()
 
 
 def test_dp_emulated_is_one_model_on_the_concatenated_streams() -> None:

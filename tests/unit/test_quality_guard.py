@@ -21,12 +21,15 @@ GUARD_TASK = dict(n_layer=2, n_embd=32, n_head=2, seq_len=32, batch_size=8, eval
                   corpus_max_bytes=1_000_000)
 """Small enough for seconds per run, large enough that averaging learners pays off."""
 GUARD_STEPS = 240
-"""Inner steps per learner: 10 rounds of every fragment at H = 24."""
+"""Inner steps per learner: 20 rounds of every fragment at H = 12 (10 at H = 24)."""
 GUARD_SEEDS = (0, 1, 2, 3)
 MARGIN_NATS = 0.03
 """How much lower than one learner's loss the merged model's must be on average over the seeds
-(one seed's gap alone is too noisy to judge). Measured when written: new defaults 0.158 / 0.022 / 0.048 /
-0.038 (mean 0.066); the old outer optimizer -0.029 / -0.160 / -0.132 / -0.135."""
+(one seed's gap alone is too noisy to judge). Measured when written (η 1, μ 0, carry, H 24): 0.158 /
+0.022 / 0.048 / 0.038 (mean 0.066); the old outer optimizer -0.029 / -0.160 / -0.132 / -0.135.
+Re-measured 2026-11-23 (`guard_gaps`): the defaults with H 12, 0.176 / 0.038 / 0.039 / 0.042 (mean
+0.074); with H 24, 0.163 / 0.031 / 0.031 / -0.090 (mean 0.034); the old outer optimizer at H 24,
+-0.045 / -0.200 / -0.162 / -0.242 (mean -0.162)."""
 
 
 def _final_loss(system: str, algo: AlgoConfig, seed: int) -> float:
