@@ -12,9 +12,10 @@ def test_config_codec_names_are_the_implemented_codecs():
     assert config.CODECS == quant.CODECS
 
 
-def test_defaults_are_the_papers():
+def test_defaults_are_the_papers_where_ours_did_not_measure_better():
     a = AlgoConfig()
-    assert (a.fragments, a.sync_every_steps, a.tau, a.quorum, a.uplink_codec) == (24, 24, 2, 1, "int4")
+    assert (a.fragments, a.tau, a.quorum, a.uplink_codec) == (24, 2, 1, "int4")            # [paper]
+    assert a.sync_every_steps == 12             # [ours]: the paper's 24 measured worse (ALGORITHM.md §10)
     assert (a.outer_lr, a.outer_momentum, a.grace_gamma, a.carry_local_steps) == (1.0, 0.0, 0.8, True)
 
 
