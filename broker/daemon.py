@@ -38,8 +38,8 @@ class BrokerOptions:
     hwm_messages: int = 200
     """High-water mark of each direction, in messages. A subscriber that stops reading (a frozen
     learner) costs the broker at most this many queued messages before it drops for that one
-    subscriber only; 200 holds the bursts of a run (one merged fragment per learner step at
-    most) while bounding memory when fragments are large."""
+    subscriber only; 200 holds the bursts of a run (P/H merged fragments per learner step: two
+    with the defaults) while bounding memory when fragments are large."""
     stats_interval_s: float = 10.0
     """Log counters this often (only when they changed)."""
     keys_dir: str = ""

@@ -167,7 +167,8 @@ class AlgoConfig:
     """P: number of balanced parameter fragments."""
     sync_every_steps: int = 12
     """H: each fragment is merged about once every H learner steps [ours: 12; the paper's 24
-    measured worse at M = 4 in every seed, docs/ALGORITHM.md section 10]."""
+    measured worse at M = 4 on every seed at 1.6 M tokens, on two of three at 4x that,
+    docs/ALGORITHM.md section 10]."""
     tau: int = 2
     """tau: at most tau rounds in flight per shard; grace budget is tau learner steps."""
     quorum: int = 1
