@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from common.config import AlgoConfig
+
 
 def _up(tag: str, args: argparse.Namespace, out: Path, *, sync_every: int) -> dict[str, Any]:
     report = out / tag
@@ -124,7 +126,6 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--syncers", type=int, default=2, help="syncer shards (default 2)")
     ap.add_argument("--step-time-floor-ms", type=float, default=250.0, help="emulated accelerator step time (default 250)")
     ap.add_argument("--minutes", type=float, default=1.5, help="length of each of the two runs (default 1.5)")
-    from common.config import AlgoConfig
     d = AlgoConfig()
     ap.add_argument("--sync-every", type=int, default=d.sync_every_steps,
                     help=f"H of the run with sync (default {d.sync_every_steps}, the run's default)")

@@ -75,8 +75,8 @@ def _add_algo(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fragments", type=int, help=f"P: number of fragments (default {d.fragments})")
     g.add_argument("--sync-every", type=int, help=f"H: steps between merges of a fragment (default {d.sync_every_steps})")
     g.add_argument("--tau", type=int, help=f"tau: rounds in flight per shard (default {d.tau})")
-    g.add_argument("--quorum", type=int, help="K: minimum answers per round (default 1)")
-    g.add_argument("--codec", choices=["fp32", "bf16", "int8", "int4"], help="uplink codec (default int4)")
+    g.add_argument("--quorum", type=int, help=f"K: minimum answers per round (default {d.quorum})")
+    g.add_argument("--codec", choices=["fp32", "bf16", "int8", "int4"], help=f"uplink codec (default {d.uplink_codec})")
     g.add_argument("--no-grace", action="store_true", help="disable the adaptive grace window")
     g.add_argument("--lockstep", action="store_true", help="lock-step baseline: learners wait every H steps and "
                    "every round waits for every live learner (K = M)")

@@ -197,6 +197,12 @@ def _interp(curve: Sequence[Sequence[float]], x: float) -> float:
     return pts[-1][1]
 
 
+def _paired_ratio(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float, float] | None:
+    """Mean and 95 % CI of a's final loss ÷ b's over the seeds both ran (None: no common seed)."""
+    paired = [a["per_seed"][k] / b["per_seed"][k] for k in a["per_seed"] if k in b["per_seed"]]
+    return mean_ci(paired) if paired else None
+
+
 def summarise(results: dict[str, list[dict[str, Any]]], eval_points: int) -> dict[str, Any]:
     """Per system: mean and 95 % CI of the final eval loss, tokens, wall, bytes/token, per-seed
     values, the curve on a common token grid (mean, min, max over seeds), ratios to dp."""
@@ -220,20 +226,15 @@ def summarise(results: dict[str, list[dict[str, Any]]], eval_points: int) -> dic
             "runs": runs,
         }
     if "dp" in out:
-        dp = out["dp"]["per_seed"]
         for system, s in out.items():
-            paired = [s["per_seed"][k] / dp[k] for k in s["per_seed"] if k in dp]
+            paired = _paired_ratio(s, out["dp"])
             if paired:
-                rm, rlo, rhi = mean_ci(paired)
-                s["ratio_to_dp"] = rm
-                s["ratio_to_dp_ci"] = [rlo, rhi]
+                s["ratio_to_dp"], s["ratio_to_dp_ci"] = paired[0], list(paired[1:])
     if "decoupled" in out:   # the defaults against their own variants (issue 9: int4 vs fp32, K = 1 vs K = M)
-        ours = out["decoupled"]["per_seed"]
         for system in ("decoupled_fp32", "decoupled_lockstep"):
-            other = out.get(system, {}).get("per_seed", {})
-            paired = [ours[k] / other[k] for k in ours if k in other]
+            paired = _paired_ratio(out["decoupled"], out[system]) if system in out else None
             if paired:
-                out["decoupled"].setdefault("ratio_to", {})[system] = list(mean_ci(paired))
+                out["decoupled"].setdefault("ratio_to", {})[system] = list(paired)
     if "single" in out:
         one = out["single"]
         for system, s in out.items():
@@ -433,7 +434,8 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
     summary = summarise({s: sorted(v, key=lambda r: r["seed"]) for s, v in results.items()}, args.eval_points)
     meta = {"task": run.task.spec, "learners": args.learners, "tokens": steps * args.learners * per_batch,
             "steps_per_learner": steps, "seeds": seeds, "algo": asdict(run.algo), "task_config": asdict(run.task),
-            "command": "ddloco compare " + " ".join(a for a in argv if a not in ("--render-only", "--resume")), "wall_s": round(time.time() - t_start, 1),
+            "command": "ddloco compare " + " ".join(a for a in argv if a not in ("--render-only", "--resume")),
+            "wall_s": round(time.time() - t_start, 1),
             "failures": failures}
     doc = {"meta": meta, "systems": summary}
     tmp = report / "compare.json.tmp"
