@@ -15,7 +15,7 @@ RUN python3 -m venv /opt/ddloco
 COPY docker/wheels /wheels
 RUN pip install --no-cache-dir --find-links /wheels "torch==${TORCH_VERSION}" ${TORCH_PIP_FLAGS}
 # the dependencies as their own layer: a code change rebuilds in seconds
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 RUN python3 -c "import tomllib; print('\\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
     > /tmp/requirements.txt && pip install --no-cache-dir -r /tmp/requirements.txt
 COPY common common

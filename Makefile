@@ -13,7 +13,7 @@ DEMO_FLAGS ?= --report reports/demo
 
 .PHONY: demo test setup clean compose-check multihost
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py common/_qkernels.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0 $(TORCH_PIP_FLAGS)

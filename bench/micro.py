@@ -37,21 +37,32 @@ def memcpy_ms(numel: int, repeats: int) -> float:
 
 def bench_codec(numel: int, repeats: int) -> list[dict[str, Any]]:
     """Encode/decode time, payload size and max abs error of each codec on N(0,1) values, and
-    their speed relative to a memcpy of the same fp32 values measured in the same process."""
+    their speed relative to a memcpy of the same fp32 values measured in the same process.
+    ``impl`` says which implementation ran (``quant.KERNEL``); where the C kernels are built,
+    the int8/int4 rows are repeated with the torch implementation (``impl`` = torch)."""
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     copy = memcpy_ms(numel, repeats)
-    rows = [{"codec": "memcpy", "numel": numel, "bytes": 4 * numel, "bits_per_value": 32.0, "encode_ms": copy,
-             "decode_ms": copy, "encode_input_GB_per_s": numel * 4 / copy / 1e6, "max_abs_error": 0.0,
-             "encode_vs_memcpy": 1.0, "decode_vs_memcpy": 1.0}]
-    for codec in quant.CODECS:
-        frames = quant.encode(x, codec)
-        err = float((quant.decode(frames, codec, numel) - x).abs().max())
-        enc = _median_ms(lambda: quant.encode(x, codec), repeats)
-        dec = _median_ms(lambda: quant.decode(frames, codec, numel), repeats)
-        nbytes = quant.payload_nbytes(numel, codec)
-        rows.append({"codec": codec, "numel": numel, "bytes": nbytes, "bits_per_value": 8 * nbytes / numel,
-                     "encode_ms": enc, "decode_ms": dec, "encode_input_GB_per_s": numel * 4 / enc / 1e6,
-                     "max_abs_error": err, "encode_vs_memcpy": copy / enc, "decode_vs_memcpy": copy / dec})
+    rows = [{"codec": "memcpy", "impl": "torch", "numel": numel, "bytes": 4 * numel, "bits_per_value": 32.0,
+             "encode_ms": copy, "decode_ms": copy, "encode_input_GB_per_s": numel * 4 / copy / 1e6,
+             "max_abs_error": 0.0, "encode_vs_memcpy": 1.0, "decode_vs_memcpy": 1.0}]
+    runs = [(codec, quant.KERNEL if codec in ("int8", "int4") else "torch") for codec in quant.CODECS]
+    if quant.KERNEL == "c":
+        runs += [("int8", "torch"), ("int4", "torch")]
+    built = quant._kernels
+    try:
+        for codec, impl in runs:
+            quant._kernels = built if impl == "c" else None
+            frames = quant.encode(x, codec)
+            err = float((quant.decode(frames, codec, numel) - x).abs().max())
+            enc = _median_ms(lambda: quant.encode(x, codec), repeats)
+            dec = _median_ms(lambda: quant.decode(frames, codec, numel), repeats)
+            nbytes = quant.payload_nbytes(numel, codec)
+            rows.append({"codec": codec, "impl": impl, "numel": numel, "bytes": nbytes,
+                         "bits_per_value": 8 * nbytes / numel, "encode_ms": enc, "decode_ms": dec,
+                         "encode_input_GB_per_s": numel * 4 / enc / 1e6, "max_abs_error": err,
+                         "encode_vs_memcpy": copy / enc, "decode_vs_memcpy": copy / dec})
+    finally:
+        quant._kernels = built
     return rows
 
 

@@ -19,6 +19,13 @@ decoder multiplies by exactly the scale the encoder divided by. An all-zero bloc
 and decodes to zeros. int4 packs two values per byte, low nibble first, as 4-bit two's
 complement; an odd count is padded with a zero nibble. Round to nearest, no error feedback.
 
+Two implementations compute these bytes: ``common._qkernels``, a C extension that quantises and
+packs (or unpacks and scales) in one pass over the values without holding the GIL, built by
+``pip install`` where a C compiler is found; and the torch code below, used where it was not
+built or when ``DDLOCO_QUANT_KERNEL=torch`` is set. They produce identical payloads and identical
+decoded values (tests/unit/test_quant.py compares them); ``KERNEL`` says which one this process
+uses.
+
 All integers are little-endian (the native order of every machine we run on). Frames are
 ``memoryview`` objects in byte format over freshly allocated arrays the caller owns, so they
 can be handed to ``zmq.Socket.send_multipart(..., copy=False)`` without copying and are not
@@ -27,6 +34,7 @@ affected by later in-place changes of the input.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from typing import Any, Sequence
 
@@ -44,6 +52,28 @@ BLOCK = 64
 
 _LEVELS: dict[str, int] = {"int8": 127, "int4": 7}
 """Largest quantisation level L of each blockwise codec (levels are -L..L)."""
+
+
+def _load_kernels() -> Any:
+    """The C kernels, or None (not built here, or ``DDLOCO_QUANT_KERNEL=torch``)."""
+    choice = os.environ.get("DDLOCO_QUANT_KERNEL", "auto")
+    if choice not in ("auto", "c", "torch"):
+        raise ImportError(f"DDLOCO_QUANT_KERNEL must be auto, c or torch, got {choice!r}")
+    if choice == "torch":
+        return None
+    try:
+        from common import _qkernels
+    except ImportError:
+        if choice == "c":
+            raise ImportError("DDLOCO_QUANT_KERNEL=c but the C extension common._qkernels was not "
+                              "built (reinstall with a C compiler: pip install -e .)") from None
+        return None
+    return _qkernels
+
+
+_kernels = _load_kernels()
+KERNEL: str = "c" if _kernels is not None else "torch"
+"""Which implementation of the int8/int4 codecs this process uses: ``c`` or ``torch``."""
 
 
 class CodecError(ValueError):
@@ -164,10 +194,17 @@ def encode(x: torch.Tensor, codec: str) -> list[memoryview]:
         return [_as_frame(_finite(x).clone())]
     if codec == "bf16":   # checked after rounding: NaN/inf input, or overflow of the bf16 range
         return [_as_frame(_finite(x.to(torch.bfloat16)))]
-    q, scales = _quantise_blocks(x, _LEVELS[codec])
     n = x.numel()
-    values = q[:n] if codec == "int8" else _pack_nibbles(q, n)
-    return [_as_frame(values), _as_frame(scales)]
+    if _kernels is not None:
+        values_nbytes, scales_nbytes = _frame_nbytes(n, codec)
+        values = np.empty(values_nbytes, dtype=np.uint8)
+        scales = np.empty(scales_nbytes // 2, dtype=np.int16)
+        if not _kernels.encode(x.numpy(), _LEVELS[codec], values, scales):
+            raise CodecError("non-finite values")
+        return [memoryview(values), memoryview(scales).cast("B")]
+    q, scales_bf16 = _quantise_blocks(x, _LEVELS[codec])
+    values_t = q[:n] if codec == "int8" else _pack_nibbles(q, n)
+    return [_as_frame(values_t), _as_frame(scales_bf16)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,6 +271,11 @@ def decode(frames: Sequence[Any], codec: str, numel: int) -> torch.Tensor:
         return _finite(_to_tensor(views[0], np.dtype("<f4")))
     if codec == "bf16":
         return _finite(_to_tensor(views[0], np.dtype("<i2")).view(torch.bfloat16)).float()
+    if _kernels is not None:
+        out = torch.empty(numel, dtype=torch.float32)
+        if not _kernels.decode(views[0], views[1], _LEVELS[codec], out.numpy()):
+            raise CodecError("non-finite values")
+        return out
     scales = _finite(_to_tensor(views[1], np.dtype("<i2")).view(torch.bfloat16))
     if codec == "int8":
         q = _to_tensor(views[0], np.dtype("i1"))

@@ -1,13 +1,33 @@
-"""Wire codecs: round trips within their error bounds, exact frame sizes, strict decoding."""
+"""Wire codecs: round trips within their error bounds, exact frame sizes, strict decoding; the C
+kernels and the torch implementation byte for byte the same.
+
+Every test runs twice, once per implementation of the int8/int4 codecs (``impl``)."""
 from __future__ import annotations
 
 import math
+import os
+import shutil
 
 import numpy as np
 import pytest
 import torch
 
+from common import quant
 from common.quant import BLOCK, CODECS, CodecError, decode, encode, payload_nbytes
+
+_BUILT = quant._kernels
+
+
+@pytest.fixture(autouse=True, params=["c", "torch"])
+def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test with the C kernels, then with the torch implementation."""
+    if request.param == "c":
+        if _BUILT is None:
+            pytest.skip("common._qkernels is not built here (no C compiler at install)")
+        monkeypatch.setattr(quant, "_kernels", _BUILT)
+    else:
+        monkeypatch.setattr(quant, "_kernels", None)
+    return request.param
 
 SIZES = [0, 1, 2, 3, 63, 64, 65, 127, 128, 129, 1000, 4097]
 BF16_SCALE_SLACK = 1 + 2**-7   # the block scale is rounded to bf16 before quantising
@@ -240,3 +260,69 @@ def test_large_vector_round_trips_within_bounds() -> None:
         y = decode(encode(x, codec), codec, x.numel())
         bound = _block_absmax(x) / (2 * levels) * BF16_SCALE_SLACK * (1 + 1e-6)
         assert bool(((y - x).abs() <= bound).all()), codec
+
+
+# --------------------------------------------------------------------------------------------
+# the two implementations agree
+
+
+def _cases() -> list[torch.Tensor]:
+    """Vectors that exercise every branch: partial blocks, zero blocks, ties, tiny and huge
+    magnitudes (bf16 scales that are subnormal or round to 0), blocks of one repeated value."""
+    g = torch.Generator().manual_seed(7)
+    out = [_vector(n, seed) for seed in range(3) for n in SIZES]
+    out.append(torch.randn(5000, generator=g) * 1e-39)                  # subnormal scales
+    out.append(torch.randn(333, generator=g) * 1e-44)                   # scales that round to 0
+    out.append(torch.randn(4096, generator=g) * 3e37)                   # near the fp32 limit
+    ties = torch.arange(-7, 7.5, 0.5).repeat(20)                         # x / scale on .5 steps
+    out.append(ties * 0.37)
+    half_zero = torch.randn(1000, generator=g)
+    half_zero[:500] = 0
+    out.append(half_zero)
+    out.append(torch.full((130,), -2.5))
+    return out
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_c_kernels_match_the_torch_implementation_byte_for_byte(codec: str, impl: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    if impl != "c":
+        pytest.skip("compares the C kernels against torch")
+    rng = np.random.default_rng(3)
+    for x in _cases():
+        c_frames = [bytes(f) for f in encode(x, codec)]
+        c_values = decode(c_frames, codec, x.numel())
+        with monkeypatch.context() as m:
+            m.setattr(quant, "_kernels", None)
+            t_frames = [bytes(f) for f in encode(x, codec)]
+            t_values = decode(t_frames, codec, x.numel())
+        assert c_frames == t_frames, (codec, x.numel())
+        assert torch.equal(c_values.view(torch.int32), t_values.view(torch.int32)), (codec, x.numel())
+    for n in (1, 63, 64, 65, 1001):              # arbitrary payloads decode alike too (q = -8 incl.)
+        sizes = quant._frame_nbytes(n, codec)
+        values = rng.integers(0, 256, sizes[0], dtype=np.uint8).tobytes()
+        scales = torch.randn(sizes[1] // 2).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+        c = decode([values, scales], codec, n)
+        with monkeypatch.context() as m:
+            m.setattr(quant, "_kernels", None)
+            t = decode([values, scales], codec, n)
+        assert torch.equal(c.view(torch.int32), t.view(torch.int32)), (codec, n)
+
+
+def test_the_c_kernels_are_built_where_a_compiler_is(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """setup.py builds the extension as optional, so a broken build would pass silently: where
+    a C compiler exists (as on CI) it must have been built and be what the codecs use, unless
+    ``DDLOCO_QUANT_KERNEL=torch`` asks for the torch implementation."""
+    if impl != "c" and _BUILT is not None:
+        pytest.skip("checked once")
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on this machine")
+    assert _BUILT is not None, "common._qkernels was not built although a C compiler is here"
+    if os.environ.get("DDLOCO_QUANT_KERNEL", "auto") != "torch":
+        assert quant.KERNEL == "c"
+    for choice, loaded in (("auto", _BUILT), ("c", _BUILT), ("torch", None)):
+        monkeypatch.setenv("DDLOCO_QUANT_KERNEL", choice)
+        assert quant._load_kernels() is loaded
+    monkeypatch.setenv("DDLOCO_QUANT_KERNEL", "fast")
+    with pytest.raises(ImportError, match="auto, c or torch"):
+        quant._load_kernels()
