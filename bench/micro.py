@@ -67,18 +67,28 @@ def bench_codec(numel: int, repeats: int) -> list[dict[str, Any]]:
 
 
 def bench_wire(numel: int, repeats: int) -> list[dict[str, Any]]:
-    """Full message encode (quantize + header + CRC) and decode (checks + CRC) of one fragment."""
+    """Full message encode (quantize + header + CRC) and decode (checks + CRC) of one fragment:
+    a learner's answer and a received update (``--numel 41666667``: a 1 B-parameter model's
+    fragment with P = 24). ``impl`` as in ``bench_codec`` (int4 with torch too where the C kernels
+    are built)."""
     x = torch.randn(numel, generator=torch.Generator().manual_seed(1))
     rows = []
-    for codec in ("fp32", "int4"):
-        def enc() -> list[Any]:
-            return wire.encode(kind=wire.UPDATE, run="bench", sender="b", fragment=0, values=x, codec=codec,
-                               round=1, base=0, steps=24, tokens=24 * 1024)
-        frames = [bytes(memoryview(f)) for f in enc()]
-        rows.append({"codec": codec, "numel": numel, "message_bytes": wire.message_nbytes(frames),
-                     "encode_ms": _median_ms(enc, repeats),
-                     "decode_header_ms": _median_ms(lambda: wire.decode(frames), repeats),
-                     "decode_values_ms": _median_ms(lambda: wire.decode(frames).values(), repeats)})
+    runs = [("fp32", "torch"), ("int4", quant.KERNEL)] + ([("int4", "torch")] if quant.KERNEL == "c" else [])
+    built = quant._kernels
+    try:
+        for codec, impl in runs:
+            quant._kernels = built if impl == "c" else None
+
+            def enc() -> list[Any]:
+                return wire.encode(kind=wire.UPDATE, run="bench", sender="b", fragment=0, values=x, codec=codec,
+                                   round=1, base=0, steps=24, tokens=24 * 1024)
+            frames = [bytes(memoryview(f)) for f in enc()]
+            rows.append({"codec": codec, "impl": impl, "numel": numel, "message_bytes": wire.message_nbytes(frames),
+                         "encode_ms": _median_ms(enc, repeats),
+                         "decode_header_ms": _median_ms(lambda: wire.decode(frames), repeats),
+                         "decode_values_ms": _median_ms(lambda: wire.decode(frames).values(), repeats)})
+    finally:
+        quant._kernels = built
     return rows
 
 
