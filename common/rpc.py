@@ -51,10 +51,11 @@ class _Assembly:
         return end == self.values.numel()
 
     def message(self) -> wire.Message:
-        """The whole value as one exact (fp32) FRAG message."""
+        """The whole value as one exact (fp32) FRAG message; its ``values()`` is the assembled
+        tensor itself (every chunk was decoded and checked on arrival: not decoded twice)."""
         from dataclasses import replace
         return replace(self.first, codec="fp32", numel=self.values.numel(), offset=0, of=self.values.numel(),
-                       payload=(memoryview(self.values.numpy()).cast("B"),))
+                       payload=(memoryview(self.values.numpy()).cast("B"),), decoded=self.values)
 
 
 class FragmentClient:

@@ -100,6 +100,9 @@ class Message:
     """Of a chunk (a large fragment's reply in pieces): where its ``numel`` values start in the value."""
     of: int = 0
     """Of a chunk: the element count of the whole value (``numel`` for a message that is not a chunk)."""
+    decoded: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    """The values, already decoded and checked (a value assembled from its chunks, each of which
+    was): ``values()`` returns this tensor instead of decoding the payload again."""
 
     @property
     def is_chunk(self) -> bool:
@@ -110,7 +113,10 @@ class Message:
         return sum(len(memoryview(f)) for f in self.payload)
 
     def values(self) -> torch.Tensor:
-        """Dequantize the payload to a flat fp32 tensor (raises PayloadError)."""
+        """Dequantize the payload to a flat fp32 tensor (raises PayloadError); ``decoded`` when
+        that is set (the same tensor, not a copy)."""
+        if self.decoded is not None:
+            return self.decoded
         quant = _quant()
         try:
             return quant.decode(self.payload, self.codec, self.numel)

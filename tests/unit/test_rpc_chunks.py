@@ -40,6 +40,19 @@ def test_chunks_in_any_order_with_duplicates_assemble_to_the_exact_value(client)
     assert torch.equal(whole.values(), value)
 
 
+def test_an_assembled_value_is_not_decoded_a_second_time(client, monkeypatch):
+    value = torch.randn(500)
+    done = [m for m in (client._assemble(m) for m in _chunks(value, 128)) if m is not None]
+    assert len(done) == 1
+
+    def no_second_decode(*args, **kwargs):
+        raise AssertionError("the assembled value was decoded again")
+    monkeypatch.setattr(wire._quant(), "decode", no_second_decode)
+    got = done[0].values()
+    assert torch.equal(got, value) and got is done[0].values()
+    assert done[0].payload_nbytes == 4 * 500                  # still counted as the fp32 bytes
+
+
 def test_a_lost_chunk_is_filled_in_by_a_resend_without_starting_over(client):
     value = torch.randn(300)
     parts = _chunks(value, 100)
