@@ -16,6 +16,7 @@ import torch
 from common import quant, wire
 from common.config import AlgoConfig
 from common.merge import OuterAccumulator, contribution_weights, outer_step
+from common.robust import NormClipper
 
 
 def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
@@ -94,9 +95,10 @@ def bench_wire(numel: int, repeats: int) -> list[dict[str, Any]]:
 
 def bench_merge(numel: int, repeats: int, learners: Sequence[int] = (2, 4, 8)) -> list[dict[str, Any]]:
     """The shard's merge path of one fragment (24 tensors) with M answers, as ``Shard._compute_merge``
-    runs it: each Δ_m = Θ − (Θ^base + δ_m) built and folded into the accumulator one at a time
-    (RDA per tensor), then the outer step; and its speed relative to a memcpy of its fp32 inputs
-    (M deltas) measured in the same process."""
+    runs it: each Δ_m = Θ − (Θ^base + δ_m) built, norm-clipped and folded into the accumulator one
+    at a time (RDA per tensor; ``OuterAccumulator.add_answer``, with the C kernels where built),
+    then the outer step; and its speed relative to a memcpy of its fp32 inputs (M deltas)
+    measured in the same process."""
     per = numel // 24
     spans = tuple((i * per, (i + 1) * per, i == 0) for i in range(24))
     n = per * 24
@@ -108,12 +110,13 @@ def bench_merge(numel: int, repeats: int, learners: Sequence[int] = (2, 4, 8)) -
         theta, base, mom = torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.zeros(n)
         scratch = (torch.empty(n), torch.empty(n), torch.empty(n))   # the shard reuses them per fragment
 
+        clipper = NormClipper()
+
         def merge() -> None:
             w = contribution_weights([1024.0 * 24] * m, [24] * m).tolist()
             acc = OuterAccumulator(n, spans, "rda", scratch=scratch[:2])
             for d, wm in zip(deltas, w):
-                torch.add(base, d, out=scratch[2])
-                acc.add(torch.sub(theta, scratch[2], out=scratch[2]), wm)
+                acc.add_answer(theta, base, d, wm, clip=clipper.observe, buf=scratch[2])
             outer_step(theta, mom, acc.result(), spans, algo)
         ms = _median_ms(merge, repeats)
         copy = memcpy_ms(m * n, repeats)

@@ -1,5 +1,6 @@
 /* One-pass kernels of the int8 / int4 wire codecs (common/quant.py holds the format and the
- * reference implementation in torch; these compute the same bytes, faster).
+ * reference implementation in torch; these compute the same bytes, faster), and the shard's
+ * accumulation of one answer into a merge (common/merge.py).
  *
  * Built by setup.py as an optional extension: where no C compiler is found the build is
  * skipped and common.quant uses its torch implementation. Both are tested to produce identical
@@ -17,6 +18,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
 
 #define BLOCK 64
 #define ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: v + M - M rounds v half-to-even for |v| < 2^22 */
@@ -148,6 +150,105 @@ static int decode_blocks(const uint8_t *values, const uint8_t *scales, Py_ssize_
     return 1;
 }
 
+/* An answer's outer gradient at i, o = theta - (base + delta), with torch's two roundings. */
+static inline float outer_at(const float *th, const float *ba, const float *de, Py_ssize_t i) {
+    float t = ba[i] + de[i];
+    return th[i] - t;
+}
+
+/* Sum of squares over [a, b) of x (or, with base and delta given, of theta - (base + delta) with
+ * x as theta), in double like torch's CPU norm (1e30-sized values must not overflow): four
+ * 4-lane double accumulators (GCC/Clang vector types, SIMD on any target). */
+typedef float v4f __attribute__((vector_size(16)));
+typedef double v4d __attribute__((vector_size(32)));
+
+static inline v4f load4(const float *p) { v4f v; memcpy(&v, p, sizeof v); return v; }
+
+static inline v4f outer4(const float *x, const float *ba, const float *de, Py_ssize_t i) {
+    return ba ? load4(x + i) - (load4(ba + i) + load4(de + i)) : load4(x + i);
+}
+
+static inline double sq_sum(const float *x, const float *ba, const float *de, Py_ssize_t a, Py_ssize_t b) {
+    v4d s[4] = {{0}, {0}, {0}, {0}};
+    Py_ssize_t i = a;
+    for (; i + 16 <= b; i += 16)
+        for (int j = 0; j < 4; j++) {
+            v4d v = __builtin_convertvector(outer4(x, ba, de, i + 4 * j), v4d);
+            s[j] += v * v;
+        }
+    double ss = 0.0;
+    for (; i < b; i++) {
+        double v = ba ? (double)outer_at(x, ba, de, i) : (double)x[i];
+        ss += v * v;
+    }
+    v4d t = (s[0] + s[1]) + (s[2] + s[3]);
+    return ss + ((t[0] + t[1]) + (t[2] + t[3]));
+}
+
+/* The shard's merge (common/merge.py OuterAccumulator.add): fold one contributor's outer gradient
+ * o into the accumulators, segment by segment. Every segment: mean += w * o. A segment marked rda
+ * (a param tensor under the RDA rule) also gets its norm n = ||o|| (summed in double) and, when
+ * n > 0, direction += (w / n) * o; its norm is written to norms[segment]. */
+MULTIVERSION
+static void accumulate_segments(const float *o, float *mean, float *direction, const int64_t *seg,
+                                Py_ssize_t n_seg, double w, double *norms) {
+    float wf = (float)w;
+    for (Py_ssize_t k = 0; k < n_seg; k++) {
+        Py_ssize_t a = (Py_ssize_t)seg[3 * k], b = (Py_ssize_t)seg[3 * k + 1];
+        int rda = seg[3 * k + 2] != 0;
+        norms[k] = 0.0;
+        if (rda) {
+            double n = sqrt(sq_sum(o, NULL, NULL, a, b));
+            norms[k] = n;
+            if (n > 0.0) {
+                float af = (float)(w / n);
+                for (Py_ssize_t i = a; i < b; i++) {
+                    mean[i] += wf * o[i];
+                    direction[i] += af * o[i];
+                }
+                continue;
+            }
+        }
+        for (Py_ssize_t i = a; i < b; i++) mean[i] += wf * o[i];
+    }
+}
+
+/* Pass 1: per segment, the sum of squares of o (before scaling), in double. */
+MULTIVERSION
+static void outer_sq_sums(const float *th, const float *ba, const float *de, const int64_t *seg,
+                          Py_ssize_t n_seg, double *sums) {
+    for (Py_ssize_t k = 0; k < n_seg; k++) {
+        Py_ssize_t a = (Py_ssize_t)seg[3 * k], b = (Py_ssize_t)seg[3 * k + 1];
+        sums[k] = sq_sum(th, ba, de, a, b);
+    }
+}
+
+/* Pass 2: mean += w * o; rda segments with norm n_k > 0 also direction += (w / n_k) * o. */
+MULTIVERSION
+static void accumulate_outer_segments(const float *th, const float *ba, const float *de, float s,
+                                      int scaled, double w, float *mean, float *direction,
+                                      const int64_t *seg, Py_ssize_t n_seg, const double *norms) {
+    float wf = (float)w;
+    for (Py_ssize_t k = 0; k < n_seg; k++) {
+        Py_ssize_t a = (Py_ssize_t)seg[3 * k], b = (Py_ssize_t)seg[3 * k + 1];
+        if (seg[3 * k + 2] && norms[k] > 0.0) {
+            float af = (float)(w / norms[k]);
+            for (Py_ssize_t i = a; i < b; i++) {
+                float o = outer_at(th, ba, de, i);
+                if (scaled) o *= s;
+                mean[i] += wf * o;
+                direction[i] += af * o;
+            }
+        } else {
+            for (Py_ssize_t i = a; i < b; i++) {
+                float o = outer_at(th, ba, de, i);
+                if (scaled) o *= s;
+                mean[i] += wf * o;
+            }
+        }
+    }
+}
+
 /* ------------------------------------------------------------------------------------------ */
 
 static int check_levels(int levels) {
@@ -222,15 +323,144 @@ done:
     return result;
 }
 
+/* Segments (start, stop, rda) must tile [0, n) in order; rda ones need a direction buffer. */
+static int check_segments(const Py_buffer *seg, Py_ssize_t n, int have_dir) {
+    if (seg->len % 24) goto bad;
+    const int64_t *sg = (const int64_t *)seg->buf;
+    Py_ssize_t end = 0, n_seg = seg->len / 24;
+    for (Py_ssize_t k = 0; k < n_seg; k++) {
+        if (sg[3 * k] != end || sg[3 * k + 1] < sg[3 * k] || sg[3 * k + 1] > n || (sg[3 * k + 2] && !have_dir))
+            goto bad;
+        end = (Py_ssize_t)sg[3 * k + 1];
+    }
+    if (end == n) return 1;
+bad:
+    PyErr_SetString(PyExc_ValueError, "segments must be int64 (start, stop, rda) rows tiling [0, n) in order");
+    return 0;
+}
+
+PyDoc_STRVAR(accumulate_doc,
+"accumulate(outer, weight, mean, direction, segments, norms) -> None\n\n"
+"outer, mean, direction: float32 buffers of n values (direction may be None when no segment is\n"
+"rda); segments: int64 [k, 3] rows (start, stop, rda) covering [0, n); norms: float64 [k], out.");
+
+static PyObject *py_accumulate(PyObject *self, PyObject *args) {
+    Py_buffer o, mean, dir = {0}, seg, norms;
+    PyObject *dir_obj;
+    double w;
+    if (!PyArg_ParseTuple(args, "y*dw*Oy*w*", &o, &w, &mean, &dir_obj, &seg, &norms)) return NULL;
+    PyObject *result = NULL;
+    int have_dir = dir_obj != Py_None;
+    if (have_dir && PyObject_GetBuffer(dir_obj, &dir, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto release;
+    Py_ssize_t n = o.len / 4, n_seg = seg.len / 24;
+    if (o.len % 4 || mean.len != o.len || (have_dir && dir.len != o.len)) {
+        PyErr_SetString(PyExc_ValueError, "accumulate: outer, mean and direction must be float32 of one size");
+        goto done;
+    }
+    if (!check_segments(&seg, n, have_dir)) goto done;
+    if (norms.len != n_seg * 8) {
+        PyErr_SetString(PyExc_ValueError, "accumulate: norms must hold one float64 per segment");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    accumulate_segments((const float *)o.buf, (float *)mean.buf, have_dir ? (float *)dir.buf : NULL,
+                        (const int64_t *)seg.buf, n_seg, w, (double *)norms.buf);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    if (have_dir) PyBuffer_Release(&dir);
+release:
+    PyBuffer_Release(&o);
+    PyBuffer_Release(&mean);
+    PyBuffer_Release(&seg);
+    PyBuffer_Release(&norms);
+    return result;
+}
+
+PyDoc_STRVAR(outer_sq_sums_doc,
+"outer_sq_sums(theta, base, delta, segments, sums) -> None\n\n"
+"sums[k] = sum over segment k of (theta - (base + delta))^2 (float64 out, one per segment).");
+
+static PyObject *py_outer_sq_sums(PyObject *self, PyObject *args) {
+    Py_buffer th, ba, de, seg, sums;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*w*", &th, &ba, &de, &seg, &sums)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = th.len / 4;
+    if (th.len % 4 || ba.len != th.len || de.len != th.len) {
+        PyErr_SetString(PyExc_ValueError, "outer_sq_sums: theta, base and delta must be float32 of one size");
+        goto done;
+    }
+    if (!check_segments(&seg, n, 1)) goto done;
+    if (sums.len != (seg.len / 24) * 8) {
+        PyErr_SetString(PyExc_ValueError, "outer_sq_sums: sums must hold one float64 per segment");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    outer_sq_sums((const float *)th.buf, (const float *)ba.buf, (const float *)de.buf,
+                  (const int64_t *)seg.buf, seg.len / 24, (double *)sums.buf);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&th); PyBuffer_Release(&ba); PyBuffer_Release(&de);
+    PyBuffer_Release(&seg); PyBuffer_Release(&sums);
+    return result;
+}
+
+PyDoc_STRVAR(accumulate_outer_doc,
+"accumulate_outer(theta, base, delta, scale, weight, mean, direction, segments, norms) -> None\n\n"
+"With o = theta - (base + delta), times scale unless scale == 1: mean += weight * o; on rda\n"
+"segments with norms[k] > 0 also direction += weight / norms[k] * o.");
+
+static PyObject *py_accumulate_outer(PyObject *self, PyObject *args) {
+    Py_buffer th, ba, de, mean, dir = {0}, seg, norms;
+    PyObject *dir_obj;
+    double scale, w;
+    if (!PyArg_ParseTuple(args, "y*y*y*ddw*Oy*y*", &th, &ba, &de, &scale, &w, &mean, &dir_obj, &seg, &norms))
+        return NULL;
+    PyObject *result = NULL;
+    int have_dir = dir_obj != Py_None;
+    if (have_dir && PyObject_GetBuffer(dir_obj, &dir, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto release;
+    Py_ssize_t n = th.len / 4;
+    if (th.len % 4 || ba.len != th.len || de.len != th.len || mean.len != th.len ||
+        (have_dir && dir.len != th.len)) {
+        PyErr_SetString(PyExc_ValueError, "accumulate_outer: buffers must be float32 of one size");
+        goto done;
+    }
+    if (!check_segments(&seg, n, have_dir)) goto done;
+    if (norms.len != (seg.len / 24) * 8) {
+        PyErr_SetString(PyExc_ValueError, "accumulate_outer: norms must hold one float64 per segment");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    accumulate_outer_segments((const float *)th.buf, (const float *)ba.buf, (const float *)de.buf,
+                              (float)scale, scale != 1.0, w, (float *)mean.buf,
+                              have_dir ? (float *)dir.buf : NULL, (const int64_t *)seg.buf, seg.len / 24,
+                              (const double *)norms.buf);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    if (have_dir) PyBuffer_Release(&dir);
+release:
+    PyBuffer_Release(&th); PyBuffer_Release(&ba); PyBuffer_Release(&de);
+    PyBuffer_Release(&mean); PyBuffer_Release(&seg); PyBuffer_Release(&norms);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS, encode_doc},
     {"decode", py_decode, METH_VARARGS, decode_doc},
+    {"accumulate", py_accumulate, METH_VARARGS, accumulate_doc},
+    {"outer_sq_sums", py_outer_sq_sums, METH_VARARGS, outer_sq_sums_doc},
+    {"accumulate_outer", py_accumulate_outer, METH_VARARGS, accumulate_outer_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "common._qkernels",
-    "One-pass int8/int4 codec kernels (see common/quant.py).", -1, methods,
+    "One-pass int8/int4 codec kernels (common/quant.py) and the merge accumulation (common/merge.py).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__qkernels(void) { return PyModule_Create(&module); }

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from common import quant
@@ -130,6 +131,15 @@ class OuterAccumulator:
         self.radius = [0.0] * len(self.pieces)
         self.weight_sum = 0.0
         self.count = 0
+        # for the C kernel (common/_qkernels.c): segments tiling [0, numel) as (start, stop, rda),
+        # the pieces and the gaps between them, and which segment each RDA piece is
+        bounds = sorted([(a, b, on) for (a, b, _), on in zip(self.pieces, self.rda)] +
+                        [(a, b, False) for a, b in self.gaps])
+        self._segments = np.array([(a, b, int(on)) for a, b, on in bounds if b > a] or np.empty((0, 3)),
+                                  dtype=np.int64)
+        self._norms = np.zeros(len(self._segments), dtype=np.float64)
+        starts = {int(a): k for k, a in enumerate(self._segments[:, 0])} if len(self._segments) else {}
+        self._rda_segment = [(i, starts[a]) for i, (a, b, _) in enumerate(self.pieces) if self.rda[i] and b > a]
 
     def add(self, outer: torch.Tensor, weight: float) -> None:
         """Fold in one contributor's Δ_m [numel] with normalised weight ŵ_m (Δ_m is only read)."""
@@ -139,11 +149,64 @@ class OuterAccumulator:
         first = self.count == 0
         ints = [(start, stop) for start, stop, kind in self.pieces if kind == "int_buffer"]
         kept = [self.mean[a:b].clone() for a, b in ints] if ints and not first else []
-        self.mean.add_(outer, alpha=w)          # one pass over the fragment (gaps add zeros)
+        kernels = quant._kernels
+        if (kernels is not None and outer.device.type == "cpu" and self.mean.device.type == "cpu"
+                and outer.dtype == torch.float32 and outer.is_contiguous()):
+            # one C call: per RDA piece its norm, then Σ ŵ Δ and Σ ŵ unit(Δ) in one pass
+            kernels.accumulate(outer.detach().numpy(), w, self.mean.numpy(),
+                               None if self.direction is None else self.direction.numpy(),
+                               self._segments, self._norms)
+            for i, k in self._rda_segment:
+                self.radius[i] += w * float(self._norms[k])
+        else:
+            self._add_torch(outer, w)
         for (start, stop), old in zip(ints, kept or [None] * len(ints)):
             # integer buffers: the smallest Δ_m (Θ − Δ is the largest learner value)
             block = outer[start:stop]
             self.mean[start:stop] = block if old is None else torch.minimum(old, block)
+        self.weight_sum += abs(w)
+        self.count += 1
+
+    def add_answer(self, theta: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, weight: float,
+                   clip: Callable[[float], float] | None = None, buf: torch.Tensor | None = None) -> float:
+        """Fold in the answer δ_m built on ``base``: Δ_m = Θ − (base + δ_m), scaled by
+        ``clip(‖Δ_m‖)`` (e.g. ``NormClipper.observe``; None: 1). Returns that scale. With the C
+        kernels (fp32 on CPU) Δ_m is never stored: two passes over the inputs; otherwise it is
+        built in ``buf`` (a scratch [numel] buffer, or a new one) and ``add``-ed."""
+        w = float(weight)
+        kernels = quant._kernels
+        tensors = (theta, base, delta, self.mean)
+        if not (kernels is not None and all(t.device.type == "cpu" and t.dtype == torch.float32
+                                            and t.is_contiguous() for t in tensors)):
+            outer = torch.add(base, delta, out=buf) if buf is not None else base + delta
+            outer = torch.sub(theta, outer, out=outer)
+            scale = clip(float(torch.linalg.vector_norm(outer, dtype=torch.float64))) if clip is not None else 1.0
+            self.add(outer if scale == 1.0 else outer.mul_(scale), w)
+            return scale
+        th, ba, de = (t.detach().numpy() for t in (theta, base, delta))
+        kernels.outer_sq_sums(th, ba, de, self._segments, self._norms)
+        scale = clip(math.sqrt(float(self._norms.sum()))) if clip is not None else 1.0
+        ints = [(a, b) for a, b, kind in self.pieces if kind == "int_buffer"]
+        kept = [self.mean[a:b].clone() for a, b in ints] if ints and self.count else []
+        np.sqrt(self._norms, out=self._norms)
+        self._norms *= scale                        # the pieces' norms after scaling
+        kernels.accumulate_outer(th, ba, de, scale, w, self.mean.numpy(),
+                                 None if self.direction is None else self.direction.numpy(),
+                                 self._segments, self._norms)
+        for i, k in self._rda_segment:
+            self.radius[i] += w * float(self._norms[k])
+        for (a, b), old in zip(ints, kept or [None] * len(ints)):   # as in ``add``
+            block = theta[a:b] - (base[a:b] + delta[a:b])
+            if scale != 1.0:
+                block = block * scale
+            self.mean[a:b] = block if old is None else torch.minimum(old, block)
+        self.weight_sum += abs(w)
+        self.count += 1
+        return scale
+
+    def _add_torch(self, outer: torch.Tensor, w: float) -> None:
+        """``add``'s sums in torch (any device; the C kernel's fallback)."""
+        self.mean.add_(outer, alpha=w)          # one pass over the fragment (gaps add zeros)
         rda = [i for i, on in enumerate(self.rda) if on]
         if rda:   # per piece: ‖Δ_m‖ and Δ_m / ‖Δ_m‖, in a few calls over all the pieces at once
             blocks = [outer[self.pieces[i][0]:self.pieces[i][1]] for i in rda]
@@ -152,8 +215,6 @@ class OuterAccumulator:
                 if n > 0:
                     self.direction[self.pieces[i][0]:self.pieces[i][1]].add_(block, alpha=w / n)
                 self.radius[i] += w * n
-        self.weight_sum += abs(w)
-        self.count += 1
 
     def result(self, eps: float = 1e-6) -> torch.Tensor:
         """Δ [numel]: RDA for param pieces (rule "rda"; the weighted average when the mean
@@ -170,7 +231,7 @@ class OuterAccumulator:
             direction = self.direction[start:stop]
             direction_norm = float(torch.linalg.vector_norm(direction))
             if direction_norm >= eps * self.weight_sum and direction_norm > 0:
-                merged[start:stop] = direction * (self.radius[i] / direction_norm)
+                torch.mul(direction, self.radius[i] / direction_norm, out=merged[start:stop])
         return merged
 
 

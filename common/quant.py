@@ -22,7 +22,7 @@ complement; an odd count is padded with a zero nibble. Round to nearest, no erro
 Two implementations compute these bytes: ``common._qkernels``, a C extension that quantises and
 packs (or unpacks and scales) in one pass over the values without holding the GIL, built by
 ``pip install`` where a C compiler is found; and the torch code below, used where it was not
-built or when ``DDLOCO_QUANT_KERNEL=torch`` is set. They produce identical payloads and identical
+built or when ``DDLOCO_KERNELS=torch`` is set. They produce identical payloads and identical
 decoded values (tests/unit/test_quant.py compares them); ``KERNEL`` says which one this process
 uses.
 
@@ -55,17 +55,17 @@ _LEVELS: dict[str, int] = {"int8": 127, "int4": 7}
 
 
 def _load_kernels() -> Any:
-    """The C kernels, or None (not built here, or ``DDLOCO_QUANT_KERNEL=torch``)."""
-    choice = os.environ.get("DDLOCO_QUANT_KERNEL", "auto")
+    """The C kernels, or None (not built here, or ``DDLOCO_KERNELS=torch``)."""
+    choice = os.environ.get("DDLOCO_KERNELS", "auto")
     if choice not in ("auto", "c", "torch"):
-        raise ImportError(f"DDLOCO_QUANT_KERNEL must be auto, c or torch, got {choice!r}")
+        raise ImportError(f"DDLOCO_KERNELS must be auto, c or torch, got {choice!r}")
     if choice == "torch":
         return None
     try:
         from common import _qkernels
     except ImportError:
         if choice == "c":
-            raise ImportError("DDLOCO_QUANT_KERNEL=c but the C extension common._qkernels was not "
+            raise ImportError("DDLOCO_KERNELS=c but the C extension common._qkernels was not "
                               "built (reinstall with a C compiler: pip install -e .)") from None
         return None
     return _qkernels

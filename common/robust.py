@@ -60,13 +60,16 @@ class NormClipper:
             return None
         return self.factor * statistics.median(self.norms)
 
+    def observe(self, norm: float) -> float:
+        """Record an outer gradient's norm; the factor to scale it by (1.0: not clipped)."""
+        bound = self.bound()
+        if bound is not None and norm > bound > 0.0:
+            self.norms.append(bound / self.factor)   # recorded as the median: repeated attacks cannot drag it up
+            return bound / norm
+        self.norms.append(norm)
+        return 1.0
+
     def clip(self, outer: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """(the outer gradient, scaled down to the bound if above it; whether it was)."""
-        norm = float(torch.linalg.vector_norm(outer))
-        bound = self.bound()
-        clipped = bound is not None and norm > bound > 0.0
-        if clipped:
-            outer = outer * (bound / norm)
-            norm = bound / self.factor   # recorded as the median: repeated attacks cannot drag it up
-        self.norms.append(norm)
-        return outer, clipped
+        scale = self.observe(float(torch.linalg.vector_norm(outer, dtype=torch.float64)))   # 1e30s: no overflow
+        return (outer, False) if scale == 1.0 else (outer * scale, True)

@@ -906,12 +906,10 @@ class Shard:
         for a, w in zip(job.answers, job.weights.tolist()):
             # Δ_m = Θ_p − (Θ_p^{base_m} + δ_m) against the replica every learner holds (the learner's
             # own value is built on it); the step is taken from the master, so what quantization left
-            # out of the replica (master − replica) is carried, never mistaken for a gradient
-            torch.add(f.history[a.base], a.delta, out=buf)
-            outer, cut = f.clipper.clip(torch.sub(f.theta, buf, out=buf))               # robust: nobody moves Θ more than a few rounds do
-            if cut:
+            # out of the replica (master − replica) is carried, never mistaken for a gradient. Robust:
+            # the clipper scales a Δ_m down to a few times the recent median norm
+            if acc.add_answer(f.theta, f.history[a.base], a.delta, w, clip=f.clipper.observe, buf=buf) != 1.0:
                 clipped.append(a.sender)
-            acc.add(outer, w)
         theta, momentum = outer_step(master, f.momentum, acc.result(), f.spec.spans, algo, merges_done=job.version)
         if not bool(torch.isfinite(theta).all()):   # a diverged learner must not poison Θ
             return _MergeResult(None, None, None, [], clipped, time.perf_counter() - t0)

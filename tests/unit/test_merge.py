@@ -259,8 +259,19 @@ def test_rda_falls_back_to_the_average_when_the_directions_nearly_cancel() -> No
     assert torch.linalg.vector_norm(merged) < 1e-6
 
 
+@pytest.fixture(params=["c", "torch"])
+def accumulate_impl(request, monkeypatch):
+    """The accumulator with the C kernel (common/_qkernels.c), then with torch."""
+    from common import quant
+    if request.param == "c" and quant._kernels is None:
+        pytest.skip("common._qkernels is not built here")
+    if request.param == "torch":
+        monkeypatch.setattr(quant, "_kernels", None)
+    return request.param
+
+
 @pytest.mark.parametrize("rule", ["rda", "mean"])
-def test_the_accumulator_merges_one_contributor_at_a_time_like_the_stacked_rows(rule) -> None:
+def test_the_accumulator_merges_one_contributor_at_a_time_like_the_stacked_rows(rule, accumulate_impl) -> None:
     from common.merge import OuterAccumulator
     gen = torch.Generator().manual_seed(3)
     spans = [(0, 10, "param"), (12, 30, "embedding"), (30, 40, "param"), (40, 44, "int_buffer"), (44, 50, "buffer")]
@@ -276,3 +287,71 @@ def test_the_accumulator_merges_one_contributor_at_a_time_like_the_stacked_rows(
         torch.testing.assert_close(acc.result(), merge_outer_gradients(vectors, w, spans, rule), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="no contributors"):
         OuterAccumulator(52, spans, rule).result()
+
+
+def test_the_c_accumulation_matches_torch_on_a_fragment_with_gaps_and_every_kind_of_piece(monkeypatch) -> None:
+    """The shard's hot loop: the C kernel and the torch code give the same merged Δ (to fp32
+    rounding: the norms are summed in another order) on a 24-piece fragment with gaps."""
+    from common import quant
+    from common.merge import OuterAccumulator
+    if quant._kernels is None:
+        pytest.skip("common._qkernels is not built here")
+    gen = torch.Generator().manual_seed(5)
+    kinds = ["param", "embedding", "buffer", "int_buffer"]
+    spans, at = [], 3
+    for i in range(24):
+        size = int(torch.randint(0, 900, (1,), generator=gen))
+        spans.append((at, at + size, kinds[i % 4] if i % 5 else "param"))
+        at += size + (7 if i % 3 == 0 else 0)                     # gaps between some pieces
+    numel = at + 11
+    rows = torch.randn(6, numel, generator=gen) * torch.logspace(-3, 2, 6).unsqueeze(1)
+    rows[3, spans[0][0]:spans[0][1]] = 0.0
+    for rule in ("rda", "mean"):
+        results = []
+        for kernels in (quant._kernels, None):
+            monkeypatch.setattr(quant, "_kernels", kernels)
+            acc = OuterAccumulator(numel, spans, rule)
+            for m in range(rows.shape[0]):
+                acc.add(rows[m], 1.0 / (m + 2))
+            results.append((acc.result().clone(), list(acc.radius)))
+        (c, c_radius), (t, t_radius) = results
+        # fp32 rounding of sums taken in another order: relative to the summands' size, not to
+        # the (possibly cancelled) result
+        weights = torch.tensor([1.0 / (m + 2) for m in range(rows.shape[0])]).unsqueeze(1)
+        scale = torch.maximum((weights * rows.abs()).sum(0), t.abs())
+        assert bool(((c - t).abs() <= 1e-5 * scale).all()), float(((c - t).abs() / scale).max())
+        assert c_radius == pytest.approx(t_radius, rel=1e-6)
+        assert bool((c[:3] == 0).all()) and bool((c[-11:] == 0).all())     # gaps stay zero
+
+
+def test_add_answer_is_building_clipping_and_adding_the_outer_gradient(accumulate_impl) -> None:
+    """The shard's per-answer call: Δ_m = Θ − (base + δ_m), scaled by clip(‖Δ_m‖), folded in:
+    the same as building Δ_m by hand, clipping it and ``add``-ing it; a 1e30 delta is clipped to
+    the bound and leaves the result finite."""
+    from common.merge import OuterAccumulator
+    from common.robust import NormClipper
+    gen = torch.Generator().manual_seed(11)
+    spans = [(0, 300, "param"), (300, 700, "embedding"), (705, 1500, "param"), (1500, 1504, "int_buffer")]
+    numel = 1510
+    theta, base = torch.randn(numel, generator=gen), torch.randn(numel, generator=gen)
+    deltas = [torch.randn(numel, generator=gen) * 0.1 for _ in range(10)]
+    deltas.append(torch.full((numel,), 1e30))                           # a lie: clipped, not merged as is
+    for d in deltas:
+        d[1500:1504] = torch.randint(-3, 3, (4,), generator=gen).float()
+    fused, by_hand = OuterAccumulator(numel, spans, "rda"), OuterAccumulator(numel, spans, "rda")
+    clip_fused, clip_hand = NormClipper(), NormClipper()
+    scales = []
+    for m, d in enumerate(deltas):
+        w = 1.0 / (m + 1)
+        scales.append(fused.add_answer(theta, base, d, w, clip=clip_fused.observe, buf=torch.empty(numel)))
+        outer = theta - (base + d)
+        clipped, _ = clip_hand.clip(outer)
+        by_hand.add(clipped, w)
+    assert scales[:8] == [1.0] * 8 and scales[-1] < 1e-20               # only the lie was scaled
+    got, want = fused.result(), by_hand.result()
+    assert bool(torch.isfinite(got).all())
+    if accumulate_impl == "torch":
+        assert torch.equal(got, want)
+    else:   # norms summed in another order (and in double: the lie's norm is finite, not inf)
+        torch.testing.assert_close(got[:1500], want[:1500], rtol=1e-4, atol=1e-5)
+        assert torch.equal(got[1500:], want[1500:])

@@ -312,17 +312,17 @@ def test_c_kernels_match_the_torch_implementation_byte_for_byte(codec: str, impl
 def test_the_c_kernels_are_built_where_a_compiler_is(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """setup.py builds the extension as optional, so a broken build would pass silently: where
     a C compiler exists (as on CI) it must have been built and be what the codecs use, unless
-    ``DDLOCO_QUANT_KERNEL=torch`` asks for the torch implementation."""
+    ``DDLOCO_KERNELS=torch`` asks for the torch implementation."""
     if impl != "c" and _BUILT is not None:
         pytest.skip("checked once")
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler on this machine")
     assert _BUILT is not None, "common._qkernels was not built although a C compiler is here"
-    if os.environ.get("DDLOCO_QUANT_KERNEL", "auto") != "torch":
+    if os.environ.get("DDLOCO_KERNELS", "auto") != "torch":
         assert quant.KERNEL == "c"
     for choice, loaded in (("auto", _BUILT), ("c", _BUILT), ("torch", None)):
-        monkeypatch.setenv("DDLOCO_QUANT_KERNEL", choice)
+        monkeypatch.setenv("DDLOCO_KERNELS", choice)
         assert quant._load_kernels() is loaded
-    monkeypatch.setenv("DDLOCO_QUANT_KERNEL", "fast")
+    monkeypatch.setenv("DDLOCO_KERNELS", "fast")
     with pytest.raises(ImportError, match="auto, c or torch"):
         quant._load_kernels()
