@@ -15,7 +15,7 @@ RUN python3 -m venv /opt/ddloco
 COPY docker/wheels /wheels
 RUN pip install --no-cache-dir --find-links /wheels "torch==${TORCH_VERSION}" ${TORCH_PIP_FLAGS}
 # the dependencies as their own layer: a code change rebuilds in seconds
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml README.md ./
 RUN python3 -c "import tomllib; print('\\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
     > /tmp/requirements.txt && pip install --no-cache-dir -r /tmp/requirements.txt
 COPY common common
@@ -28,6 +28,9 @@ COPY bench bench
 COPY tasks tasks
 # your task module: put it next to examples/ (or mount it) and set DDLOCO_TASK=module:attr
 COPY examples examples
+# the optional C kernels (common/_qkernels.c) build only where the base image has a C compiler;
+# python:3.11-slim has none, so the image runs the torch implementation of the same codecs
+COPY setup.py ./
 RUN pip install --no-cache-dir --no-deps . && python -m common.redis_server --which >/dev/null
 # a non-root user for every daemon; /keys and /checkpoints are volumes it owns
 RUN useradd --system --uid 10001 --home-dir /app ddloco && mkdir -p /keys /checkpoints \

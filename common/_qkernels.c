@@ -18,12 +18,14 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <float.h>
+#include <stdarg.h>
 #include <math.h>
 
 #define BLOCK 64
 #define ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: v + M - M rounds v half-to-even for |v| < 2^22 */
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__)
 #define MULTIVERSION __attribute__((target_clones("avx2", "default")))
 #else
 #define MULTIVERSION
@@ -82,7 +84,7 @@ static inline int quantise_chunk(const float *x, Py_ssize_t n_blocks, int levels
     }
     for (Py_ssize_t b = 0; b < n_blocks; b++) {
         int8_t q[BLOCK];
-        for (int i = 0; i < BLOCK; i++) {        /* |x / d| stays below ~15: no overflow */
+        for (int i = 0; i < BLOCK; i++) {        /* |x / d| <= ~1.5 L (d >= absmax / L rounded): far inside int32 */
             int32_t r = (int32_t)((x[b * BLOCK + i] / d[b] + ROUND_MAGIC) - ROUND_MAGIC);
             r = r < levels ? r : levels;         /* an integer clamp vectorises, a float one less */
             r = r > -levels ? r : -levels;
@@ -157,7 +159,7 @@ static inline float outer_at(const float *th, const float *ba, const float *de, 
 }
 
 /* Sum of squares over [a, b) of x (or, with base and delta given, of theta - (base + delta) with
- * x as theta), in double like torch's CPU norm (1e30-sized values must not overflow): four
+ * x as theta), in double (1e30-sized values must not overflow, as they do in an fp32 norm): four
  * 4-lane double accumulators (GCC/Clang vector types, SIMD on any target). */
 typedef float v4f __attribute__((vector_size(16)));
 typedef double v4d __attribute__((vector_size(32)));
@@ -185,6 +187,12 @@ static inline double sq_sum(const float *x, const float *ba, const float *de, Py
     return ss + ((t[0] + t[1]) + (t[2] + t[3]));
 }
 
+/* direction += (w / n) * o[i] for one value: in float when w / n is a float (the usual case),
+ * else in double (a piece whose norm n is below w / FLT_MAX; |o| <= n keeps the term <= w). */
+static inline float unit_term(double ad, float af, int wide, float o) {
+    return wide ? (float)(ad * (double)o) : af * o;
+}
+
 /* The shard's merge (common/merge.py OuterAccumulator.add): fold one contributor's outer gradient
  * o into the accumulators, segment by segment. Every segment: mean += w * o. A segment marked rda
  * (a param tensor under the RDA rule) also gets its norm n = ||o|| (summed in double) and, when
@@ -201,10 +209,12 @@ static void accumulate_segments(const float *o, float *mean, float *direction, c
             double n = sqrt(sq_sum(o, NULL, NULL, a, b));
             norms[k] = n;
             if (n > 0.0) {
-                float af = (float)(w / n);
+                double ad = w / n;
+                int wide = !(ad <= FLT_MAX);
+                float af = wide ? 0.0f : (float)ad;
                 for (Py_ssize_t i = a; i < b; i++) {
                     mean[i] += wf * o[i];
-                    direction[i] += af * o[i];
+                    direction[i] += unit_term(ad, af, wide, o[i]);
                 }
                 continue;
             }
@@ -223,7 +233,9 @@ static void outer_sq_sums(const float *th, const float *ba, const float *de, con
     }
 }
 
-/* Pass 2: mean += w * o; rda segments with norm n_k > 0 also direction += (w / n_k) * o. */
+/* Pass 2: mean += w * s * o; rda segments whose (unscaled) norm n_k > 0 also direction +=
+ * (w / n_k) * o: the clip scale s cancels out of a unit vector, so it is left out there (a tiny
+ * s must not push w / (s n_k) past the float range). */
 MULTIVERSION
 static void accumulate_outer_segments(const float *th, const float *ba, const float *de, float s,
                                       int scaled, double w, float *mean, float *direction,
@@ -232,18 +244,18 @@ static void accumulate_outer_segments(const float *th, const float *ba, const fl
     for (Py_ssize_t k = 0; k < n_seg; k++) {
         Py_ssize_t a = (Py_ssize_t)seg[3 * k], b = (Py_ssize_t)seg[3 * k + 1];
         if (seg[3 * k + 2] && norms[k] > 0.0) {
-            float af = (float)(w / norms[k]);
+            double ad = w / norms[k];
+            int wide = !(ad <= FLT_MAX);
+            float af = wide ? 0.0f : (float)ad;
             for (Py_ssize_t i = a; i < b; i++) {
                 float o = outer_at(th, ba, de, i);
-                if (scaled) o *= s;
-                mean[i] += wf * o;
-                direction[i] += af * o;
+                mean[i] += wf * (scaled ? o * s : o);
+                direction[i] += unit_term(ad, af, wide, o);
             }
         } else {
             for (Py_ssize_t i = a; i < b; i++) {
                 float o = outer_at(th, ba, de, i);
-                if (scaled) o *= s;
-                mean[i] += wf * o;
+                mean[i] += wf * (scaled ? o * s : o);
             }
         }
     }
@@ -267,6 +279,20 @@ static int check_size(const Py_buffer *b, Py_ssize_t want, const char *what) {
     return 1;
 }
 
+/* float32 buffers must be 4-byte aligned (numpy and torch memory always is). */
+static int aligned4(int n, ...) {
+    va_list ap;
+    va_start(ap, n);
+    int ok = 1;
+    for (int i = 0; i < n; i++) {
+        const Py_buffer *b = va_arg(ap, const Py_buffer *);
+        if (b && ((uintptr_t)b->buf & 3u)) ok = 0;
+    }
+    va_end(ap);
+    if (!ok) PyErr_SetString(PyExc_ValueError, "float32 buffers must be 4-byte aligned");
+    return ok;
+}
+
 static Py_ssize_t values_nbytes(Py_ssize_t n, int levels) { return levels == 7 ? (n + 1) / 2 : n; }
 
 PyDoc_STRVAR(encode_doc,
@@ -280,7 +306,7 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*iw*w*", &x, &levels, &vals, &scales)) return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = x.len / 4;
-    if (!check_levels(levels)) goto done;
+    if (!check_levels(levels) || !aligned4(1, &x)) goto done;
     if (x.len % 4) { PyErr_SetString(PyExc_ValueError, "x: not a float32 buffer"); goto done; }
     if (!check_size(&vals, values_nbytes(n, levels), "values_out")) goto done;
     if (!check_size(&scales, 2 * ((n + BLOCK - 1) / BLOCK), "scales_out")) goto done;
@@ -306,7 +332,7 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*y*iw*", &vals, &scales, &levels, &out)) return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = out.len / 4;
-    if (!check_levels(levels)) goto done;
+    if (!check_levels(levels) || !aligned4(1, &out)) goto done;
     if (out.len % 4) { PyErr_SetString(PyExc_ValueError, "out: not a float32 buffer"); goto done; }
     if (!check_size(&vals, values_nbytes(n, levels), "values")) goto done;
     if (!check_size(&scales, 2 * ((n + BLOCK - 1) / BLOCK), "scales")) goto done;
@@ -325,7 +351,7 @@ done:
 
 /* Segments (start, stop, rda) must tile [0, n) in order; rda ones need a direction buffer. */
 static int check_segments(const Py_buffer *seg, Py_ssize_t n, int have_dir) {
-    if (seg->len % 24) goto bad;
+    if (seg->len % 24 || ((uintptr_t)seg->buf & 7u)) goto bad;
     const int64_t *sg = (const int64_t *)seg->buf;
     Py_ssize_t end = 0, n_seg = seg->len / 24;
     for (Py_ssize_t k = 0; k < n_seg; k++) {
@@ -357,7 +383,7 @@ static PyObject *py_accumulate(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "accumulate: outer, mean and direction must be float32 of one size");
         goto done;
     }
-    if (!check_segments(&seg, n, have_dir)) goto done;
+    if (!check_segments(&seg, n, have_dir) || !aligned4(3, &o, &mean, have_dir ? &dir : NULL)) goto done;
     if (norms.len != n_seg * 8) {
         PyErr_SetString(PyExc_ValueError, "accumulate: norms must hold one float64 per segment");
         goto done;
@@ -391,7 +417,7 @@ static PyObject *py_outer_sq_sums(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "outer_sq_sums: theta, base and delta must be float32 of one size");
         goto done;
     }
-    if (!check_segments(&seg, n, 1)) goto done;
+    if (!check_segments(&seg, n, 1) || !aligned4(3, &th, &ba, &de)) goto done;
     if (sums.len != (seg.len / 24) * 8) {
         PyErr_SetString(PyExc_ValueError, "outer_sq_sums: sums must hold one float64 per segment");
         goto done;
@@ -410,8 +436,8 @@ done:
 
 PyDoc_STRVAR(accumulate_outer_doc,
 "accumulate_outer(theta, base, delta, scale, weight, mean, direction, segments, norms) -> None\n\n"
-"With o = theta - (base + delta), times scale unless scale == 1: mean += weight * o; on rda\n"
-"segments with norms[k] > 0 also direction += weight / norms[k] * o.");
+"With o = theta - (base + delta): mean += weight * scale * o (scale == 1: unscaled); on rda\n"
+"segments with norms[k] > 0 (the unscaled norm of o there) also direction += weight / norms[k] * o.");
 
 static PyObject *py_accumulate_outer(PyObject *self, PyObject *args) {
     Py_buffer th, ba, de, mean, dir = {0}, seg, norms;
@@ -428,7 +454,8 @@ static PyObject *py_accumulate_outer(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "accumulate_outer: buffers must be float32 of one size");
         goto done;
     }
-    if (!check_segments(&seg, n, have_dir)) goto done;
+    if (!check_segments(&seg, n, have_dir) || !aligned4(5, &th, &ba, &de, &mean, have_dir ? &dir : NULL))
+        goto done;
     if (norms.len != (seg.len / 24) * 8) {
         PyErr_SetString(PyExc_ValueError, "accumulate_outer: norms must hold one float64 per segment");
         goto done;
@@ -463,4 +490,14 @@ static struct PyModuleDef module = {
     "One-pass int8/int4 codec kernels (common/quant.py) and the merge accumulation (common/merge.py).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__qkernels(void) { return PyModule_Create(&module); }
+/* What common/quant.py expects (KERNELS_ABI there): a module built from older sources is not used. */
+#define QKERNELS_ABI 2
+
+PyMODINIT_FUNC PyInit__qkernels(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "ABI", QKERNELS_ABI) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -105,7 +105,8 @@ class OuterAccumulator:
 
     Memory is O(numel) whatever M (two accumulators: Σ ŵ_m Δ_m and Σ ŵ_m unit(Δ_m) per piece,
     plus a radius per piece), so a shard never stacks M copies of a large fragment. The result
-    equals ``merge_outer_gradients`` on the stacked rows up to summation order."""
+    equals ``merge_outer_gradients`` on the stacked rows to fp32 rounding (sums in another order;
+    with the C kernel the norms are summed in double)."""
 
     def __init__(self, numel: int, spans: Sequence[tuple[int, int, str | bool]], rule: str = "rda",
                  device: torch.device | str | None = None,
@@ -170,7 +171,8 @@ class OuterAccumulator:
     def add_answer(self, theta: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, weight: float,
                    clip: Callable[[float], float] | None = None, buf: torch.Tensor | None = None) -> float:
         """Fold in the answer δ_m built on ``base``: Δ_m = Θ − (base + δ_m), scaled by
-        ``clip(‖Δ_m‖)`` (e.g. ``NormClipper.observe``; None: 1). Returns that scale. With the C
+        ``clip(‖Δ_m‖)`` (e.g. ``NormClipper.observe``; None: 1; 0: the answer is left out, not
+        counted). Returns that scale. With the C
         kernels (fp32 on CPU) Δ_m is never stored: two passes over the inputs; otherwise it is
         built in ``buf`` (a scratch [numel] buffer, or a new one) and ``add``-ed."""
         w = float(weight)
@@ -181,20 +183,22 @@ class OuterAccumulator:
             outer = torch.add(base, delta, out=buf) if buf is not None else base + delta
             outer = torch.sub(theta, outer, out=outer)
             scale = clip(float(torch.linalg.vector_norm(outer, dtype=torch.float64))) if clip is not None else 1.0
-            self.add(outer if scale == 1.0 else outer.mul_(scale), w)
+            if scale != 0.0:
+                self.add(outer if scale == 1.0 else outer.mul_(scale), w)
             return scale
         th, ba, de = (t.detach().numpy() for t in (theta, base, delta))
         kernels.outer_sq_sums(th, ba, de, self._segments, self._norms)
         scale = clip(math.sqrt(float(self._norms.sum()))) if clip is not None else 1.0
+        if scale == 0.0:
+            return scale
         ints = [(a, b) for a, b, kind in self.pieces if kind == "int_buffer"]
         kept = [self.mean[a:b].clone() for a, b in ints] if ints and self.count else []
-        np.sqrt(self._norms, out=self._norms)
-        self._norms *= scale                        # the pieces' norms after scaling
-        kernels.accumulate_outer(th, ba, de, scale, w, self.mean.numpy(),
+        np.sqrt(self._norms, out=self._norms)       # the pieces' norms before scaling: the unit
+        kernels.accumulate_outer(th, ba, de, scale, w, self.mean.numpy(),   # vectors do not see it
                                  None if self.direction is None else self.direction.numpy(),
                                  self._segments, self._norms)
         for i, k in self._rda_segment:
-            self.radius[i] += w * float(self._norms[k])
+            self.radius[i] += w * scale * float(self._norms[k])
         for (a, b), old in zip(ints, kept or [None] * len(ints)):   # as in ``add``
             block = theta[a:b] - (base[a:b] + delta[a:b])
             if scale != 1.0:

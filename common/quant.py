@@ -54,6 +54,11 @@ _LEVELS: dict[str, int] = {"int8": 127, "int4": 7}
 """Largest quantisation level L of each blockwise codec (levels are -L..L)."""
 
 
+KERNELS_ABI = 2
+"""The version of ``common/_qkernels.c`` this code calls (its ``QKERNELS_ABI``): an extension
+built from other sources (a checkout updated without ``pip install -e .``) is not used."""
+
+
 def _load_kernels() -> Any:
     """The C kernels, or None (not built here, or ``DDLOCO_KERNELS=torch``)."""
     choice = os.environ.get("DDLOCO_KERNELS", "auto")
@@ -63,10 +68,13 @@ def _load_kernels() -> Any:
         return None
     try:
         from common import _qkernels
-    except ImportError:
+        if getattr(_qkernels, "ABI", None) != KERNELS_ABI:   # built from older sources, not rebuilt
+            raise ImportError(f"common._qkernels has ABI {getattr(_qkernels, 'ABI', None)}, "
+                              f"expected {KERNELS_ABI}")
+    except ImportError as e:
         if choice == "c":
-            raise ImportError("DDLOCO_KERNELS=c but the C extension common._qkernels was not "
-                              "built (reinstall with a C compiler: pip install -e .)") from None
+            raise ImportError(f"DDLOCO_KERNELS=c but the C extension common._qkernels is not usable ({e}; "
+                              "rebuild it with a C compiler: pip install -e .)") from None
         return None
     return _qkernels
 

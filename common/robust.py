@@ -16,6 +16,7 @@ Rejections and cuts are counted by reason (``REASONS``); the counts go to Redis 
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -45,11 +46,16 @@ def bound_claims(*, steps: int, tokens: int, tokens_per_step_bound: float,
 
 @dataclass
 class NormClipper:
-    """Per fragment: clip outer-gradient norms to ``factor ×`` the median of recent ones."""
+    """Per fragment: clip outer-gradient norms to ``factor ×`` the median of recent ones. Until
+    ``min_samples`` norms are known there is no median: an outer gradient larger than
+    ``ceiling_factor ×`` the fragment's own norm (``reference``, at least 1) is then dropped
+    (scale 0) rather than merged; an honest one is at most a few times that norm even in the first
+    rounds."""
 
     factor: float = 4.0
     window: int = 32
     min_samples: int = 8
+    ceiling_factor: float = 100.0
     norms: deque = field(default_factory=lambda: deque(maxlen=32))
 
     def __post_init__(self) -> None:
@@ -60,10 +66,16 @@ class NormClipper:
             return None
         return self.factor * statistics.median(self.norms)
 
-    def observe(self, norm: float) -> float:
-        """Record an outer gradient's norm; the factor to scale it by (1.0: not clipped)."""
+    def observe(self, norm: float, reference: float | None = None) -> float:
+        """Record an outer gradient's norm; the factor to scale it by: 1.0 (not clipped), in (0, 1)
+        (clipped to the bound), 0.0 (dropped: above the warm-up ceiling, or not finite)."""
         bound = self.bound()
-        if bound is not None and norm > bound > 0.0:
+        if not math.isfinite(norm):
+            return 0.0
+        if bound is None:
+            if reference is not None and norm > self.ceiling_factor * max(reference, 1.0):
+                return 0.0                           # not recorded: a lie must not shape the median
+        elif norm > bound > 0.0:
             self.norms.append(bound / self.factor)   # recorded as the median: repeated attacks cannot drag it up
             return bound / norm
         self.norms.append(norm)

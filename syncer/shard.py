@@ -119,12 +119,13 @@ class FragmentState:
 @dataclass
 class _MergeResult:
     replica: torch.Tensor | None
-    """None: the merge was not finite (dropped)."""
+    """None: no merge (not finite, or every answer dropped by the clipper)."""
     master: torch.Tensor | None
     momentum: torch.Tensor | None
     frames: list[Any]
     clipped: list[str]
     seconds: float
+    every_answer_dropped: bool = False
 
 
 @dataclass
@@ -892,9 +893,9 @@ class Shard:
             job.future = self._merger.submit(self._compute_merge, job)
 
     def _compute_merge(self, job: "_MergeJob") -> "_MergeResult":
-        """ALGORITHM §5 on the worker thread. Reads the fragment's value, momentum, history and
-        clipper, which only the loop changes, and only when it applies this job's result; returns
-        new tensors. Memory: O(|fragment|) whatever the number of answers (accumulated, not stacked)."""
+        """ALGORITHM §5 on the worker thread. Reads the fragment's value, momentum and history,
+        which only the loop changes, and only when it applies this job's result, and updates the
+        fragment's clipper (a fragment's merges run one at a time); returns new tensors. Memory: O(|fragment|) whatever the number of answers (accumulated, not stacked)."""
         t0 = time.perf_counter()
         f, algo = job.fragment, self.run.algo
         master = f.theta if f.master is None else f.master      # the exact fp32 master
@@ -903,13 +904,20 @@ class Shard:
         acc = OuterAccumulator(f.spec.numel, f.spec.spans, algo.merge_rule, scratch=f.scratch[:2])
         buf = f.scratch[2]
         clipped = []
+        reference = float(torch.linalg.vector_norm(f.theta, dtype=torch.float64))
+
+        def clip(norm: float) -> float:
+            return f.clipper.observe(norm, reference)
         for a, w in zip(job.answers, job.weights.tolist()):
             # Δ_m = Θ_p − (Θ_p^{base_m} + δ_m) against the replica every learner holds (the learner's
             # own value is built on it); the step is taken from the master, so what quantization left
             # out of the replica (master − replica) is carried, never mistaken for a gradient. Robust:
-            # the clipper scales a Δ_m down to a few times the recent median norm
-            if acc.add_answer(f.theta, f.history[a.base], a.delta, w, clip=f.clipper.observe, buf=buf) != 1.0:
+            # the clipper scales a Δ_m down to a few times the recent median norm (or, before there
+            # is one, drops a Δ_m far larger than the fragment itself)
+            if acc.add_answer(f.theta, f.history[a.base], a.delta, w, clip=clip, buf=buf) != 1.0:
                 clipped.append(a.sender)
+        if acc.count == 0:                                       # every answer dropped: no merge
+            return _MergeResult(None, None, None, [], clipped, time.perf_counter() - t0, every_answer_dropped=True)
         theta, momentum = outer_step(master, f.momentum, acc.result(), f.spec.spans, algo, merges_done=job.version)
         if not bool(torch.isfinite(theta).all()):   # a diverged learner must not poison Θ
             return _MergeResult(None, None, None, [], clipped, time.perf_counter() - t0)
@@ -945,6 +953,10 @@ class Shard:
         for sender in res.clipped:
             self._reject("clipped", sender, f.spec.index)
         if res.replica is None:
+            if res.every_answer_dropped:              # by the clipper: nothing to merge, Θ as it was
+                self.log.warning("syncer.merge_dropped_every_answer_clipped", fragment=f.spec.index,
+                                 round=rnd.round_id, contributors=[a.sender for a in answers])
+                return
             self.stats.nonfinite_rounds += 1
             self.log.warning("syncer.nonfinite_merge_dropped", fragment=f.spec.index, round=rnd.round_id,
                              contributors=[a.sender for a in answers])

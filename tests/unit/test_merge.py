@@ -355,3 +355,23 @@ def test_add_answer_is_building_clipping_and_adding_the_outer_gradient(accumulat
     else:   # norms summed in another order (and in double: the lie's norm is finite, not inf)
         torch.testing.assert_close(got[:1500], want[:1500], rtol=1e-4, atol=1e-5)
         assert torch.equal(got[1500:], want[1500:])
+
+
+def test_a_tiny_clip_scale_or_a_dropped_answer_leaves_the_merge_finite_and_honest(accumulate_impl) -> None:
+    """A lie of 3e38 on one tensor gets a clip scale near 1e-40; the other tensor's unit vector
+    must not become inf (w / (scale·n) overflows float). A scale of 0 leaves the answer out."""
+    from common.merge import OuterAccumulator
+    spans = [(0, 1000, "embedding"), (1000, 1100, "param")]
+    theta, base = torch.zeros(1100), torch.zeros(1100)
+    gen = torch.Generator().manual_seed(2)
+    honest = [torch.randn(1100, generator=gen) for _ in range(3)]
+    lie = torch.full((1100,), -1e-3)
+    lie[:1000] = -3e38
+    acc = OuterAccumulator(1100, spans, "rda")
+    for d in honest:
+        acc.add_answer(theta, base, d, 0.25)
+    assert acc.add_answer(theta, base, lie, 0.25, clip=lambda n: 1.0 / n) == pytest.approx(1.0 / 3.3e39, rel=0.1)
+    merged = acc.result()
+    assert bool(torch.isfinite(merged).all())
+    assert acc.add_answer(theta, base, lie, 0.25, clip=lambda n: 0.0) == 0.0 and acc.count == 4
+    assert torch.equal(acc.result(), merged)                     # the dropped answer changed nothing

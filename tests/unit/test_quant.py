@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sysconfig
 
 import numpy as np
 import pytest
@@ -317,12 +318,29 @@ def test_the_c_kernels_are_built_where_a_compiler_is(impl: str, monkeypatch: pyt
         pytest.skip("checked once")
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler on this machine")
-    assert _BUILT is not None, "common._qkernels was not built although a C compiler is here"
-    if os.environ.get("DDLOCO_KERNELS", "auto") != "torch":
+    if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        pytest.skip("no Python headers on this machine (Debian: python3-dev)")
+    monkeypatch.delenv("DDLOCO_KERNELS", raising=False)
+    built = quant._load_kernels()
+    assert built is not None, "common._qkernels was not built (or is stale) although a C compiler is here"
+    if _BUILT is not None:                                  # this process did not ask for torch
         assert quant.KERNEL == "c"
-    for choice, loaded in (("auto", _BUILT), ("c", _BUILT), ("torch", None)):
+    for choice, loaded in (("auto", built), ("c", built), ("torch", None)):
         monkeypatch.setenv("DDLOCO_KERNELS", choice)
         assert quant._load_kernels() is loaded
     monkeypatch.setenv("DDLOCO_KERNELS", "fast")
     with pytest.raises(ImportError, match="auto, c or torch"):
+        quant._load_kernels()
+
+
+def test_an_extension_built_from_other_sources_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkout updated without a rebuild keeps an old .so: its ABI number differs, so the torch
+    code runs (or, with DDLOCO_KERNELS=c, the import says why)."""
+    if _BUILT is None:
+        pytest.skip("common._qkernels is not built here")
+    monkeypatch.setattr(_BUILT, "ABI", quant.KERNELS_ABI - 1)
+    monkeypatch.delenv("DDLOCO_KERNELS", raising=False)
+    assert quant._load_kernels() is None
+    monkeypatch.setenv("DDLOCO_KERNELS", "c")
+    with pytest.raises(ImportError, match="ABI"):
         quant._load_kernels()

@@ -35,3 +35,16 @@ def test_clipper_passes_ordinary_norms_and_cuts_an_outlier_to_factor_times_the_m
         _, clipped = c.clip(torch.full((100,), 1e30))
         assert clipped
     assert c.bound() <= b0 * 1.05
+
+
+def test_before_the_median_exists_a_delta_far_larger_than_the_fragment_is_dropped_unrecorded():
+    c = NormClipper(factor=4.0, min_samples=8, ceiling_factor=100.0)
+    assert c.observe(50.0, reference=2.0) == 1.0                 # below 100 × the fragment's norm
+    assert c.observe(3e31, reference=2.0) == 0.0                 # a 1e30-sized lie: dropped
+    assert c.observe(150.0, reference=0.0) == 0.0                # reference at least 1: ceiling 100
+    assert c.observe(float("inf"), reference=2.0) == 0.0
+    assert list(c.norms) == [50.0]                               # the lies did not shape the median
+    assert c.observe(3e31) == 1.0                                # no reference: no ceiling (as before)
+    for _ in range(8):
+        c.observe(1.0, reference=2.0)
+    assert c.bound() is not None and 0.0 < c.observe(3e31, reference=2.0) < 1e-29   # then: clipped to the bound
