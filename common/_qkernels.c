@@ -295,6 +295,18 @@ static int aligned4(int n, ...) {
 
 static Py_ssize_t values_nbytes(Py_ssize_t n, int levels) { return levels == 7 ? (n + 1) / 2 : n; }
 
+/* The float32 side (n values, aligned) and the codec's two frames sized for n values. */
+static int check_codec_buffers(const Py_buffer *f, const Py_buffer *vals, const Py_buffer *scales, int levels) {
+    if (!check_levels(levels) || !aligned4(1, f)) return 0;
+    if (f->len % 4) {
+        PyErr_SetString(PyExc_ValueError, "not a float32 buffer");
+        return 0;
+    }
+    Py_ssize_t n = f->len / 4;
+    return check_size(vals, values_nbytes(n, levels), "values") &&
+           check_size(scales, 2 * ((n + BLOCK - 1) / BLOCK), "scales");
+}
+
 PyDoc_STRVAR(encode_doc,
 "encode(x, levels, values_out, scales_out) -> bool\n\n"
 "Quantise the float32 buffer x into values_out (int8: n bytes, int4: ceil(n/2)) and the bf16\n"
@@ -306,10 +318,7 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*iw*w*", &x, &levels, &vals, &scales)) return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = x.len / 4;
-    if (!check_levels(levels) || !aligned4(1, &x)) goto done;
-    if (x.len % 4) { PyErr_SetString(PyExc_ValueError, "x: not a float32 buffer"); goto done; }
-    if (!check_size(&vals, values_nbytes(n, levels), "values_out")) goto done;
-    if (!check_size(&scales, 2 * ((n + BLOCK - 1) / BLOCK), "scales_out")) goto done;
+    if (!check_codec_buffers(&x, &vals, &scales, levels)) goto done;
     int ok;
     Py_BEGIN_ALLOW_THREADS
     ok = encode_blocks((const float *)x.buf, n, levels, (uint8_t *)vals.buf, (uint16_t *)scales.buf);
@@ -332,10 +341,7 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*y*iw*", &vals, &scales, &levels, &out)) return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = out.len / 4;
-    if (!check_levels(levels) || !aligned4(1, &out)) goto done;
-    if (out.len % 4) { PyErr_SetString(PyExc_ValueError, "out: not a float32 buffer"); goto done; }
-    if (!check_size(&vals, values_nbytes(n, levels), "values")) goto done;
-    if (!check_size(&scales, 2 * ((n + BLOCK - 1) / BLOCK), "scales")) goto done;
+    if (!check_codec_buffers(&out, &vals, &scales, levels)) goto done;
     int ok;
     Py_BEGIN_ALLOW_THREADS
     ok = decode_blocks((const uint8_t *)vals.buf, (const uint8_t *)scales.buf, n, levels,
