@@ -5,11 +5,12 @@ Timings are medians over repeats on this machine; compare figures from one run o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -36,6 +37,17 @@ def memcpy_ms(numel: int, repeats: int) -> float:
     return _median_ms(lambda: dst.copy_(src), repeats)
 
 
+@contextlib.contextmanager
+def _implementation(impl: str) -> Iterator[None]:
+    """Within the block the codecs (and merge) run the C kernels (``c``) or torch."""
+    built = quant._kernels
+    quant._kernels = built if impl == "c" else None
+    try:
+        yield
+    finally:
+        quant._kernels = built
+
+
 def bench_codec(numel: int, repeats: int) -> list[dict[str, Any]]:
     """Encode/decode time, payload size and max abs error of each codec on N(0,1) values, and
     their speed relative to a memcpy of the same fp32 values measured in the same process.
@@ -49,21 +61,17 @@ def bench_codec(numel: int, repeats: int) -> list[dict[str, Any]]:
     runs = [(codec, quant.KERNEL if codec in ("int8", "int4") else "torch") for codec in quant.CODECS]
     if quant.KERNEL == "c":
         runs += [("int8", "torch"), ("int4", "torch")]
-    built = quant._kernels
-    try:
-        for codec, impl in runs:
-            quant._kernels = built if impl == "c" else None
+    for codec, impl in runs:
+        with _implementation(impl):
             frames = quant.encode(x, codec)
             err = float((quant.decode(frames, codec, numel) - x).abs().max())
             enc = _median_ms(lambda: quant.encode(x, codec), repeats)
             dec = _median_ms(lambda: quant.decode(frames, codec, numel), repeats)
-            nbytes = quant.payload_nbytes(numel, codec)
-            rows.append({"codec": codec, "impl": impl, "numel": numel, "bytes": nbytes,
-                         "bits_per_value": 8 * nbytes / numel, "encode_ms": enc, "decode_ms": dec,
-                         "encode_input_GB_per_s": numel * 4 / enc / 1e6, "max_abs_error": err,
-                         "encode_vs_memcpy": copy / enc, "decode_vs_memcpy": copy / dec})
-    finally:
-        quant._kernels = built
+        nbytes = quant.payload_nbytes(numel, codec)
+        rows.append({"codec": codec, "impl": impl, "numel": numel, "bytes": nbytes,
+                     "bits_per_value": 8 * nbytes / numel, "encode_ms": enc, "decode_ms": dec,
+                     "encode_input_GB_per_s": numel * 4 / enc / 1e6, "max_abs_error": err,
+                     "encode_vs_memcpy": copy / enc, "decode_vs_memcpy": copy / dec})
     return rows
 
 
@@ -75,21 +83,16 @@ def bench_wire(numel: int, repeats: int) -> list[dict[str, Any]]:
     x = torch.randn(numel, generator=torch.Generator().manual_seed(1))
     rows = []
     runs = [("fp32", "torch"), ("int4", quant.KERNEL)] + ([("int4", "torch")] if quant.KERNEL == "c" else [])
-    built = quant._kernels
-    try:
-        for codec, impl in runs:
-            quant._kernels = built if impl == "c" else None
-
-            def enc() -> list[Any]:
-                return wire.encode(kind=wire.UPDATE, run="bench", sender="b", fragment=0, values=x, codec=codec,
-                                   round=1, base=0, steps=24, tokens=24 * 1024)
+    for codec, impl in runs:
+        def enc() -> list[Any]:
+            return wire.encode(kind=wire.UPDATE, run="bench", sender="b", fragment=0, values=x, codec=codec,
+                               round=1, base=0, steps=24, tokens=24 * 1024)
+        with _implementation(impl):
             frames = [bytes(memoryview(f)) for f in enc()]
             rows.append({"codec": codec, "impl": impl, "numel": numel, "message_bytes": wire.message_nbytes(frames),
                          "encode_ms": _median_ms(enc, repeats),
                          "decode_header_ms": _median_ms(lambda: wire.decode(frames), repeats),
                          "decode_values_ms": _median_ms(lambda: wire.decode(frames).values(), repeats)})
-    finally:
-        quant._kernels = built
     return rows
 
 

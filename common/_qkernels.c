@@ -1,6 +1,6 @@
 /* One-pass kernels of the int8 / int4 wire codecs (common/quant.py holds the format and the
  * reference implementation in torch; these compute the same bytes, faster), and the shard's
- * accumulation of one answer into a merge (common/merge.py).
+ * accumulation of one answer into a merge (common/merge.py OuterAccumulator.add_answer).
  *
  * Built by setup.py as an optional extension: where no C compiler is found the build is
  * skipped and common.quant uses its torch implementation. Both are tested to produce identical
@@ -158,29 +158,26 @@ static inline float outer_at(const float *th, const float *ba, const float *de, 
     return th[i] - t;
 }
 
-/* Sum of squares over [a, b) of x (or, with base and delta given, of theta - (base + delta) with
- * x as theta), in double (1e30-sized values must not overflow, as they do in an fp32 norm): four
- * 4-lane double accumulators (GCC/Clang vector types, SIMD on any target). */
+/* Sum of squares over [a, b) of theta - (base + delta), in double (1e30-sized values must not
+ * overflow, as they do in an fp32 norm): four 4-lane double accumulators (GCC/Clang vector
+ * types, SIMD on any target). */
 typedef float v4f __attribute__((vector_size(16)));
 typedef double v4d __attribute__((vector_size(32)));
 
 static inline v4f load4(const float *p) { v4f v; memcpy(&v, p, sizeof v); return v; }
 
-static inline v4f outer4(const float *x, const float *ba, const float *de, Py_ssize_t i) {
-    return ba ? load4(x + i) - (load4(ba + i) + load4(de + i)) : load4(x + i);
-}
-
-static inline double sq_sum(const float *x, const float *ba, const float *de, Py_ssize_t a, Py_ssize_t b) {
+static inline double sq_sum(const float *th, const float *ba, const float *de, Py_ssize_t a, Py_ssize_t b) {
     v4d s[4] = {{0}, {0}, {0}, {0}};
     Py_ssize_t i = a;
     for (; i + 16 <= b; i += 16)
         for (int j = 0; j < 4; j++) {
-            v4d v = __builtin_convertvector(outer4(x, ba, de, i + 4 * j), v4d);
+            Py_ssize_t k = i + 4 * j;
+            v4d v = __builtin_convertvector(load4(th + k) - (load4(ba + k) + load4(de + k)), v4d);
             s[j] += v * v;
         }
     double ss = 0.0;
     for (; i < b; i++) {
-        double v = ba ? (double)outer_at(x, ba, de, i) : (double)x[i];
+        double v = (double)outer_at(th, ba, de, i);
         ss += v * v;
     }
     v4d t = (s[0] + s[1]) + (s[2] + s[3]);
@@ -191,36 +188,6 @@ static inline double sq_sum(const float *x, const float *ba, const float *de, Py
  * else in double (a piece whose norm n is below w / FLT_MAX; |o| <= n keeps the term <= w). */
 static inline float unit_term(double ad, float af, int wide, float o) {
     return wide ? (float)(ad * (double)o) : af * o;
-}
-
-/* The shard's merge (common/merge.py OuterAccumulator.add): fold one contributor's outer gradient
- * o into the accumulators, segment by segment. Every segment: mean += w * o. A segment marked rda
- * (a param tensor under the RDA rule) also gets its norm n = ||o|| (summed in double) and, when
- * n > 0, direction += (w / n) * o; its norm is written to norms[segment]. */
-MULTIVERSION
-static void accumulate_segments(const float *o, float *mean, float *direction, const int64_t *seg,
-                                Py_ssize_t n_seg, double w, double *norms) {
-    float wf = (float)w;
-    for (Py_ssize_t k = 0; k < n_seg; k++) {
-        Py_ssize_t a = (Py_ssize_t)seg[3 * k], b = (Py_ssize_t)seg[3 * k + 1];
-        int rda = seg[3 * k + 2] != 0;
-        norms[k] = 0.0;
-        if (rda) {
-            double n = sqrt(sq_sum(o, NULL, NULL, a, b));
-            norms[k] = n;
-            if (n > 0.0) {
-                double ad = w / n;
-                int wide = !(ad <= FLT_MAX);
-                float af = wide ? 0.0f : (float)ad;
-                for (Py_ssize_t i = a; i < b; i++) {
-                    mean[i] += wf * o[i];
-                    direction[i] += unit_term(ad, af, wide, o[i]);
-                }
-                continue;
-            }
-        }
-        for (Py_ssize_t i = a; i < b; i++) mean[i] += wf * o[i];
-    }
 }
 
 /* Pass 1: per segment, the sum of squares of o (before scaling), in double. */
@@ -371,45 +338,6 @@ bad:
     return 0;
 }
 
-PyDoc_STRVAR(accumulate_doc,
-"accumulate(outer, weight, mean, direction, segments, norms) -> None\n\n"
-"outer, mean, direction: float32 buffers of n values (direction may be None when no segment is\n"
-"rda); segments: int64 [k, 3] rows (start, stop, rda) covering [0, n); norms: float64 [k], out.");
-
-static PyObject *py_accumulate(PyObject *self, PyObject *args) {
-    Py_buffer o, mean, dir = {0}, seg, norms;
-    PyObject *dir_obj;
-    double w;
-    if (!PyArg_ParseTuple(args, "y*dw*Oy*w*", &o, &w, &mean, &dir_obj, &seg, &norms)) return NULL;
-    PyObject *result = NULL;
-    int have_dir = dir_obj != Py_None;
-    if (have_dir && PyObject_GetBuffer(dir_obj, &dir, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto release;
-    Py_ssize_t n = o.len / 4, n_seg = seg.len / 24;
-    if (o.len % 4 || mean.len != o.len || (have_dir && dir.len != o.len)) {
-        PyErr_SetString(PyExc_ValueError, "accumulate: outer, mean and direction must be float32 of one size");
-        goto done;
-    }
-    if (!check_segments(&seg, n, have_dir) || !aligned4(3, &o, &mean, have_dir ? &dir : NULL)) goto done;
-    if (norms.len != n_seg * 8) {
-        PyErr_SetString(PyExc_ValueError, "accumulate: norms must hold one float64 per segment");
-        goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    accumulate_segments((const float *)o.buf, (float *)mean.buf, have_dir ? (float *)dir.buf : NULL,
-                        (const int64_t *)seg.buf, n_seg, w, (double *)norms.buf);
-    Py_END_ALLOW_THREADS
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    if (have_dir) PyBuffer_Release(&dir);
-release:
-    PyBuffer_Release(&o);
-    PyBuffer_Release(&mean);
-    PyBuffer_Release(&seg);
-    PyBuffer_Release(&norms);
-    return result;
-}
-
 PyDoc_STRVAR(outer_sq_sums_doc,
 "outer_sq_sums(theta, base, delta, segments, sums) -> None\n\n"
 "sums[k] = sum over segment k of (theta - (base + delta))^2 (float64 out, one per segment).");
@@ -485,7 +413,6 @@ release:
 static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS, encode_doc},
     {"decode", py_decode, METH_VARARGS, decode_doc},
-    {"accumulate", py_accumulate, METH_VARARGS, accumulate_doc},
     {"outer_sq_sums", py_outer_sq_sums, METH_VARARGS, outer_sq_sums_doc},
     {"accumulate_outer", py_accumulate_outer, METH_VARARGS, accumulate_outer_doc},
     {NULL, NULL, 0, NULL},

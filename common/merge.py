@@ -132,7 +132,8 @@ class OuterAccumulator:
         self.radius = [0.0] * len(self.pieces)
         self.weight_sum = 0.0
         self.count = 0
-        # for the C kernel (common/_qkernels.c): segments tiling [0, numel) as (start, stop, rda),
+        self._ints = [(start, stop) for start, stop, kind in self.pieces if kind == "int_buffer"]
+        # for add_answer's C kernels (common/_qkernels.c): segments tiling [0, numel) as (start, stop, rda),
         # the pieces and the gaps between them, and which segment each RDA piece is
         bounds = sorted([(a, b, on) for (a, b, _), on in zip(self.pieces, self.rda)] +
                         [(a, b, False) for a, b in self.gaps])
@@ -147,26 +148,28 @@ class OuterAccumulator:
         if outer.dim() != 1 or outer.shape[0] != self.numel:
             raise ValueError(f"outer gradient must be [{self.numel}], got shape {tuple(outer.shape)}")
         w = float(weight)
-        first = self.count == 0
-        ints = [(start, stop) for start, stop, kind in self.pieces if kind == "int_buffer"]
-        kept = [self.mean[a:b].clone() for a, b in ints] if ints and not first else []
-        kernels = quant._kernels
-        if (kernels is not None and outer.device.type == "cpu" and self.mean.device.type == "cpu"
-                and outer.dtype == torch.float32 and outer.is_contiguous()):
-            # one C call: per RDA piece its norm, then Σ ŵ Δ and Σ ŵ unit(Δ) in one pass
-            kernels.accumulate(outer.detach().numpy(), w, self.mean.numpy(),
-                               None if self.direction is None else self.direction.numpy(),
-                               self._segments, self._norms)
-            for i, k in self._rda_segment:
-                self.radius[i] += w * float(self._norms[k])
-        else:
-            self._add_torch(outer, w)
-        for (start, stop), old in zip(ints, kept or [None] * len(ints)):
-            # integer buffers: the smallest Δ_m (Θ − Δ is the largest learner value)
-            block = outer[start:stop]
-            self.mean[start:stop] = block if old is None else torch.minimum(old, block)
+        kept = self._ints_so_far()
+        self.mean.add_(outer, alpha=w)          # one pass over the fragment (gaps add zeros)
+        rda = [i for i, on in enumerate(self.rda) if on]
+        if rda:   # per piece: ‖Δ_m‖ and Δ_m / ‖Δ_m‖, in a few calls over all the pieces at once
+            blocks = [outer[self.pieces[i][0]:self.pieces[i][1]] for i in rda]
+            norms = torch.stack(torch._foreach_norm(blocks)).tolist()
+            for i, block, n in zip(rda, blocks, norms):
+                if n > 0:
+                    self.direction[self.pieces[i][0]:self.pieces[i][1]].add_(block, alpha=w / n)
+                self.radius[i] += w * n
+        self._fold_ints(kept, [outer[a:b] for a, b in self._ints])
         self.weight_sum += abs(w)
         self.count += 1
+
+    def _ints_so_far(self) -> list[torch.Tensor]:
+        """The integer-buffer pieces of the mean before a contributor is added (none for the first)."""
+        return [self.mean[a:b].clone() for a, b in self._ints] if self._ints and self.count else []
+
+    def _fold_ints(self, kept: list[torch.Tensor], blocks: list[torch.Tensor]) -> None:
+        """Integer buffers: the smallest Δ_m (Θ − Δ is the largest learner value)."""
+        for (a, b), old, block in zip(self._ints, kept or [None] * len(self._ints), blocks):
+            self.mean[a:b] = block if old is None else torch.minimum(old, block)
 
     def add_answer(self, theta: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, weight: float,
                    clip: Callable[[float], float] | None = None, buf: torch.Tensor | None = None) -> float:
@@ -191,34 +194,18 @@ class OuterAccumulator:
         scale = clip(math.sqrt(float(self._norms.sum()))) if clip is not None else 1.0
         if scale == 0.0:
             return scale
-        ints = [(a, b) for a, b, kind in self.pieces if kind == "int_buffer"]
-        kept = [self.mean[a:b].clone() for a, b in ints] if ints and self.count else []
+        kept = self._ints_so_far()
         np.sqrt(self._norms, out=self._norms)       # the pieces' norms before scaling: the unit
         kernels.accumulate_outer(th, ba, de, scale, w, self.mean.numpy(),   # vectors do not see it
                                  None if self.direction is None else self.direction.numpy(),
                                  self._segments, self._norms)
         for i, k in self._rda_segment:
             self.radius[i] += w * scale * float(self._norms[k])
-        for (a, b), old in zip(ints, kept or [None] * len(ints)):   # as in ``add``
-            block = theta[a:b] - (base[a:b] + delta[a:b])
-            if scale != 1.0:
-                block = block * scale
-            self.mean[a:b] = block if old is None else torch.minimum(old, block)
+        blocks = [theta[a:b] - (base[a:b] + delta[a:b]) for a, b in self._ints]
+        self._fold_ints(kept, blocks if scale == 1.0 else [x * scale for x in blocks])
         self.weight_sum += abs(w)
         self.count += 1
         return scale
-
-    def _add_torch(self, outer: torch.Tensor, w: float) -> None:
-        """``add``'s sums in torch (any device; the C kernel's fallback)."""
-        self.mean.add_(outer, alpha=w)          # one pass over the fragment (gaps add zeros)
-        rda = [i for i, on in enumerate(self.rda) if on]
-        if rda:   # per piece: ‖Δ_m‖ and Δ_m / ‖Δ_m‖, in a few calls over all the pieces at once
-            blocks = [outer[self.pieces[i][0]:self.pieces[i][1]] for i in rda]
-            norms = torch.stack(torch._foreach_norm(blocks)).tolist()
-            for i, block, n in zip(rda, blocks, norms):
-                if n > 0:
-                    self.direction[self.pieces[i][0]:self.pieces[i][1]].add_(block, alpha=w / n)
-                self.radius[i] += w * n
 
     def result(self, eps: float = 1e-6) -> torch.Tensor:
         """Δ [numel]: RDA for param pieces (rule "rda"; the weighted average when the mean

@@ -904,10 +904,12 @@ class Shard:
         acc = OuterAccumulator(f.spec.numel, f.spec.spans, algo.merge_rule, scratch=f.scratch[:2])
         buf = f.scratch[2]
         clipped = []
-        reference = float(torch.linalg.vector_norm(f.theta, dtype=torch.float64))
+        reference: list[float] = []   # the fragment's norm: only the clipper's warm-up needs it
 
         def clip(norm: float) -> float:
-            return f.clipper.observe(norm, reference)
+            if f.clipper.bound() is None and not reference:
+                reference.append(float(torch.linalg.vector_norm(f.theta, dtype=torch.float64)))
+            return f.clipper.observe(norm, reference[0] if reference else None)
         for a, w in zip(job.answers, job.weights.tolist()):
             # Δ_m = Θ_p − (Θ_p^{base_m} + δ_m) against the replica every learner holds (the learner's
             # own value is built on it); the step is taken from the master, so what quantization left

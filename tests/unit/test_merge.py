@@ -282,8 +282,9 @@ def test_the_accumulator_merges_one_contributor_at_a_time_like_the_stacked_rows(
     weights /= weights.sum()
     for vectors, w in ((rows, weights), (torch.stack([rows[0], -rows[0]]), torch.tensor([0.5, 0.5]))):
         acc = OuterAccumulator(52, spans, rule)
-        for m in range(vectors.shape[0]):
-            acc.add(vectors[m], float(w[m]))
+        zero = torch.zeros(52)
+        for m in range(vectors.shape[0]):   # the shard's call: Δ_m = Θ − (base + δ) with Θ = row, base = δ = 0
+            acc.add_answer(vectors[m].contiguous(), zero, zero, float(w[m]))
         torch.testing.assert_close(acc.result(), merge_outer_gradients(vectors, w, spans, rule), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="no contributors"):
         OuterAccumulator(52, spans, rule).result()
@@ -311,8 +312,9 @@ def test_the_c_accumulation_matches_torch_on_a_fragment_with_gaps_and_every_kind
         for kernels in (quant._kernels, None):
             monkeypatch.setattr(quant, "_kernels", kernels)
             acc = OuterAccumulator(numel, spans, rule)
+            zero = torch.zeros(numel)
             for m in range(rows.shape[0]):
-                acc.add(rows[m], 1.0 / (m + 2))
+                acc.add_answer(rows[m].contiguous(), zero, zero, 1.0 / (m + 2))
             results.append((acc.result().clone(), list(acc.radius)))
         (c, c_radius), (t, t_radius) = results
         # fp32 rounding of sums taken in another order: relative to the summands' size, not to
