@@ -364,9 +364,15 @@ class LearnerOptions:
     runs (-1: no endpoint; 0: any free port, logged)."""
     metrics_host: str = "127.0.0.1"
     """Address of the metrics endpoint (0.0.0.0: every interface, e.g. in a container)."""
+    group_sharding: str = "auto"
+    """A torchrun learner (``--nproc N``): "ddp" (every rank holds the whole model), "fsdp"
+    (parameters, gradients and AdamW moments sharded over the ranks) or "auto" (fsdp on a GPU
+    whose memory 16 B per parameter would fill past 70 %, else ddp). Rank 0's choice holds."""
 
     def __post_init__(self) -> None:
         _check(self.peer_timeout_s > 0, "learner.peer_timeout_s must be > 0")
+        _check(self.group_sharding in ("auto", "ddp", "fsdp"),
+               f"learner.group_sharding must be auto, ddp or fsdp, got {self.group_sharding!r}")
         check_value("learner.peer_bind", self.peer_bind, endpoint_problem)
         _check(-1 <= self.metrics_port <= 65535, "learner.metrics_port must be -1 (none), 0 (any) or a port")
         _check(self.slowdown >= 1.0, "learner.slowdown must be >= 1")

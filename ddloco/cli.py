@@ -335,6 +335,7 @@ def _learner(args: argparse.Namespace, ranks: tuple[int, int, int] | None) -> in
     opts = override(cfg.learner, learner_id=args.learner_id, data_shard=args.data_shard, max_steps=args.steps,
                     slowdown=args.slowdown, step_time_floor_ms=args.step_time_floor_ms, threads=args.threads,
                     device=args.device, autocast=args.autocast, peer_bind=args.peer_bind,
+                    group_sharding=args.group_sharding,
                     advertise_host=_advertise_host(args), **_metrics(args))
     _setup_logging(args)
     if ranks is None or ranks[0] == 0:   # other ranks of a torchrun learner never reach Redis or the broker
@@ -757,6 +758,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, metavar="N", help="run this learner as N data-parallel processes (torchrun "
                    "--standalone --nproc-per-node N; DDP, gloo on CPU, NCCL on CUDA, one GPU per rank): one "
                    "learner of the run with N times the tokens per step; rank 0 talks to the run")
+    p.add_argument("--group-sharding", choices=["auto", "ddp", "fsdp"], help="with --nproc: ddp (every rank holds "
+                   "the whole model), fsdp (parameters, gradients and AdamW state sharded over the ranks: "
+                   "torch's fully_shard, a unit per layer of an nn.ModuleList) or auto (fsdp on a GPU where "
+                   "16 B per parameter would take over 70%% of its memory; default)")
     p.add_argument("--device", help="auto (cuda if available), cpu, cuda, cuda:N (default auto)")
     p.add_argument("--autocast", choices=["auto", "bf16", "off"], help="mixed precision of the forward pass "
                    "(default auto: bf16 on CUDA, none on CPU)")

@@ -37,7 +37,7 @@ from common.lifecycle import peak_rss_mb, process_start_time
 from common.log import get_logger
 from learner.network import (Answer, AskPeer, Fetch, FragmentArrived, Have, NetworkThread, Outbox, PeerState,
                              PeerStateArrived, PeerStateWanted, RoundOpened, StateRequested, optimizer_digest)
-from learner.group import Group, group_from_env, params_digest, rank_stream
+from learner.group import Group, group_from_env, params_digest, rank_stream, resolve_sharding
 from learner.inner import apply_step, make_inner_optimizer
 from tasks.contract import Task, TaskError, batch_to, bind_task, build_model, check_task, count_tokens, scalar_loss
 
@@ -182,6 +182,14 @@ class Learner:
         self._changed: dict[int, torch.Tensor] = {}
         """In a group, rank 0's fragments changed since the last step boundary (the values it scattered)."""
         self._group_run_tokens = 0.0
+        self._sharding = "ddp"
+        """In a group: "ddp" (every rank holds the whole model) or "fsdp" (rank 0 decides, at join)."""
+        self._deferred: list[FragmentArrived] = []
+        self._gathered: dict[int, torch.Tensor] | None = None
+        """Rank 0 of a sharded group while it trains: merges that arrived wait for the step
+        boundary (``_deferred``), where the group gathers the fragments rank 0 needs whole
+        (``_gathered``: p → flat value, updated as merges are applied); None between boundaries."""
+        self._deferring = False
 
     # ------------------------------------------------------------------ join
     def _prepare(self, run: RunConfig) -> None:
@@ -461,9 +469,9 @@ class Learner:
                 self._load_current_fragments()
                 self.stats.bootstrap = "shards"
             if self.group is not None:      # every rank starts from the fragments rank 0 joined with
-                joined = {p: v if v is not None else gather(self.tensors, f)   # None: stopped while joining
-                          for p, (v, f) in enumerate(zip(self.base_values, self.plan))}
-                self.group.share_fragments(self.plan, self.tensors, joined, range(len(self.plan)))
+                # (none when stopped while joining: every rank still holds the seeded initial values)
+                self.group.share_changed(self.plan, self.tensors,
+                                         {p: v for p, v in enumerate(self.base_values) if v is not None})
                 self._changed.clear()
             self.stats.boot_s = time.time() - self._process_started_at
             self.stats.boot_phases["joined"] = round(self.stats.boot_s, 3)
@@ -487,8 +495,14 @@ class Learner:
     def _train(self) -> None:
         ended = self._train_steps()
         if self.group is not None:
+            if self.group.sharded:   # the whole model here (a collective), then rank 0 flushes alone
+                self.tensors = self.group.materialize(self.model)
+                self._deferring = False
+                deferred, self._deferred = self._deferred, []
+                for item in deferred:
+                    self._apply(item)
             self.log.info("learner.group_trained", rank=0, ranks=self.group.world, steps=self.stats.steps,
-                          params_digest=params_digest(self.model))
+                          params_digest=params_digest(self.tensors))
         if ended:
             self._flush()
         self._drain_inbox()
@@ -499,9 +513,13 @@ class Learner:
         themselves (the run config, data stream and position, the schedule's token count)."""
         g = self.group
         self._group_run_tokens = self.run_tokens()
+        self._sharding = resolve_sharding(self.options.group_sharding, self.device,
+                                          sum(p.numel() for p in self.model.parameters()))
         g.share({"run": self.run_cfg.to_dict(), "learner_id": self.id, "stream": self.stream,
-                 "data_position": self.data_position, "run_tokens": self._group_run_tokens})
-        self.log.info("learner.group", ranks=g.world, backend=g.backend, device=str(self.device))
+                 "data_position": self.data_position, "run_tokens": self._group_run_tokens,
+                 "sharding": self._sharding})
+        self.log.info("learner.group", ranks=g.world, backend=g.backend, device=str(self.device),
+                      sharding=self._sharding)
 
     def _follow(self) -> LearnerSummary:
         """A rank other than 0: no Redis, no sockets. Build the same model, take rank 0's
@@ -520,14 +538,17 @@ class Learner:
         self.stream = rank_stream(int(info["stream"]), g.rank)
         self.data_position = int(info["data_position"])
         self._group_run_tokens = float(info["run_tokens"])
+        self._sharding = str(info["sharding"])
         n = len(self.plan)
         self.c_steps = np.zeros(n, dtype=np.int64)
         self.c_tokens = np.zeros(n, dtype=np.int64)
-        g.share_fragments(self.plan, self.tensors, {}, range(n))
+        g.share_changed(self.plan, self.tensors, {})
         try:
             self._train_steps()
+            if g.sharded:
+                self.tensors = g.materialize(self.model)
             self.log.info("learner.group_trained", rank=g.rank, ranks=g.world, steps=self.stats.steps,
-                          params_digest=params_digest(self.model))
+                          params_digest=params_digest(self.tensors))
         finally:
             self.status = "stopped"
             g.close()
@@ -537,6 +558,15 @@ class Learner:
         """The inner loop; True when it ended on its own (step budget, data), not on ``stop``.
         In a group (torchrun) every rank runs it; rank 0 alone does the network work at each
         step boundary and the group then agrees on what happens next (``Group.boundary``)."""
+        group = self.group
+        leader = group is None or group.leader
+        train_model = group.wrap(self.model, self.device, self._sharding) if group is not None else self.model
+        if group is not None and group.sharded:   # the parameters are DTensors now: each rank's shard
+            self.tensors = state_tensors(self.model)
+            self._deferring = leader
+            held = sum(t.to_local().numel() if hasattr(t, "to_local") else t.numel() for t in self.tensors.values())
+            self.log.info("learner.group_sharded", rank=group.rank, holds=held,
+                          of=sum(t.numel() for t in self.tensors.values()))
         opt, sched = make_inner_optimizer(self.model.parameters(), self.algo, tokens=self._step_run_tokens)
         if self._boot_optimizer is not None:  # a peer's AdamW state and place in the per-life ramp
             opt.load_state_dict(self._boot_optimizer)
@@ -547,9 +577,6 @@ class Learner:
                           life_steps=self._boot_life_steps)
             self._boot_optimizer = None
         self._opt, self._sched = opt, sched
-        group = self.group
-        leader = group is None or group.leader
-        train_model = group.wrap(self.model, self.device) if group is not None else self.model
         accum = self.algo.inner_grad_accum
         autocast = self._autocast()
         batches: Iterator[Any] = iter(self.task.batches(self.stream, self.run_cfg.task.seed, self.data_position))
@@ -581,9 +608,20 @@ class Learner:
                     done = True
             tokens = sum(count_tokens(self.task, b) for b in ready) if ready and not (stop or done or skip) else 0
             if group is not None:   # the group agrees: stop, budget, barrier, tokens, merged fragments
+                want = self._wanted_whole(min_steps) if self._deferring and not (stop or done) else ()
                 b = group.boundary(fragments=len(self.plan), stop=stop, done=done, skip=skip, tokens=tokens,
-                                   run_tokens=self.run_tokens() if leader else 0.0, changed=self._changed)
-                group.share_fragments(self.plan, self.tensors, self._changed, b.changed)
+                                   run_tokens=self.run_tokens() if leader else 0.0, changed=self._changed,
+                                   gather=want)
+                if b.gather:        # a sharded group's second phase (learner/group.py)
+                    self._gathered = group.gather_fragments(self.plan, self.tensors, b.gather)
+                    try:
+                        if leader:
+                            self._apply_deferred(min_steps)
+                    finally:
+                        self._gathered = None
+                    group.share_changed(self.plan, self.tensors, self._changed)
+                else:
+                    group.share_fragments(self.plan, self.tensors, self._changed, b.changed)
                 self._changed.clear()
                 stop, done, skip, tokens, self._group_run_tokens = b.stop, b.done, b.skip, b.tokens, b.run_tokens
             if stop or done:
@@ -596,7 +634,7 @@ class Learner:
             for i, batch in enumerate(ready):                # ∇L over inner_grad_accum micro-batches
                 self.stats.batches += 1
                 # in a group, gradients are averaged over the ranks on the last micro-batch only
-                sync = contextlib.nullcontext() if group is None or i == accum - 1 else train_model.no_sync()
+                sync = contextlib.nullcontext() if group is None or i == accum - 1 else group.no_sync(train_model)
                 with sync:
                     with autocast:
                         loss = scalar_loss(self.task, train_model, batch_to(batch, self.device)) / accum
@@ -711,7 +749,10 @@ class Learner:
                 self._outbox.put(Have(p, int(self.base_epoch[p]), int(self.base_version[p]), self.base_values[p]))
             return
         if isinstance(item, FragmentArrived):
-            self._apply(item)
+            if self._deferring:       # rank 0 of a sharded group: applied at the step boundary
+                self._deferred.append(item)
+            else:
+                self._apply(item)
         elif isinstance(item, RoundOpened):
             self._pending_open[item.fragment] = item
             p = item.fragment
@@ -726,7 +767,8 @@ class Learner:
         us: the merged bases and their versions (not our unmerged steps: those are ours to
         answer), AdamW state, our place in the per-life ramp. Serialised off this thread."""
         opt = self._opt
-        if opt is None or any(v is None for v in self.base_values) or self.status != "training":
+        sharded = self.group is not None and self.group.sharded   # AdamW state is spread over the ranks
+        if opt is None or sharded or any(v is None for v in self.base_values) or self.status != "training":
             return PeerState(want.identity, want.requester, None)
         t0 = time.perf_counter()
         opt_state = opt.state_dict()
@@ -888,11 +930,14 @@ class Learner:
             value, self.c_steps[p], self.c_tokens[p] = item.values, 0, 0
         else:  # carry the steps not merged yet (not across a move back), or overwrite / α-mix
             carry = self.algo.carry_local_steps and continuing
-            local = gather(self.tensors, frag).cpu() if carry or self.algo.mix_alpha > 0 else None
+            local = self._local_values(p) if carry or self.algo.mix_alpha > 0 else None
             value, self.c_steps[p], self.c_tokens[p] = receive_merged(
                 item.values, local, self.base_values[p], contributed, int(self.c_steps[p]),
                 int(self.c_tokens[p]), carry=carry, mix_alpha=self.algo.mix_alpha)
-        scatter(self.tensors, frag, value)
+        if self._gathered is not None:    # a sharded group: the value reaches the shards after this
+            self._gathered[p] = value
+        else:
+            scatter(self.tensors, frag, value)
         if self.group is not None:
             self._changed[p] = value
         self.base_values[p] = item.values
@@ -940,7 +985,34 @@ class Learner:
             self.stats.updates_replayed += 1
             self._apply(item)
 
+    def _local_values(self, p: int) -> torch.Tensor:
+        """This learner's current value of fragment p (flat, on the CPU; a new tensor or one
+        never written in place)."""
+        if self._gathered is not None:
+            return self._gathered[p]
+        if self._deferring:
+            raise RuntimeError(f"fragment {p} read outside a step boundary of a sharded group")
+        return gather(self.tensors, self.plan[p]).cpu()
+
+    def _wanted_whole(self, min_steps: int) -> list[int]:
+        """Rank 0 of a sharded group, before a boundary: the fragments it will need whole there
+        (merges to apply; rounds it may answer)."""
+        want = {item.fragment for item in self._deferred}
+        want.update(p for p in self._pending_open
+                    if self.c_steps[p] >= min_steps and self.base_values[p] is not None)
+        return sorted(want)
+
+    def _apply_deferred(self, min_steps: int) -> None:
+        """Rank 0 of a sharded group, at a boundary with the wanted fragments gathered: apply the
+        merges that arrived, then answer the open rounds (after them, as without sharding)."""
+        deferred, self._deferred = self._deferred, []
+        for item in deferred:
+            self._apply(item)
+        self._answer_open_rounds(min_steps)
+
     def _answer_open_rounds(self, min_steps: int) -> None:
+        if self._deferring and self._gathered is None:
+            return    # a sharded group answers at its step boundary (``_apply_deferred``)
         for p, o in list(self._pending_open.items()):
             if self.c_steps[p] < min_steps or self.base_values[p] is None or o.epoch != self.base_epoch[p]:
                 continue
@@ -954,7 +1026,7 @@ class Learner:
             if key in self._answered:
                 continue
             self._answered.add(key)
-            snapshot = gather(self.tensors, self.plan[p]).cpu()  # a copy; delta and quantization off-thread
+            snapshot = self._local_values(p)  # a copy; delta and quantization off-thread
             self._contributed[p] = Contribution(snapshot, int(self.c_steps[p]), int(self.c_tokens[p]))
             self._outbox.put(Answer(fragment=p, epoch=o.epoch, round=o.round, attempt=o.attempt,
                                     base=int(self.base_version[p]), base_values=self.base_values[p],

@@ -68,3 +68,47 @@ def test_a_two_rank_torchrun_learner_contributes_and_every_rank_receives_the_mer
         assert [e["rank"] for e in _events(text, "learner.group_aborted")] == [1], text[-3000:]
     finally:
         stop_processes(procs)
+
+
+def test_a_sharded_two_rank_learner_answers_and_applies_merges_at_step_boundaries(tmp_path, redis_server):
+    """``--group-sharding fsdp``: each rank holds part of the model; rank 0 answers rounds and
+    carries its steps over merges with fragments the group gathers at step boundaries."""
+    d = start_hand_daemons(tmp_path, redis_server.url, "fsdp")
+    net, env, procs = d.net, d.env, d.procs
+    try:
+        solo = subprocess.Popen([sys.executable, "-m", "learner", *net, "--learner-id", "solo", "--steps", "60",
+                                 "--step-time-floor-ms", "30"],
+                                env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        group = subprocess.Popen([sys.executable, "-m", "ddloco", "learner", "--nproc", "2", *net,
+                                  "--group-sharding", "fsdp", "--learner-id", "pair", "--steps", "60",
+                                  "--step-time-floor-ms", "30"],
+                                 env=env, stderr=subprocess.STDOUT, stdout=subprocess.PIPE, text=True)
+        procs += [solo, group]
+        out, _ = group.communicate(timeout=240)
+        assert group.returncode == 0, out[-3000:]
+        _, err = solo.communicate(timeout=120)
+        assert solo.returncode == 0, err[-2000:]
+
+        assert _events(out, "learner.group")[0]["sharding"] == "fsdp"
+        held = {e["rank"]: e for e in _events(out, "learner.group_sharded")}
+        assert set(held) == {0, 1}, out[-3000:]
+        total = held[0]["of"]
+        assert 0 < held[0]["holds"] < total and 0 < held[1]["holds"] < total    # neither rank has it all
+        assert held[0]["holds"] + held[1]["holds"] >= total
+        trained = {e["rank"]: e for e in _events(out, "learner.group_trained")}
+        assert trained[0]["steps"] == trained[1]["steps"] == 60
+        assert trained[0]["params_digest"] == trained[1]["params_digest"]
+
+        r = control.connect(redis_server.url)
+        keys = Keys("fsdp")
+        pair, alone = r.hgetall(keys.learner("pair")), r.hgetall(keys.learner("solo"))
+        assert int(pair["tokens"]) == 2 * int(alone["tokens"]) > 0
+        assert int(pair["answers"]) >= 3 and int(pair["merges_applied"]) >= 3
+        # it learnt: the training loss of the pair is well below a byte model's start (ln 256 = 5.55)
+        assert 0 < float(pair["loss_ema"]) < 5.0, pair
+        res = subprocess.run([sys.executable, "-m", "ddloco", "status", "--json", *net[:-2]], capture_output=True,
+                             text=True, env=env, timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["learners"]["pair"]["merged_contributions"] >= 3
+    finally:
+        stop_processes(procs)
