@@ -333,9 +333,13 @@ def main(argv: Sequence[str]) -> int:
     if argv and argv[0] == "sync":   # the real daemons at scale: its own flags (ddloco bench sync --help)
         from bench.sync import main as sync_main
         return sync_main(argv[1:])
+    if argv and argv[0] == "group":  # a torchrun learner per rank, DDP vs FSDP (ddloco bench group --help)
+        from bench.group import main as group_main
+        return group_main(argv[1:])
     ap = argparse.ArgumentParser(prog="ddloco bench", description="Micro benchmarks of the hot paths. "
                                  "Timings are medians on this machine; compare figures from one run only.")
-    ap.add_argument("name", choices=[*BENCHES, "all"], help="(and sync: the real daemons with a synthetic "
+    ap.add_argument("name", choices=[*BENCHES, "all"], help="(and group: a torchrun learner's cost per rank, "
+                    "DDP vs FSDP, ddloco bench group --help; sync: the real daemons with a synthetic "
                     "model of N parameters, ddloco bench sync --help) codec: encode/decode time, size and error of each "
                     "codec; wire: whole-message encode/decode; merge: a syncer merge of one fragment; broker: "
                     "throughput to 2 live subscribers, with and without one that never reads (delivered counts, "

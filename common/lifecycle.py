@@ -81,3 +81,13 @@ def peak_rss_mb() -> float:
     """This process's peak resident memory (MiB), as the kernel counts it (ru_maxrss)."""
     import resource
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)
+
+
+def rss_mb() -> float:
+    """This process's resident memory now (MiB; /proc/self/statm, 0.0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return round(pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)

@@ -782,7 +782,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_learner)
 
     sub.add_parser("sim", help="goodput simulator at paper scale (ddloco sim --help)", add_help=False)
-    sub.add_parser("bench", help="micro benchmarks: codec, wire, merge, broker, curve; sync: the daemons at scale (ddloco bench --help)",
+    sub.add_parser("bench", help="micro benchmarks: codec, wire, merge, broker, curve; sync: the daemons at scale; group: a torchrun learner per rank, DDP vs FSDP (ddloco bench --help)",
                    add_help=False)
     sub.add_parser("export", help="write the global model (live run or checkpoints) to a safetensors file "
                    "(ddloco export --help)", add_help=False)

@@ -33,7 +33,7 @@ from common.fragments import (Fragment, describe_plan_difference, gather, model_
                               scatter, state_tensors)
 from common.keys import Keys
 from common.merge import Contribution, receive_merged
-from common.lifecycle import peak_rss_mb, process_start_time
+from common.lifecycle import peak_rss_mb, process_start_time, rss_mb
 from common.log import get_logger
 from learner.network import (Answer, AskPeer, Fetch, FragmentArrived, Have, NetworkThread, Outbox, PeerState,
                              PeerStateArrived, PeerStateWanted, RoundOpened, StateRequested, optimizer_digest)
@@ -190,6 +190,7 @@ class Learner:
         boundary (``_deferred``), where the group gathers the fragments rank 0 needs whole
         (``_gathered``: p → flat value, updated as merges are applied); None between boundaries."""
         self._deferring = False
+        self._trained_rss_mb = 0.0
 
     # ------------------------------------------------------------------ join
     def _prepare(self, run: RunConfig) -> None:
@@ -495,6 +496,7 @@ class Learner:
     def _train(self) -> None:
         ended = self._train_steps()
         if self.group is not None:
+            self._trained_rss_mb = rss_mb()
             if self.group.sharded:   # the whole model here (a collective), then rank 0 flushes alone
                 self.tensors = self.group.materialize(self.model)
                 self._deferring = False
@@ -502,12 +504,22 @@ class Learner:
                 for item in deferred:
                     self._apply(item)
             self.log.info("learner.group_trained", rank=0, ranks=self.group.world, steps=self.stats.steps,
-                          params_digest=params_digest(self.tensors))
+                          params_digest=params_digest(self.tensors), **self._rank_figures())
         if ended:
             self._flush()
         self._drain_inbox()
 
     # ------------------------------------------------------------------ a torchrun group (learner/group.py)
+    def _rank_figures(self) -> dict[str, Any]:
+        """What one rank of a group cost: its training time, peak RSS (MB), RSS at the end of
+        training (before a sharded group gathers the whole model), and on CUDA the device's peak
+        allocated memory (MB)."""
+        out: dict[str, Any] = {"train_s": round(self.stats.train_s, 3), "peak_rss_mb": peak_rss_mb(),
+                               "trained_rss_mb": self._trained_rss_mb, "sharding": self._sharding}
+        if self.device.type == "cuda":
+            out["peak_device_mb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
+        return out
+
     def _lead_group(self) -> None:
         """Rank 0, prepared: join the group and tell the other ranks what they cannot read
         themselves (the run config, data stream and position, the schedule's token count)."""
@@ -545,10 +557,11 @@ class Learner:
         g.share_changed(self.plan, self.tensors, {})
         try:
             self._train_steps()
+            self._trained_rss_mb = rss_mb()
             if g.sharded:
                 self.tensors = g.materialize(self.model)
             self.log.info("learner.group_trained", rank=g.rank, ranks=g.world, steps=self.stats.steps,
-                          params_digest=params_digest(self.tensors))
+                          params_digest=params_digest(self.tensors), **self._rank_figures())
         finally:
             self.status = "stopped"
             g.close()
@@ -1104,7 +1117,8 @@ class Learner:
                 "started_at": self._process_started_at, "boot_phases": json.dumps(s.boot_phases), "updated_at": time.time(), "incarnation": self.incarnation,
                 "last_contrib_fragment": s.last_contrib_fragment, "first_answer": s.first_answer,
                 "bootstrap": s.bootstrap, "bootstraps_served": s.bootstraps_served,
-                "peer": getattr(getattr(self, "net", None), "peer_endpoint", ""), "last_contrib_at": s.last_contrib_at,
+                "peer": "" if self._sharding == "fsdp" else getattr(getattr(self, "net", None), "peer_endpoint", ""),
+                "last_contrib_at": s.last_contrib_at,
                 "data_shard": self.options.data_shard, "data_stream": self.stream, "pid": os.getpid(), "host": socket.gethostname(),
                 "data_position": self.data_position + s.batches, "answers_replaced": self._outbox.replaced,
                 "bytes_fetched": s.bytes_fetched, "chunks_fetched": s.chunks_fetched,

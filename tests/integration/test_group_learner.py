@@ -106,6 +106,7 @@ def test_a_sharded_two_rank_learner_answers_and_applies_merges_at_step_boundarie
         assert int(pair["answers"]) >= 3 and int(pair["merges_applied"]) >= 3
         # it learnt: the training loss of the pair is well below a byte model's start (ln 256 = 5.55)
         assert 0 < float(pair["loss_ema"]) < 5.0, pair
+        assert pair["peer"] == "" and alone["peer"]   # no joiner asks it for AdamW state it holds 1/N of
         res = subprocess.run([sys.executable, "-m", "ddloco", "status", "--json", *net[:-2]], capture_output=True,
                              text=True, env=env, timeout=60)
         assert res.returncode == 0, res.stderr
