@@ -42,7 +42,8 @@ def _up(tag: str, args: argparse.Namespace, out: Path, *, sync_every: int) -> di
            "--task", "bench.synthetic:task", "--task-arg", f"params={int(args.params)}",
            "--learners", str(args.learners), "--syncers", str(args.syncers), "--steps", "0",
            "--minutes", str(args.minutes), "--step-time-floor-ms", str(args.step_time_floor_ms),
-           "--sync-every", str(sync_every), "--report", str(report)]
+           "--sync-every", str(sync_every), "--fragments", str(args.fragments), "--tau", str(args.tau),
+           "--report", str(report)]
     if args.eval_every_s > 0:
         cmd += ["--eval-every-s", str(args.eval_every_s)]
     else:
@@ -130,6 +131,8 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--sync-every", type=int, default=d.sync_every_steps,
                     help=f"H of the run with sync (default {d.sync_every_steps}, the run's default)")
     ap.add_argument("--fragments", type=int, default=d.fragments, help=f"P (default {d.fragments}, the run's default)")
+    ap.add_argument("--tau", type=int, default=d.tau, help=f"τ: rounds in flight per shard (default {d.tau}, "
+                    "the run's default)")
     ap.add_argument("--eval-every-s", type=float, default=0.0, help="up's periodic evaluation of the global "
                     "model, seconds (default 0: none, only the initial and final ones; it is not the sync path)")
     ap.add_argument("--report", help="keep both runs' reports and bench.json here (default: a temp dir)")
@@ -145,7 +148,7 @@ def main(argv: Sequence[str]) -> int:
     res = summarise(with_sync, without, params=int(args.params), sync_every=args.sync_every,
                     fragments=args.fragments, syncers=args.syncers)
     res["config"] = {k: getattr(args, k) for k in ("learners", "syncers", "step_time_floor_ms", "minutes",
-                                                    "sync_every", "fragments")}
+                                                    "sync_every", "fragments", "tau")}
     (out / "bench.json").write_text(json.dumps(res, indent=2))
     if args.json:
         print(json.dumps(res, indent=2))

@@ -112,7 +112,12 @@ def _local_parts(piece: Piece, span_start: int, tensor: torch.Tensor, rank: int,
         local, lo, hi = tensor, 0, piece.tensor.numel
     a, b = max(lo, piece.start), min(hi, piece.stop)
     if a < b:
-        flat = local.detach().view(-1) if local.is_contiguous() else local.detach().reshape(-1)
+        if local.is_contiguous():
+            flat = local.detach().view(-1)
+        elif isinstance(tensor, DTensor):   # a copy would silently drop what is written into it
+            raise RuntimeError(f"{piece.name}: this rank's part is not contiguous")
+        else:                               # a buffer: only ever read here
+            flat = local.detach().reshape(-1)
         yield slice(span_start + a - piece.start, span_start + b - piece.start), flat[a - lo:b - lo]
 
 
