@@ -176,6 +176,18 @@ def due_fragments(
     return [p for _, p in due[:capacity]]
 
 
+def next_open_slot(slot_s: float | None, now_s: float, spacing_s: float) -> float:
+    """A shard's place in its opening schedule after an open at ``now_s`` (what it passes to
+    ``due_fragments`` as ``last_open_any_s`` next). Opens are spaced from the previous open's
+    *slot*, not from when the loop got to it: a loop that runs a little late each time (a 20 ms
+    poll, a busy core) would otherwise push every later open back by its lateness, and the delays
+    add up until rounds come less often than every H steps. An open more than one spacing late
+    puts the schedule one spacing behind now: one quick open to catch up, never a burst."""
+    if slot_s is None or spacing_s <= 0:
+        return now_s
+    return max(slot_s + spacing_s, now_s - spacing_s)
+
+
 def period_s(*, sync_every_steps: int, xi_step_s: float) -> float:
     """Seconds between two rounds of the same fragment: H · ξ_step."""
     if sync_every_steps < 1:
