@@ -10,7 +10,8 @@ from joined to stopped. Reports:
 - bytes up and down per learner step, and down ÷ up: all of it, and the broadcasts alone (the
   full values fetched at join and for repairs counted apart);
 - merges/s per shard (over the learners' training window) vs required (every owned fragment
-  once per H steps of the median learner);
+  once per H steps of the median learner), their ratio, and the merges counted behind schedule
+  (the fragment's steps between merges, an EMA, above 1.2 × H) ÷ all merges;
 - late answers (arrived after their round merged) ÷ answers received;
 - join time (process start to joined) and peak RSS per role (learner, shard), with the model's
   fp32 bytes for scale.
@@ -107,7 +108,11 @@ def summarise(with_sync: dict[str, Any], without: dict[str, Any], *, params: int
         "broadcast_down_over_up": round((down - fetched) / up, 3) if up else None,
         "merges_per_s_per_shard": {k: round(_f(h, "merges") / window, 4) for k, h in shards.items()} if window > 0 else {},
         "merges_per_s_required": round(required, 4),
+        "merges_over_required": (round(statistics.mean(_f(h, "merges") / window for h in shards.values()) / required, 4)
+                                 if window > 0 and required > 0 and shards else None),
         "rounds_behind": int(sum(_f(h, "rounds_behind") for h in shards.values())),
+        "behind_fraction": round(sum(_f(h, "rounds_behind") for h in shards.values())
+                                 / max(1.0, sum(_f(h, "merges") for h in shards.values())), 4),
         "late_answers": int(late),
         "late_fraction": round(late / (answers + late), 4) if answers + late else None,
         "merge_s_per_merge": round(sum(_f(h, "merge_s_sum") for h in shards.values())

@@ -1029,6 +1029,8 @@ class Learner:
         for p, o in list(self._pending_open.items()):
             if self.c_steps[p] < min_steps or self.base_values[p] is None or o.epoch != self.base_epoch[p]:
                 continue
+            if self._gathered is not None and p not in self._gathered:
+                continue  # not gathered at this boundary: answered at a later one
             if o.version > self.base_version[p]:
                 continue  # our base is stale (a fetch is on its way): answering now would undo merges
             del self._pending_open[p]

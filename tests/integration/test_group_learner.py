@@ -20,21 +20,28 @@ def _events(text: str, name: str) -> list[dict]:
     return [json.loads(m) for m in re.findall(r'\{[^{}]*"event": "' + re.escape(name) + r'"[^{}]*\}', text)]
 
 
+def _train_solo_and_pair(net: list[str], env: dict, procs: list, *extra: str) -> str:
+    """A 1-process learner "solo" and a 2-rank torchrun learner "pair", 60 steps each, side by
+    side in one run; both must end well. Returns the pair's output (both ranks' logs)."""
+    solo = subprocess.Popen([sys.executable, "-m", "learner", *net, "--learner-id", "solo", "--steps", "60",
+                             "--step-time-floor-ms", "30"],
+                            env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    group = subprocess.Popen([sys.executable, "-m", "ddloco", "learner", "--nproc", "2", *net, *extra,
+                              "--learner-id", "pair", "--steps", "60", "--step-time-floor-ms", "30"],
+                             env=env, stderr=subprocess.STDOUT, stdout=subprocess.PIPE, text=True)
+    procs += [solo, group]
+    out, _ = group.communicate(timeout=240)
+    assert group.returncode == 0, out[-3000:]
+    _, err = solo.communicate(timeout=120)
+    assert solo.returncode == 0, err[-2000:]
+    return out
+
+
 def test_a_two_rank_torchrun_learner_contributes_and_every_rank_receives_the_merges(tmp_path, redis_server):
     d = start_hand_daemons(tmp_path, redis_server.url, "grp")
     net, env, procs = d.net, d.env, d.procs
     try:
-        solo = subprocess.Popen([sys.executable, "-m", "learner", *net, "--learner-id", "solo", "--steps", "60",
-                                 "--step-time-floor-ms", "30"],
-                                env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        group = subprocess.Popen([sys.executable, "-m", "ddloco", "learner", "--nproc", "2", *net,
-                                  "--learner-id", "pair", "--steps", "60", "--step-time-floor-ms", "30"],
-                                 env=env, stderr=subprocess.STDOUT, stdout=subprocess.PIPE, text=True)
-        procs += [solo, group]
-        out, _ = group.communicate(timeout=240)
-        assert group.returncode == 0, out[-3000:]
-        _, err = solo.communicate(timeout=120)
-        assert solo.returncode == 0, err[-2000:]
+        out = _train_solo_and_pair(net, env, procs)
 
         # both ranks trained 60 steps and ended with the same parameters: rank 1 received every
         # merged fragment rank 0 applied (without the boundary broadcast they drift apart)
@@ -76,18 +83,7 @@ def test_a_sharded_two_rank_learner_answers_and_applies_merges_at_step_boundarie
     d = start_hand_daemons(tmp_path, redis_server.url, "fsdp")
     net, env, procs = d.net, d.env, d.procs
     try:
-        solo = subprocess.Popen([sys.executable, "-m", "learner", *net, "--learner-id", "solo", "--steps", "60",
-                                 "--step-time-floor-ms", "30"],
-                                env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        group = subprocess.Popen([sys.executable, "-m", "ddloco", "learner", "--nproc", "2", *net,
-                                  "--group-sharding", "fsdp", "--learner-id", "pair", "--steps", "60",
-                                  "--step-time-floor-ms", "30"],
-                                 env=env, stderr=subprocess.STDOUT, stdout=subprocess.PIPE, text=True)
-        procs += [solo, group]
-        out, _ = group.communicate(timeout=240)
-        assert group.returncode == 0, out[-3000:]
-        _, err = solo.communicate(timeout=120)
-        assert solo.returncode == 0, err[-2000:]
+        out = _train_solo_and_pair(net, env, procs, "--group-sharding", "fsdp")
 
         assert _events(out, "learner.group")[0]["sharding"] == "fsdp"
         held = {e["rank"]: e for e in _events(out, "learner.group_sharded")}

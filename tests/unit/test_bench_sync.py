@@ -24,5 +24,7 @@ def test_rates_bytes_and_merges_come_from_the_learners_training_window() -> None
     assert res["down_over_up"] == pytest.approx(18000 / 2000)
     assert res["merges_per_s_per_shard"] == {"0": 0.5}                     # over the 100 s window, not the wall
     assert res["merges_per_s_required"] == pytest.approx(4 * 0.85 / 10)     # 4 fragments, median 0.85 steps/s, H 10
+    assert res["merges_over_required"] == pytest.approx(0.5 / (4 * 0.85 / 10), abs=1e-4)
+    assert res["behind_fraction"] == pytest.approx(1 / 50)
     assert res["late_fraction"] == pytest.approx(5 / 100)
     assert res["peak_rss_mb"] == {"learner": 900.5, "shard": 700.0}
