@@ -181,11 +181,12 @@ def next_open_slot(slot_s: float | None, now_s: float, spacing_s: float) -> floa
     ``due_fragments`` as ``last_open_any_s`` next). Opens are spaced from the previous open's
     *slot*, not from when the loop got to it: a loop that runs a little late each time (a 20 ms
     poll, a busy core) would otherwise push every later open back by its lateness, and the delays
-    add up until rounds come less often than every H steps. An open more than one spacing late
-    puts the schedule one spacing behind now: one quick open to catch up, never a burst."""
+    add up until rounds come less often than every H steps. Lateness beyond half a spacing
+    (a stall, rounds in flight holding the shard back) is not made up: the next open is then
+    half a spacing away, so two opens are never closer than that."""
     if slot_s is None or spacing_s <= 0:
         return now_s
-    return max(slot_s + spacing_s, now_s - spacing_s)
+    return max(slot_s + spacing_s, now_s - spacing_s / 2)
 
 
 def period_s(*, sync_every_steps: int, xi_step_s: float) -> float:

@@ -180,7 +180,8 @@ class Learner:
         self.group: Group | None = Group(*ranks) if ranks is not None else None
         """This process's rank of a torchrun learner (learner/group.py); None: a learner of one process."""
         self._changed: dict[int, torch.Tensor] = {}
-        """In a group, rank 0's fragments changed since the last step boundary (the values it scattered)."""
+        """In a group, rank 0's fragments changed since the last step boundary (the values it
+        applied: scattered into its own tensors, or in a sharded group sent to every shard)."""
         self._group_run_tokens = 0.0
         self._sharding = "ddp"
         """In a group: "ddp" (every rank holds the whole model) or "fsdp" (rank 0 decides, at join)."""
@@ -447,6 +448,8 @@ class Learner:
             self.group.start(self._resolve_device())
             try:
                 self._redis_patient(self._join_control, "join")
+                self._sharding = resolve_sharding(self.options.group_sharding, self.device,
+                                                  sum(p.numel() for p in self.model.parameters()))
             except BaseException as e:
                 self.group.share({"abort": f"{type(e).__name__}: {e}"})
                 self.group.close()
@@ -515,7 +518,8 @@ class Learner:
         training (before a sharded group gathers the whole model), and on CUDA the device's peak
         allocated memory (MB)."""
         out: dict[str, Any] = {"train_s": round(self.stats.train_s, 3), "peak_rss_mb": peak_rss_mb(),
-                               "trained_rss_mb": self._trained_rss_mb, "sharding": self._sharding}
+                               "trained_rss_mb": self._trained_rss_mb, "sharding": self._sharding,
+                               "fragments_shared": self.group.shared if self.group is not None else 0}
         if self.device.type == "cuda":
             out["peak_device_mb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
         return out
@@ -525,8 +529,6 @@ class Learner:
         themselves (the run config, data stream and position, the schedule's token count)."""
         g = self.group
         self._group_run_tokens = self.run_tokens()
-        self._sharding = resolve_sharding(self.options.group_sharding, self.device,
-                                          sum(p.numel() for p in self.model.parameters()))
         g.share({"run": self.run_cfg.to_dict(), "learner_id": self.id, "stream": self.stream,
                  "data_position": self.data_position, "run_tokens": self._group_run_tokens,
                  "sharding": self._sharding})
@@ -621,15 +623,16 @@ class Learner:
                     done = True
             tokens = sum(count_tokens(self.task, b) for b in ready) if ready and not (stop or done or skip) else 0
             if group is not None:   # the group agrees: stop, budget, barrier, tokens, merged fragments
-                want = self._wanted_whole(min_steps) if self._deferring and not (stop or done) else ()
+                # (also at the last boundary: merges drained this iteration reach every rank)
+                want = self._wanted_whole(min_steps, answers=not (stop or done)) if self._deferring else ()
                 b = group.boundary(fragments=len(self.plan), stop=stop, done=done, skip=skip, tokens=tokens,
                                    run_tokens=self.run_tokens() if leader else 0.0, changed=self._changed,
                                    gather=want)
                 if b.gather:        # a sharded group's second phase (learner/group.py)
                     self._gathered = group.gather_fragments(self.plan, self.tensors, b.gather)
                     try:
-                        if leader:
-                            self._apply_deferred(min_steps)
+                        if leader:   # the last boundary applies merges; the flush answers after it
+                            self._apply_deferred(min_steps, answer=not (b.stop or b.done))
                     finally:
                         self._gathered = None
                     group.share_changed(self.plan, self.tensors, self._changed)
@@ -999,29 +1002,36 @@ class Learner:
             self._apply(item)
 
     def _local_values(self, p: int) -> torch.Tensor:
-        """This learner's current value of fragment p (flat, on the CPU; a new tensor or one
-        never written in place)."""
+        """This learner's current value of fragment p (flat float32 on the CPU, never written in
+        place afterwards): gathered from its tensors, or in a sharded group the value gathered or
+        applied at this boundary (an fp32 value as applied, before any cast to a buffer's dtype)."""
         if self._gathered is not None:
             return self._gathered[p]
         if self._deferring:
             raise RuntimeError(f"fragment {p} read outside a step boundary of a sharded group")
         return gather(self.tensors, self.plan[p]).cpu()
 
-    def _wanted_whole(self, min_steps: int) -> list[int]:
+    def _wanted_whole(self, min_steps: int, *, answers: bool = True) -> list[int]:
         """Rank 0 of a sharded group, before a boundary: the fragments it will need whole there
-        (merges to apply; rounds it may answer)."""
+        (merges to apply; with ``answers``, rounds it may answer)."""
         want = {item.fragment for item in self._deferred}
-        want.update(p for p in self._pending_open
-                    if self.c_steps[p] >= min_steps and self.base_values[p] is not None)
+        if not answers:
+            return sorted(want)
+        want.update(p for p, o in self._pending_open.items()   # what _answer_open_rounds would answer
+                    if self.c_steps[p] >= min_steps and self.base_values[p] is not None
+                    and o.epoch == self.base_epoch[p] and o.version >= self.base_version[p]
+                    and (o.epoch, o.fragment, o.round, o.attempt) not in self._answered)
         return sorted(want)
 
-    def _apply_deferred(self, min_steps: int) -> None:
+    def _apply_deferred(self, min_steps: int, *, answer: bool = True) -> None:
         """Rank 0 of a sharded group, at a boundary with the wanted fragments gathered: apply the
-        merges that arrived, then answer the open rounds (after them, as without sharding)."""
+        merges that arrived, then (``answer``) answer the open rounds (after them, as without
+        sharding)."""
         deferred, self._deferred = self._deferred, []
         for item in deferred:
             self._apply(item)
-        self._answer_open_rounds(min_steps)
+        if answer:
+            self._answer_open_rounds(min_steps)
 
     def _answer_open_rounds(self, min_steps: int) -> None:
         if self._deferring and self._gathered is None:
@@ -1029,17 +1039,19 @@ class Learner:
         for p, o in list(self._pending_open.items()):
             if self.c_steps[p] < min_steps or self.base_values[p] is None or o.epoch != self.base_epoch[p]:
                 continue
-            if self._gathered is not None and p not in self._gathered:
-                continue  # not gathered at this boundary: answered at a later one
             if o.version > self.base_version[p]:
                 continue  # our base is stale (a fetch is on its way): answering now would undo merges
-            del self._pending_open[p]
             if o.version < self.base_version[p]:
+                del self._pending_open[p]
                 self.stats.stale_opens += 1  # that round has merged already
                 continue
             key = (o.epoch, o.fragment, o.round, o.attempt)
             if key in self._answered:
+                del self._pending_open[p]
                 continue
+            if self._gathered is not None and p not in self._gathered:
+                continue  # a sharded group did not gather it at this boundary: answered at a later one
+            del self._pending_open[p]
             self._answered.add(key)
             snapshot = self._local_values(p)  # a copy; delta and quantization off-thread
             self._contributed[p] = Contribution(snapshot, int(self.c_steps[p]), int(self.c_tokens[p]))

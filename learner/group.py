@@ -72,13 +72,26 @@ def rank_stream(stream: int, rank: int) -> int:
     return zlib.crc32(f"{stream}/{rank}".encode()) % (2**31 - 1)
 
 
+def fsdp_available() -> bool:
+    """This torch has FSDP2 (``fully_shard``, torch >= 2.6) and DTensor."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+        from torch.distributed.tensor import DTensor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def resolve_sharding(option: str, device: torch.device, n_params: int) -> str:
-    """"ddp" or "fsdp" for ``--group-sharding option`` (``auto``: see FSDP_AUTO_FRACTION)."""
+    """"ddp" or "fsdp" for ``--group-sharding option`` (``auto``: see FSDP_AUTO_FRACTION; it
+    replicates where this torch has no FSDP2, which ``fsdp`` refuses)."""
     if option not in SHARDINGS:
         raise ValueError(f"group sharding must be one of {', '.join(SHARDINGS)}, got {option!r}")
+    if option == "fsdp" and not fsdp_available():
+        raise ValueError(f"--group-sharding fsdp needs torch >= 2.6 (fully_shard); this is torch {torch.__version__}")
     if option != "auto":
         return option
-    if device.type != "cuda":
+    if device.type != "cuda" or not fsdp_available():
         return "ddp"
     total = torch.cuda.get_device_properties(device).total_memory
     return "fsdp" if 16 * n_params > FSDP_AUTO_FRACTION * total else "ddp"
@@ -143,6 +156,8 @@ class Group:
         self.backend = ""
         self.sharded = False
         """The model is sharded over the ranks (FSDP); set by ``wrap``."""
+        self.shared = 0
+        """Fragment values this rank took part in sharing (join and merges; the same on every rank)."""
 
     @property
     def leader(self) -> bool:
@@ -283,6 +298,7 @@ class Group:
         for p in changed:
             flat = values[p].contiguous() if self.leader else torch.empty(plan[p].numel, dtype=torch.float32)
             dist.broadcast(flat, src=0, group=self.ctl)
+            self.shared += 1
             if self.sharded:
                 self._scatter_local(plan[p], tensors, flat)
             elif not self.leader:

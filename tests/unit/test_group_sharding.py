@@ -88,3 +88,11 @@ def test_sharding_choice():
     assert resolve_sharding("ddp", cpu, 10) == "ddp"
     with pytest.raises(ValueError, match="ddp, fsdp"):
         resolve_sharding("zero3", cpu, 10)
+
+
+def test_a_torch_without_fsdp2_is_refused_for_fsdp_and_replicates_on_auto(monkeypatch):
+    import learner.group as group
+    monkeypatch.setattr(group, "fsdp_available", lambda: False)
+    with pytest.raises(ValueError, match="needs torch >= 2.6"):
+        group.resolve_sharding("fsdp", torch.device("cpu"), 10)
+    assert group.resolve_sharding("auto", torch.device("cpu"), 10**12) == "ddp"
