@@ -176,17 +176,34 @@ def due_fragments(
     return [p for _, p in due[:capacity]]
 
 
-def next_open_slot(slot_s: float | None, now_s: float, spacing_s: float) -> float:
-    """A shard's place in its opening schedule after an open at ``now_s`` (what it passes to
-    ``due_fragments`` as ``last_open_any_s`` next). Opens are spaced from the previous open's
-    *slot*, not from when the loop got to it: a loop that runs a little late each time (a 20 ms
-    poll, a busy core) would otherwise push every later open back by its lateness, and the delays
-    add up until rounds come less often than every H steps. Lateness beyond half a spacing
-    (a stall, rounds in flight holding the shard back) is not made up: the next open is then
-    half a spacing away, so two opens are never closer than that."""
-    if slot_s is None or spacing_s <= 0:
-        return now_s
-    return max(slot_s + spacing_s, now_s - spacing_s / 2)
+class OpenSchedule:
+    """A shard's opening schedule. Opens are spaced from the previous open's *slot* (its place in
+    the schedule), not from when the loop got to it: a loop that runs a little late each time (a
+    20 ms poll, a busy core) would otherwise push every later open back by its lateness, and the
+    delays add up until rounds come less often than every H steps. Up to one spacing of lateness
+    (a stall, rounds in flight holding the shard back) is made up, by opens half a spacing apart;
+    more is dropped. Two opens are never closer than half a spacing: no bursts."""
+
+    def __init__(self) -> None:
+        self.slot_s: float | None = None
+        """The slot of the last open."""
+        self.last_s: float | None = None
+        """When the last open actually happened."""
+
+    def record(self, now_s: float, spacing_s: float) -> None:
+        """An open happened at ``now_s``."""
+        if self.slot_s is None or spacing_s <= 0:
+            self.slot_s = now_s
+        else:
+            self.slot_s = max(self.slot_s + spacing_s, now_s - spacing_s)
+        self.last_s = now_s
+
+    def last_open_any_s(self, spacing_s: float) -> float | None:
+        """What ``due_fragments`` takes as ``last_open_any_s``: the next open may come one
+        spacing after the slot, but not sooner than half a spacing after the last open."""
+        if self.slot_s is None or self.last_s is None:
+            return None
+        return max(self.slot_s, self.last_s - spacing_s / 2)
 
 
 def period_s(*, sync_every_steps: int, xi_step_s: float) -> float:

@@ -35,8 +35,8 @@ from common.security import Security
 from common.log import get_logger
 from common.merge import OuterAccumulator, contribution_weights, outer_step, quantized_update
 from common.robust import NormClipper, bound_claims
-from common.quorum import (Decision, Ema, QuorumPolicy, RoundView, decide_round, due_fragments, grace_window_s,
-                           next_open_slot)
+from common.quorum import (Decision, Ema, OpenSchedule, QuorumPolicy, RoundView, decide_round, due_fragments,
+                           grace_window_s)
 from tasks.contract import Task, TaskError, bind_task, build_model, count_tokens
 
 CONTROL_REFRESH_S = 0.5
@@ -348,8 +348,8 @@ class Shard:
         self._merger = ThreadPoolExecutor(max_workers=MERGE_WORKERS, thread_name_prefix=f"{self.id}-merge")
         self._open_sockets()
         self.started_at = self.clock()
-        self._open_slot: float | None = None
-        """Where the opening schedule stands: the slot of the last open (``next_open_slot``)."""
+        self._opens = OpenSchedule()
+        """Where the opening schedule stands (common/quorum.py)."""
         self._refresh_control(force=True)
         control.add_event(self.redis, self.keys, "shard_start", shard=self.options.shard,
                           versions={p: f.version for p, f in self.frags.items()})
@@ -727,13 +727,13 @@ class Shard:
         ready = [p for p, f in self.frags.items() if f.recovery is None]
         for p in due_fragments(now, owned=ready, last_opened_s=last, in_flight=in_flight,
                                period_s=period, tau=tau, started_s=self.started_at, n_fragments=algo.fragments,
-                               min_spacing_s=spacing, last_open_any_s=self._open_slot):
+                               min_spacing_s=spacing, last_open_any_s=self._opens.last_open_any_s(spacing)):
             f = self.frags[p]
             f.round = OpenRound(round_id=f.next_round, opened_at=now,
                                 timed=any(h.get("status") in HOLDING for h in self.live.values()))
             f.next_round += 1
             f.last_opened_at = now
-            self._open_slot = next_open_slot(self._open_slot, now, spacing)
+            self._opens.record(now, spacing)
             self._send_open(f, now)
 
     def _reopen_after_s(self, rnd: OpenRound, xi_step: float) -> float:
