@@ -63,6 +63,7 @@ def _rank(rank: int, store: str) -> None:
         for p, v in after.items():
             assert torch.equal(v, gather(trained, plan[p])), p
             assert not torch.equal(v, gather(full, plan[p])), p   # the step moved every fragment
+        dist.barrier()   # tear down together: a rank that leaves first can make gloo abort the other
     finally:
         dist.destroy_process_group()
 
