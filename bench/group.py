@@ -36,7 +36,7 @@ from common.lifecycle import stop_processes
 from common.redis_server import EmbeddedRedis, free_port
 
 
-def _events(text: str, name: str) -> list[dict[str, Any]]:
+def log_events(text: str, name: str) -> list[dict[str, Any]]:
     """Flat JSON log records of event ``name`` (ranks share one pipe: lines can run together)."""
     return [json.loads(m) for m in re.findall(r'\{[^{}]*"event": "' + re.escape(name) + r'"[^{}]*\}', text)]
 
@@ -76,8 +76,8 @@ def _one(sharding: str, args: argparse.Namespace, redis_url: str, work: Path) ->
         text = (logs / "learner.log").read_text(errors="replace")
         if learner.returncode != 0:
             raise RuntimeError(f"the {sharding} learner exited {learner.returncode}: {text[-2000:]}")
-        ranks = {e["rank"]: e for e in _events(text, "learner.group_trained")}
-        held = {e["rank"]: e for e in _events(text, "learner.group_sharded")}
+        ranks = {e["rank"]: e for e in log_events(text, "learner.group_trained")}
+        held = {e["rank"]: e for e in log_events(text, "learner.group_sharded")}
         if set(ranks) != set(range(args.nproc)):
             raise RuntimeError(f"{sharding}: ranks {sorted(ranks)} reported, expected {args.nproc}: {text[-2000:]}")
         r = control.connect(redis_url)

@@ -499,20 +499,27 @@ class Learner:
     def _train(self) -> None:
         ended = self._train_steps()
         if self.group is not None:
-            self._trained_rss_mb = rss_mb()
-            if self.group.sharded:   # the whole model here (a collective), then rank 0 flushes alone
-                self.tensors = self.group.materialize(self.model)
+            self._group_trained()
+            if self._deferring:      # rank 0 holds the whole model now and flushes alone
                 self._deferring = False
                 deferred, self._deferred = self._deferred, []
                 for item in deferred:
                     self._apply(item)
-            self.log.info("learner.group_trained", rank=0, ranks=self.group.world, steps=self.stats.steps,
-                          params_digest=params_digest(self.tensors), **self._rank_figures())
         if ended:
             self._flush()
         self._drain_inbox()
 
     # ------------------------------------------------------------------ a torchrun group (learner/group.py)
+    def _group_trained(self) -> None:
+        """Every rank, after its last step: a sharded group gathers the whole model (a collective,
+        at the same point on every rank), then each rank logs what it trained and cost."""
+        g = self.group
+        self._trained_rss_mb = rss_mb()
+        if g.sharded:
+            self.tensors = g.materialize(self.model)
+        self.log.info("learner.group_trained", rank=g.rank, ranks=g.world, steps=self.stats.steps,
+                      params_digest=params_digest(self.tensors), **self._rank_figures())
+
     def _rank_figures(self) -> dict[str, Any]:
         """What one rank of a group cost: its training time, peak RSS (MB), RSS at the end of
         training (before a sharded group gathers the whole model), and on CUDA the device's peak
@@ -559,11 +566,7 @@ class Learner:
         g.share_changed(self.plan, self.tensors, {})
         try:
             self._train_steps()
-            self._trained_rss_mb = rss_mb()
-            if g.sharded:
-                self.tensors = g.materialize(self.model)
-            self.log.info("learner.group_trained", rank=g.rank, ranks=g.world, steps=self.stats.steps,
-                          params_digest=params_digest(self.tensors), **self._rank_figures())
+            self._group_trained()
         finally:
             self.status = "stopped"
             g.close()

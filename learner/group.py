@@ -255,16 +255,11 @@ class Group:
                         buf = torch.zeros(frag.numel, dtype=torch.float32, device=values.device)
                     buf[where] = values.to(torch.float32)
             if buf is None:   # this rank holds none of it (fewer rows than ranks)
-                buf = torch.zeros(frag.numel, dtype=torch.float32, device=self._collective_device(tensors))
+                buf = torch.zeros(frag.numel, dtype=torch.float32, device=next(iter(tensors.values())).device)
             dist.reduce(buf, dst=0)
             if self.leader:
                 out[p] = buf.cpu()
         return out
-
-    def _collective_device(self, tensors: Mapping[str, torch.Tensor]) -> torch.device:
-        for t in tensors.values():
-            return t.device if t.device.type != "meta" else torch.device("cpu")
-        return torch.device("cpu")
 
     def share_changed(self, plan: tuple[Fragment, ...], tensors: Mapping[str, torch.Tensor],
                       values: Mapping[int, torch.Tensor]) -> list[int]:

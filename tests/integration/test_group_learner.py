@@ -2,22 +2,17 @@
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 
 import pytest
 
+from bench.group import log_events
 from common import control
 from common.keys import Keys
 from tests.conftest import start_hand_daemons, stop_processes
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _events(text: str, name: str) -> list[dict]:
-    """Flat JSON log records of event ``name`` (both ranks write to one pipe: lines can run together)."""
-    return [json.loads(m) for m in re.findall(r'\{[^{}]*"event": "' + re.escape(name) + r'"[^{}]*\}', text)]
 
 
 def _train_solo_and_pair(net: list[str], env: dict, procs: list, *extra: str) -> str:
@@ -45,11 +40,11 @@ def test_a_two_rank_torchrun_learner_contributes_and_every_rank_receives_the_mer
 
         # both ranks trained 60 steps and ended with the same parameters: rank 1 received every
         # merged fragment rank 0 applied (without the boundary broadcast they drift apart)
-        trained = {e["rank"]: e for e in _events(out, "learner.group_trained")}
+        trained = {e["rank"]: e for e in log_events(out, "learner.group_trained")}
         assert set(trained) == {0, 1}, out[-3000:]
         assert trained[0]["steps"] == trained[1]["steps"] == 60
         assert trained[0]["params_digest"] == trained[1]["params_digest"]
-        assert _events(out, "learner.group")[0]["backend"] == "gloo"
+        assert log_events(out, "learner.group")[0]["backend"] == "gloo"
 
         # the run saw one learner "pair" (no rank 1 member) with twice the tokens per step of "solo"
         r = control.connect(redis_server.url)
@@ -72,7 +67,7 @@ def test_a_two_rank_torchrun_learner_contributes_and_every_rank_receives_the_mer
                                  capture_output=True, text=True, timeout=180)
         text = refused.stdout + refused.stderr
         assert refused.returncode == 0 and "algo.quorum=2 (run has 1)" in text, text[-3000:]
-        assert [e["rank"] for e in _events(text, "learner.group_aborted")] == [1], text[-3000:]
+        assert [e["rank"] for e in log_events(text, "learner.group_aborted")] == [1], text[-3000:]
     finally:
         stop_processes(procs)
 
@@ -85,13 +80,13 @@ def test_a_sharded_two_rank_learner_answers_and_applies_merges_at_step_boundarie
     try:
         out = _train_solo_and_pair(net, env, procs, "--group-sharding", "fsdp")
 
-        assert _events(out, "learner.group")[0]["sharding"] == "fsdp"
-        held = {e["rank"]: e for e in _events(out, "learner.group_sharded")}
+        assert log_events(out, "learner.group")[0]["sharding"] == "fsdp"
+        held = {e["rank"]: e for e in log_events(out, "learner.group_sharded")}
         assert set(held) == {0, 1}, out[-3000:]
         total = held[0]["of"]
         assert 0 < held[0]["holds"] < total and 0 < held[1]["holds"] < total    # neither rank has it all
         assert held[0]["holds"] + held[1]["holds"] >= total
-        trained = {e["rank"]: e for e in _events(out, "learner.group_trained")}
+        trained = {e["rank"]: e for e in log_events(out, "learner.group_trained")}
         assert trained[0]["steps"] == trained[1]["steps"] == 60
         assert trained[0]["params_digest"] == trained[1]["params_digest"]   # (gathered alike: by construction)
         # merges rank 0 applied while training reached both ranks' shards: beyond the join's 4
