@@ -227,8 +227,11 @@ class AlgoConfig:
     paper's overwrite, which loses the steps taken between an answer and the merge's arrival."""
     mix_alpha: float = 0.0
     """alpha: learner keeps alpha*theta + (1-alpha)*Theta on receipt (0 = overwrite)."""
-    history_versions: int = 8
-    """Past versions kept per fragment to rebuild deltas against an older base."""
+    history_versions: int = 1
+    """Versions of each fragment's value a shard keeps to rebuild answers' deltas against their
+    base. Learners answer only from a base equal to the open round's version, and a fragment opens
+    no round while it merges, so the current version is all a merge reads (1, the default); each
+    extra version costs the shard one more copy of its share of the model."""
     lockstep: bool = False
     """Lock-step baseline: learners stop every H steps until every fragment is merged, and each
     round waits for every live learner (K = M whatever ``quorum`` says). This is Decoupled DiLoCo

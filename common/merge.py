@@ -361,12 +361,17 @@ def outer_step(theta: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor,
                spans: Sequence[tuple[int, int, str | bool]], algo: AlgoConfig, *, merges_done: int = 0
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The run's outer step with the merged outer gradient ``grad``, on copies (see
-    ``outer_update``); buffers take the learners' merged value, without the outer optimizer."""
-    new_theta, momentum = theta.clone(), momentum.clone()
+    ``outer_update``); buffers take the learners' merged value, without the outer optimizer.
+    With μ = 0 the momentum is returned as given (unchanged, not copied)."""
+    new_theta = theta.clone()
+    moving = algo.outer_momentum != 0
+    if moving:   # with μ = 0 the momentum is never read nor written: no copy of it per merge
+        momentum = momentum.clone()
     outer_nesterov_step(new_theta, momentum, grad, lr=outer_lr_at(algo.outer_lr, merges_done, algo.outer_warmup_merges),
                         momentum_coef=algo.outer_momentum, nesterov=algo.outer_nesterov)
     for start, stop, kind in spans:  # buffers: the learners' merged value, no outer optimizer
         if _span_kind(kind) in ("buffer", "int_buffer"):
             new_theta[start:stop] = theta[start:stop] - grad[start:stop]
-            momentum[start:stop] = 0.0
+            if moving:
+                momentum[start:stop] = 0.0
     return new_theta, momentum

@@ -85,7 +85,11 @@ class OpenRound:
 
 @dataclass
 class FragmentState:
-    """Global value, outer momentum, version and short history of one fragment."""
+    """Global value, outer momentum, version and short history of one fragment.
+
+    ``theta``, ``master`` and ``momentum`` are replaced by new tensors (a merge, a recovery, a
+    checkpoint load), never written in place: the history, a checkpoint being written and a merge
+    running on the worker thread hold references to them, not copies."""
 
     spec: Fragment
     theta: torch.Tensor
@@ -109,9 +113,6 @@ class FragmentState:
     """Recent outer-gradient norms of this fragment (robust merge)."""
     merging: "_MergeJob | None" = None
     """A closed round whose merge runs on the worker thread (no new round opens meanwhile)."""
-    scratch: tuple[torch.Tensor, ...] | None = None
-    """The merge accumulator's two buffers and one for an answer's outer gradient, reused by every
-    merge of this fragment (one at a time): fresh memory's page faults cost as much as the math."""
     last_merged_at: float | None = None
     effective_h: float = 0.0
     """EMA of the learner steps between two merges of this fragment (schedule check)."""
@@ -285,6 +286,8 @@ class Shard:
         self._served: dict[tuple[bytes, int], tuple[int, int, float]] = {}
         """(requester, fragment) -> (epoch, version, when) of the last full value sent to it."""
         self._merger: ThreadPoolExecutor | None = None
+        self._scratch = threading.local()
+        """Per merging thread: the buffers every merge on it reuses (``_merge_scratch``)."""
         """The merge worker: merges never block the socket loop."""
 
     # ---------------------------------------------------------------- set-up / tear-down
@@ -335,7 +338,7 @@ class Shard:
         for p in owned:
             theta = gather(params, self.plan[p])
             self.frags[p] = FragmentState(spec=self.plan[p], theta=theta, momentum=torch.zeros_like(theta),
-                                          history={0: theta.clone()})
+                                          history={0: theta})
         self.run_tokens = 0
         """The run's global token count as last seen in Redis (checkpointed; restored after a restart)."""
         recorded = self._recorded_versions()
@@ -499,8 +502,8 @@ class Shard:
         return Path(self.options.checkpoint_dir).absolute() / name
 
     def checkpoint(self, *, wait: bool = False) -> None:
-        """Snapshot {Θ, momentum, version, next_round} of every fragment (copies, on the event
-        loop: a memcpy) and hand it to the writer thread, which writes it atomically (temp file,
+        """Snapshot {Θ, momentum, version, next_round} of every fragment (references to
+        tensors no merge writes in place: no copy, no extra memory) and hand it to the writer thread, which writes it atomically (temp file,
         fsync, rename, fsync of the directory) off the loop. A snapshot taken while the previous one
         is still being written replaces any snapshot still waiting (the newest one wins).
         ``wait``: write synchronously after the writer finished (the final checkpoint at stop)."""
@@ -510,9 +513,11 @@ class Shard:
             "format": 2, "run_digest": self.run.digest(), "run_config": self.run.to_dict(),
             "plan_digest": self.plan_digest, "shard": self.options.shard, "shards": self.options.shards,
             "epoch": self.epoch,
-            "fragments": {p: {"theta": f.theta.clone(), "momentum": f.momentum.clone(), "version": f.version,
+            # references, not copies: a fragment's tensors are replaced by every merge, never
+            # written in place (FragmentState), so the snapshot stays at its versions meanwhile
+            "fragments": {p: {"theta": f.theta, "momentum": f.momentum, "version": f.version,
                               "next_round": f.next_round,
-                              **({} if f.master is None else {"master": f.master.clone()})}
+                              **({} if f.master is None else {"master": f.master})}
                           for p, f in self.frags.items()},
             "merges": self.stats.merges, "saved_at": time.time(), "run_tokens": self.run_tokens,
         }
@@ -573,7 +578,7 @@ class Shard:
         for p, f in self.frags.items():
             if self.options.fresh:
                 f.version = recorded[p] + 1 if recorded[p] else 0
-                f.history = {f.version: f.theta.clone()}
+                f.history = {f.version: f.theta}
                 continue
             behind = recorded[p] > f.version
             if behind or live or loaded:  # a checkpoint may be older than the copies learners hold
@@ -604,7 +609,7 @@ class Shard:
                 version, learner, value = rec.best
                 f.theta, f.master, f.reply = value, None, None
                 f.version = version
-                f.history = {version: f.theta.clone()}
+                f.history = {version: f.theta}
                 self.log.info("syncer.recovered", fragment=p, from_version=old, version=version, learner=learner,
                               momentum=self._momentum_source)
                 control.add_event(self.redis, self.keys, "recover", shard=self.options.shard, fragment=p,
@@ -655,7 +660,7 @@ class Shard:
             f = self.frags[int(p)]
             f.theta, f.momentum, f.version = fs["theta"], fs["momentum"], int(fs["version"])
             f.master, f.reply = fs.get("master"), None
-            f.history = {f.version: f.theta.clone()}  # answers on older bases are refused as stale
+            f.history = {f.version: f.theta}  # answers on older bases are refused as stale
             f.next_round = int(fs["next_round"])
         self.stats.merges = int(state.get("merges", 0))
         self.run_tokens = int(state.get("run_tokens", 0))
@@ -903,10 +908,9 @@ class Shard:
         t0 = time.perf_counter()
         f, algo = job.fragment, self.run.algo
         master = f.theta if f.master is None else f.master      # the exact fp32 master
-        if f.scratch is None:
-            f.scratch = tuple(torch.empty(f.spec.numel, dtype=torch.float32) for _ in range(3))
-        acc = OuterAccumulator(f.spec.numel, f.spec.spans, algo.merge_rule, scratch=f.scratch[:2])
-        buf = f.scratch[2]
+        scratch = self._merge_scratch(f.spec.numel)
+        acc = OuterAccumulator(f.spec.numel, f.spec.spans, algo.merge_rule, scratch=scratch[:2])
+        buf = scratch[2]
         clipped = []
         reference: list[float] = []   # the fragment's norm: only the clipper's warm-up needs it
 
@@ -929,6 +933,19 @@ class Shard:
             return _MergeResult(None, None, None, [], clipped, time.perf_counter() - t0)
         replica, master, frames = self._broadcast_merged(f, theta, job.version, job.epoch)
         return _MergeResult(replica, master, momentum, frames, clipped, time.perf_counter() - t0)
+
+    def _merge_scratch(self, numel: int) -> tuple[torch.Tensor, ...]:
+        """The merge accumulator's two buffers and one for an answer's outer gradient, ``numel``
+        long: views of buffers this thread allocated once, as long as the shard's largest fragment,
+        and reuses for every merge it runs (fresh memory's page faults cost as much as the math).
+        One set per merging thread, not per fragment: 3 × the largest fragment per thread, whatever
+        the number of fragments the shard owns. A merge's result is copied out before the thread's
+        next merge reuses them (``outer_step`` returns new tensors)."""
+        bufs = getattr(self._scratch, "bufs", None)
+        if bufs is None or bufs[0].numel() < numel:
+            size = max([numel, *(f.spec.numel for f in self.frags.values())])
+            bufs = self._scratch.bufs = tuple(torch.empty(size, dtype=torch.float32) for _ in range(3))
+        return tuple(b[:numel] for b in bufs)
 
     def _drain_merges(self) -> None:
         merger, self._merger = self._merger, None
@@ -972,6 +989,8 @@ class Shard:
         f.version += 1
         if f.master is None and self._whole_reply(f):
             f.reply = (job.epoch, f.version, [res.frames])   # fp32 downlink: the broadcast is the reply
+        else:
+            f.reply = None          # an older version's reply serves no request now, and is as large as the fragment
         f.history[f.version] = f.theta             # never changed in place: a new tensor every merge
         for v in sorted(f.history)[:-algo.history_versions]:
             del f.history[v]

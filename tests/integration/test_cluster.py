@@ -17,6 +17,10 @@ from tests.conftest import TinyNet, tiny_task, wait_until
 pytestmark = pytest.mark.timeout(120)
 
 ASYNC = RunConfig(algo=AlgoConfig(fragments=4, sync_every_steps=4, quorum=1, inner_warmup_steps=1))
+RECORDED = RunConfig(algo=AlgoConfig(fragments=4, sync_every_steps=4, quorum=1, inner_warmup_steps=1,
+                                     history_versions=64))
+"""ASYNC, the shards keeping their recent versions: the tests that compare a learner's copy, which
+may be a broadcast behind at the end, with the shard's value of that version read them there."""
 
 
 def _versions(cluster) -> dict[int, int]:
@@ -154,6 +158,52 @@ def test_shard_restarted_from_checkpoint_resumes_at_same_versions(make_cluster):
     assert not cluster.errors, cluster.errors
 
 
+def test_a_checkpoint_references_the_fragments_and_stays_at_its_versions_while_merges_go_on(make_cluster,
+                                                                                           monkeypatch):
+    """A shard's checkpoint snapshot holds the fragments' tensors, not copies of them (no second
+    copy of the shard's share of the model at every checkpoint): merges replace those tensors and
+    never write them in place, so a snapshot whose write is held back still holds the values of its
+    versions after later merges. With the default history (the current version only) the answers
+    of two learners are never refused as stale."""
+    from syncer.shard import Shard
+    taken: list[dict[int, tuple[int, torch.Tensor, torch.Tensor]]] = []
+    held: list[dict] = []
+    release = threading.Event()
+    snapshot, write = Shard.checkpoint, Shard._write_checkpoint
+
+    def recording(self, *, wait=False):   # on the loop: no merge is applied between the two
+        copies = {p: (f.version, f.theta, f.theta.clone()) for p, f in self.frags.items()}
+        snapshot(self, wait=wait)
+        taken.append(copies)
+
+    def held_back(self, state):
+        held.append(state)
+        release.wait(30)
+        write(self, state)
+    monkeypatch.setattr(Shard, "checkpoint", recording)
+    monkeypatch.setattr(Shard, "_write_checkpoint", held_back)
+    cluster = make_cluster(ASYNC)
+    assert cluster.run.algo.history_versions == 1
+    try:
+        shard = cluster.start_shard(0, 1, checkpoint_every_merges=4)
+        for i in range(2):
+            cluster.start_learner(cluster.learner(f"l{i}", i, step_time_floor_ms=5))
+        wait_until(lambda: held, 30, what="a checkpoint whose write is held back")
+        state, recorded = held[0], taken[0]
+        wait_until(lambda: all(f.version >= recorded[p][0] + 2 for p, f in shard.frags.items()), 30,
+                   what="two more merges of every fragment after the snapshot")
+        for p, (version, tensor, value) in recorded.items():
+            fs = state["fragments"][p]
+            assert fs["version"] == version and fs["theta"] is tensor, p     # a reference, not a copy
+            assert torch.equal(fs["theta"], value), p                         # still that version's value
+            assert shard.frags[p].theta is not tensor, p
+    finally:
+        release.set()
+    wait_until(lambda: {"l0", "l1"} <= _merge_contributors(cluster), 30, what="both learners contributing")
+    assert shard.stats.stale_base == 0, shard.stats
+    assert not cluster.errors, cluster.errors
+
+
 def _lossy_network(lose: int = 12) -> type:
     """Fault injection on a real learner: its network thread loses the first ``lose`` broadcasts."""
     from learner.network import NetworkThread
@@ -191,7 +241,7 @@ def test_learner_that_misses_broadcasts_detects_the_gap_and_fetches_full_fragmen
     cannot apply the next ones; it fetches the full value and goes on. After many merges every
     learner's copy of every fragment is bit-identical to the shard's value of that version."""
     network = _lossy_network(12)
-    cluster = make_cluster(ASYNC)
+    cluster = make_cluster(RECORDED)
     assert cluster.run.algo.downlink_codec == "int4"
     steady, lossy, threads = _start_lossy_learner(cluster, network, max_steps=160)
     wait_until(lambda: network.lost >= 12, 30, what="broadcasts lost")
@@ -734,7 +784,7 @@ def test_an_update_that_arrives_before_the_full_value_it_applies_to_is_replayed_
 
     class ReorderedLearner(Learner):
         network_class = ReorderingNetwork
-    cluster = make_cluster(ASYNC)
+    cluster = make_cluster(RECORDED)
     shard = cluster.start_shard(0, 1)
     cluster.start_learner(cluster.learner("steady", 0, step_time_floor_ms=5))
     wait_until(lambda: shard.frags[0].version >= 2, 30, what="merges before the join")
@@ -755,7 +805,7 @@ def test_a_fragment_larger_than_the_chunk_size_is_served_in_chunks_and_assembled
     """Replies larger than ``reply_chunk_values`` travel as several messages (each with its own
     checksum); the joining learner and the monitor assemble them into the exact value."""
     from common.rpc import fetch_fragments
-    cluster = make_cluster(ASYNC)
+    cluster = make_cluster(RECORDED)
     shard = cluster.start_shard(0, 1, reply_chunk_values=16)
     assert min(f.theta.numel() for f in shard.frags.values()) > 2 * 16
     cluster.start_learner(cluster.learner("steady", 0, step_time_floor_ms=5))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -377,3 +378,42 @@ def test_a_tiny_clip_scale_or_a_dropped_answer_leaves_the_merge_finite_and_hones
     assert bool(torch.isfinite(merged).all())
     assert acc.add_answer(theta, base, lie, 0.25, clip=lambda n: 0.0) == 0.0 and acc.count == 4
     assert torch.equal(acc.result(), merged)                     # the dropped answer changed nothing
+
+
+def test_without_momentum_the_outer_step_neither_copies_nor_changes_the_momentum() -> None:
+    """μ = 0 (the default): the momentum is never read, so no copy of it is made per merge (a shard
+    would allocate one fragment's worth of memory at every merge for nothing); with μ > 0 the
+    caller's momentum is left alone and a new one is returned."""
+    from common.config import AlgoConfig
+    from common.merge import outer_step
+    theta, grad = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.5, -0.5, 1.0])
+    spans = [(0, 2, "param"), (2, 3, "buffer")]
+    momentum = torch.zeros(3)
+    new, mom = outer_step(theta, momentum, grad, spans, AlgoConfig(outer_lr=1.0, outer_momentum=0.0))
+    assert mom is momentum and momentum.tolist() == [0.0, 0.0, 0.0]
+    assert new.tolist() == [0.5, 2.5, 2.0] and theta.tolist() == [1.0, 2.0, 3.0]
+    new, mom = outer_step(theta, momentum, grad, spans, AlgoConfig(outer_lr=1.0, outer_momentum=0.5))
+    assert mom is not momentum and momentum.tolist() == [0.0, 0.0, 0.0] and mom.tolist() == [0.5, -0.5, 0.0]
+
+
+def test_a_shard_merges_every_fragment_with_one_set_of_buffers_per_thread() -> None:
+    """The merge scratch is per merging thread and as long as the largest fragment, not per
+    fragment: a shard owning many fragments holds 3 × the largest of them per thread."""
+    from types import SimpleNamespace
+
+    from syncer.shard import Shard
+    shard = Shard.__new__(Shard)            # only what _merge_scratch reads
+    shard._scratch = threading.local()
+    shard.frags = {p: SimpleNamespace(spec=SimpleNamespace(numel=n)) for p, n in enumerate((10, 30, 20))}
+    first = shard._merge_scratch(10)
+    assert [b.numel() for b in first] == [10, 10, 10]
+    for p, f in shard.frags.items():
+        bufs = shard._merge_scratch(f.spec.numel)
+        assert [b.numel() for b in bufs] == [f.spec.numel] * 3
+        assert [b.data_ptr() for b in bufs] == [b.data_ptr() for b in first]   # the same memory
+        assert len({b.untyped_storage().data_ptr() for b in bufs}) == 3        # three distinct buffers
+    other: list[int] = []
+    t = threading.Thread(target=lambda: other.extend(b.data_ptr() for b in shard._merge_scratch(30)))
+    t.start()
+    t.join()
+    assert not set(other) & {b.data_ptr() for b in first}                      # its own set
