@@ -14,7 +14,7 @@ from joined to stopped. Reports:
   (the fragment's steps between merges, an EMA, above 1.2 × H) ÷ all merges;
 - late answers (arrived after their round merged) ÷ answers received;
 - join time (process start to joined) and peak RSS per role (learner, shard), with the model's
-  fp32 bytes for scale.
+  fp32 bytes for scale, and the learners' peak RSS in the run without rounds (training alone).
 
 This machine runs everything on the same cores: the syncers' merges and the learners' network
 threads compete with training, which a deployment (syncers on their own CPU boxes) does not.
@@ -120,6 +120,10 @@ def summarise(with_sync: dict[str, Any], without: dict[str, Any], *, params: int
         "join_s": {k: _f(h, "boot_s") for k, h in learners.items()},
         "peak_rss_mb": {"learner": max((_f(h, "peak_rss_mb") for h in learners.values()), default=0.0),
                         "shard": max((_f(h, "peak_rss_mb") for h in shards.values()), default=0.0)},
+        # the same learners training without rounds: what training alone holds (model, gradients,
+        # AdamW's two moments), so the difference is what the sync path adds
+        "peak_rss_mb_without_sync": {
+            "learner": max((_f(h, "peak_rss_mb") for h in without.get("learner_stats", {}).values()), default=0.0)},
         "wall_s": {"with": wall, "without": float(without.get("wall_s") or 0.0)},
     }
 

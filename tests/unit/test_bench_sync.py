@@ -6,9 +6,9 @@ import pytest
 from bench.sync import summarise
 
 
-def _learner(steps: int, span: float, up: int, down: int, fetched: int) -> dict:
+def _learner(steps: int, span: float, up: int, down: int, fetched: int, rss: str = "900.5") -> dict:
     return {"steps": str(steps), "started_at": "100.0", "boot_s": "5.0", "stopped_at": str(105.0 + span),
-            "bytes_up": str(up), "bytes_down": str(down), "bytes_fetched": str(fetched), "peak_rss_mb": "900.5"}
+            "bytes_up": str(up), "bytes_down": str(down), "bytes_fetched": str(fetched), "peak_rss_mb": rss}
 
 
 def test_rates_bytes_and_merges_come_from_the_learners_training_window() -> None:
@@ -16,7 +16,8 @@ def test_rates_bytes_and_merges_come_from_the_learners_training_window() -> None
                  "learner_stats": {"a": _learner(90, 100.0, 1000, 9000, 7000), "b": _learner(80, 100.0, 1000, 9000, 7000)},
                  "shard_stats": {"0": {"merges": "50", "answers": "95", "late_answers": "5", "merge_s_sum": "10",
                                        "rounds_behind": "1", "peak_rss_mb": "700"}}}
-    without = {"wall_s": 200.0, "learner_stats": {"a": _learner(100, 100.0, 0, 0, 0), "b": _learner(100, 100.0, 0, 0, 0)},
+    without = {"wall_s": 200.0, "learner_stats": {"a": _learner(100, 100.0, 0, 0, 0, "610"),
+                                                  "b": _learner(100, 100.0, 0, 0, 0, "640.25")},
                "shard_stats": {}}
     res = summarise(with_sync, without, params=1000, sync_every=10, fragments=4, syncers=1)
     assert res["ratio"] == pytest.approx(170 / 200)
@@ -28,3 +29,4 @@ def test_rates_bytes_and_merges_come_from_the_learners_training_window() -> None
     assert res["behind_fraction"] == pytest.approx(1 / 50)
     assert res["late_fraction"] == pytest.approx(5 / 100)
     assert res["peak_rss_mb"] == {"learner": 900.5, "shard": 700.0}
+    assert res["peak_rss_mb_without_sync"] == {"learner": 640.25}            # training alone
