@@ -43,14 +43,33 @@ def lr_at(algo: AlgoConfig, tokens: float, life_step: int) -> float:
     return algo.inner_lr * schedule_factor(algo, tokens) * local
 
 
+FUSED_DEVICES = ("cpu", "cuda")
+
+
+def fused_supported(params: Iterable[torch.nn.Parameter]) -> bool:
+    """Whether PyTorch's fused AdamW kernel can update these parameters: plain floating-point
+    tensors on a CPU or CUDA device (not DTensors: a sharded group keeps PyTorch's default).
+
+    The fused kernel reads and writes each parameter, gradient and moment once per step: on this
+    project's CPU it is ~9× faster than PyTorch's default CPU loop at 17 M parameters (0.014 s
+    against 0.120 s; ``foreach``: 0.043 s, and it allocates a temporary the size of the second
+    moments), and it allocates nothing the size of the model. Its results equal the default's to
+    float rounding (a few ulps), not bit for bit."""
+    params = list(params)
+    return bool(params) and all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.is_floating_point()
+                                and p.device.type in FUSED_DEVICES for p in params)
+
+
 def make_inner_optimizer(params: Iterable[torch.nn.Parameter], algo: AlgoConfig,
                          tokens: Callable[[], float] | None = None
                          ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """AdamW (``inner_beta1``, ``inner_beta2``, ``inner_weight_decay``) whose learning rate
     follows ``lr_at`` with ``tokens()`` as the global token count (None: 0, i.e. the schedule's
-    start; only the per-life ramp then moves the learning rate)."""
+    start; only the per-life ramp then moves the learning rate). The fused kernel where the
+    parameters allow it (``fused_supported``), else PyTorch's default."""
+    params = list(params)
     opt = torch.optim.AdamW(params, lr=algo.inner_lr, betas=(algo.inner_beta1, algo.inner_beta2),
-                            weight_decay=algo.inner_weight_decay)
+                            weight_decay=algo.inner_weight_decay, fused=fused_supported(params) or None)
     count = tokens or (lambda: 0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(algo, count(), s) / algo.inner_lr)
     return opt, sched

@@ -417,3 +417,30 @@ def test_a_shard_merges_every_fragment_with_one_set_of_buffers_per_thread() -> N
     t.start()
     t.join()
     assert not set(other) & {b.data_ptr() for b in first}                      # its own set
+
+
+def test_the_inner_adamw_runs_the_fused_kernel_and_matches_the_reference_loop() -> None:
+    """Plain CPU parameters get PyTorch's fused AdamW (one pass, no model-sized temporaries); its
+    trajectory equals the default loop's to float rounding. Parameters on a device the fused
+    kernel does not serve keep PyTorch's default."""
+    from learner.inner import fused_supported, make_inner_optimizer
+    algo = AlgoConfig(inner_lr=3e-3, inner_weight_decay=0.1, inner_warmup_steps=1)
+    torch.manual_seed(0)
+    start = [torch.randn(30, 20), torch.randn(20)]
+    grads = [[torch.randn_like(t) * 1e-2 for t in start] for _ in range(30)]
+    ours = [torch.nn.Parameter(t.clone()) for t in start]
+    ref = [torch.nn.Parameter(t.clone()) for t in start]
+    opt, sched = make_inner_optimizer(ours, algo)
+    assert opt.defaults["fused"] is True
+    ref_opt = torch.optim.AdamW(ref, lr=3e-3, betas=(algo.inner_beta1, algo.inner_beta2), weight_decay=0.1)
+    for g in grads:
+        for p, q, gg in zip(ours, ref, g):
+            p.grad, q.grad = gg.clone(), gg.clone()
+        opt.step()
+        sched.step()
+        ref_opt.step()
+    for p, q, t in zip(ours, ref, start):
+        assert not torch.equal(p, t)
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert not fused_supported([torch.nn.Parameter(torch.empty(3, device="meta"))])
+    assert not fused_supported([])
