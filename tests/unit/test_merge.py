@@ -444,3 +444,14 @@ def test_the_inner_adamw_runs_the_fused_kernel_and_matches_the_reference_loop() 
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
     assert not fused_supported([torch.nn.Parameter(torch.empty(3, device="meta"))])
     assert not fused_supported([])
+
+
+def test_bench_adamw_times_the_three_implementations_on_the_asked_size() -> None:
+    """``ddloco bench adamw``: one row per AdamW implementation, over the parameters asked for,
+    each timed (the fused row is the one the learners run)."""
+    from bench.micro import bench_adamw
+    rows = bench_adamw(5000, 2)
+    assert [r["impl"] for r in rows] == ["default", "foreach", "fused"]
+    for r in rows:
+        assert r["numel"] == 5000 - 5000 % 64
+        assert r["step_ms"] > 0 and r["first_step_ms"] > 0 and r["step_vs_memcpy"] > 0
