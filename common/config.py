@@ -264,6 +264,10 @@ class AlgoConfig:
         _check(0.0 <= self.lr_min_ratio <= 1.0, "algo.lr_min_ratio must be in [0, 1]")
 
 
+def _digest(identity: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything that must be identical on every process of one run."""
@@ -281,17 +285,25 @@ class RunConfig:
         d = self.to_dict()
         d["task"] = {k: v for k, v in d["task"].items() if k not in ("spec", "args", "data_source")
                      and not (k == "data_digest" and not v)}
+        del d["algo"]["history_versions"]   # a shard's memory, not what any process computes
         return d
 
     def digest(self) -> str:
         """Stable hash of the run's identity; processes with another digest are refused."""
-        blob = json.dumps(self.identity(), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        return _digest(self.identity())
 
-    def digest_before_data_digests(self) -> str:
-        """The digest of this run as code that did not record the task's data digest computed it:
-        a shard checkpoint written then still resumes."""
-        return dataclasses.replace(self, task=dataclasses.replace(self.task, data_digest="")).digest()
+    def legacy_digests(self) -> set[str]:
+        """Digests of this run as older code computed them, so that a shard checkpoint written
+        then still resumes: before the task's data digest was recorded, and while
+        ``algo.history_versions`` (8 by default then) was part of the identity."""
+        out = set()
+        for task in (self.task, dataclasses.replace(self.task, data_digest="")):
+            ident = dataclasses.replace(self, task=task).identity()
+            out.add(_digest(ident))
+            for kept in {8, self.algo.history_versions}:
+                out.add(_digest({**ident, "algo": {**ident["algo"], "history_versions": kept}}))
+        out.discard(self.digest())
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)

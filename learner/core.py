@@ -38,7 +38,7 @@ from common.log import get_logger
 from learner.network import (Answer, AskPeer, Fetch, FragmentArrived, Have, NetworkThread, Outbox, PeerState,
                              PeerStateArrived, PeerStateWanted, RoundOpened, StateRequested, optimizer_digest)
 from learner.group import Group, group_from_env, params_digest, rank_stream, resolve_sharding
-from learner.inner import apply_step, make_inner_optimizer
+from learner.inner import apply_step, load_optimizer_state, make_inner_optimizer
 from tasks.contract import Task, TaskError, batch_to, bind_task, build_model, check_task, count_tokens, scalar_loss
 
 
@@ -611,7 +611,7 @@ class Learner:
                           of=sum(t.numel() for t in self.tensors.values()))
         opt, sched = make_inner_optimizer(self.model.parameters(), self.algo, tokens=self._step_run_tokens)
         if self._boot_optimizer is not None:  # a peer's AdamW state and place in the per-life ramp
-            opt.load_state_dict(self._boot_optimizer)
+            load_optimizer_state(opt, self._boot_optimizer)
             sched.last_epoch = self._boot_life_steps
             for g in opt.param_groups:
                 g["lr"] = sched.lr_lambdas[0](sched.last_epoch) * g["initial_lr"]
@@ -694,8 +694,10 @@ class Learner:
             if target_s > compute_s:                         # emulated slower chip / accelerator step time
                 self.stop.wait(target_s - compute_s)
             ema = self.stats.step_ema_s
-            iter_s = time.perf_counter() - t_iter
-            worked_s = min(iter_s, 3 * ema) if ema > 0 else iter_s   # a frozen step is no work
+            now = time.perf_counter()
+            iter_s = now - t_iter
+            # a frozen iteration is no work: at most 3 × the estimate (before there is one, 3 × the step)
+            worked_s = min(iter_s, 3 * (ema if ema > 0 else now - t0 + ready_s))
             self.stats.train_s += worked_s
             if self._serve_watch is not None:
                 self._watch_serve_cost(iter_s)

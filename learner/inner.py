@@ -75,6 +75,21 @@ def make_inner_optimizer(params: Iterable[torch.nn.Parameter], algo: AlgoConfig,
     return opt, sched
 
 
+KERNEL_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+"""Per-group AdamW settings that say how this process runs the step, not what it computes."""
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, state: dict) -> None:
+    """Load another optimizer's state (a peer's AdamW, ALGORITHM §8) keeping this optimizer's own
+    kernel: ``load_state_dict`` would otherwise take the sender's ``fused``/``foreach`` flags
+    with its param groups (a fused learner loading a peer's default-loop state would run the slow
+    loop for the rest of its life)."""
+    ours = opt.param_groups
+    groups = [{**g, **{k: mine[k] for k in KERNEL_FLAGS if k in mine}}
+              for g, mine in zip(state["param_groups"], ours)]
+    opt.load_state_dict({**state, "param_groups": groups})
+
+
 def apply_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
                algo: AlgoConfig | None = None) -> float:
     """After the (accumulated) backward passes: clip the gradient norm to ``inner_grad_clip``

@@ -286,9 +286,9 @@ class Shard:
         self._served: dict[tuple[bytes, int], tuple[int, int, float]] = {}
         """(requester, fragment) -> (epoch, version, when) of the last full value sent to it."""
         self._merger: ThreadPoolExecutor | None = None
+        """The merge worker: merges never block the socket loop."""
         self._scratch = threading.local()
         """Per merging thread: the buffers every merge on it reuses (``_merge_scratch``)."""
-        """The merge worker: merges never block the socket loop."""
 
     # ---------------------------------------------------------------- set-up / tear-down
     def _prepare(self, run: RunConfig) -> torch.nn.Module:
@@ -651,7 +651,7 @@ class Shard:
         if path is None or not path.exists():
             return False
         state = torch.load(path, weights_only=True)
-        if (state.get("run_digest") not in (self.run.digest(), self.run.digest_before_data_digests())
+        if (state.get("run_digest") not in {self.run.digest(), *self.run.legacy_digests()}
                 or state.get("plan_digest") != self.plan_digest):
             raise CheckpointMismatch(f"checkpoint {path} belongs to another run config; move it away or use another --checkpoint-dir")
         if (state["shard"], state["shards"]) != (self.options.shard, self.options.shards):

@@ -84,4 +84,23 @@ def test_digest_covers_the_tasks_data_digest_but_not_where_the_data_lies():
     assert describe_difference(other, run) == ("task.data_digest='bbbb' (run has 'aaaa'), this process's data: "
                                                "/usr/lib/python3.12; the run's: /usr/lib/python3.11")
     # a checkpoint written before run configs held a data digest carries the digest without it
-    assert other.digest_before_data_digests() == RunConfig(task=TaskConfig(name="gpt")).digest()
+    assert RunConfig(task=TaskConfig(name="gpt")).digest() in other.legacy_digests()
+
+
+def test_the_shards_history_is_not_part_of_the_runs_identity_and_older_digests_still_resume():
+    """``algo.history_versions`` is a shard's memory (answers are always on the current version):
+    processes that differ in it belong to the same run, a run recorded in Redis with the old default
+    (8) is not refused, and a checkpoint whose digest counted it (code before this change) resumes."""
+    old = RunConfig(algo=AlgoConfig(history_versions=8))
+    new = RunConfig()
+    assert new.algo.history_versions == 1
+    assert old.digest() == new.digest()
+    assert run_config_from_dict(old.to_dict()).digest() == new.digest()   # the config Redis holds, read back
+    ident = old.to_dict()
+    ident["task"] = {k: v for k, v in ident["task"].items() if k not in ("spec", "args", "data_source", "data_digest")}
+    import hashlib
+    import json
+    before = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]   # as the old code hashed it
+    assert before != new.digest() and before in new.legacy_digests()
+    assert new.digest() not in new.legacy_digests()
+    assert RunConfig(algo=AlgoConfig(quorum=2)).digest() not in new.legacy_digests() | {new.digest()}

@@ -1,6 +1,7 @@
 """Merge math: contribution weights, radial-directional averaging, outer Nesterov step."""
 from __future__ import annotations
 
+import copy
 import math
 import threading
 
@@ -455,3 +456,26 @@ def test_bench_adamw_times_the_three_implementations_on_the_asked_size() -> None
     for r in rows:
         assert r["numel"] == 5000 - 5000 % 64
         assert r["step_ms"] > 0 and r["first_step_ms"] > 0 and r["step_vs_memcpy"] > 0
+
+
+def test_a_peers_adamw_state_is_loaded_without_its_kernel_flags() -> None:
+    """A learner bootstrapped from a peer whose AdamW ran another kernel (older code, another
+    device) keeps its own fused kernel, with the peer's moments and step count."""
+    from learner.inner import load_optimizer_state, make_inner_optimizer
+    torch.manual_seed(0)
+    theirs_p = [torch.nn.Parameter(torch.randn(8, 4))]
+    theirs = torch.optim.AdamW(theirs_p, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)   # the default loop
+    for _ in range(3):
+        theirs_p[0].grad = torch.randn(8, 4)
+        theirs.step()
+    ours_p = [torch.nn.Parameter(theirs_p[0].detach().clone())]
+    ours, _ = make_inner_optimizer(ours_p, AlgoConfig(inner_warmup_steps=1))
+    load_optimizer_state(ours, copy.deepcopy(theirs.state_dict()))   # as received: no tensor shared
+    assert ours.param_groups[0]["fused"] is True
+    assert torch.equal(ours.state[ours_p[0]]["exp_avg"], theirs.state[theirs_p[0]]["exp_avg"])
+    assert float(ours.state[ours_p[0]]["step"]) == 3.0
+    g = torch.randn(8, 4)
+    ours_p[0].grad, theirs_p[0].grad = g.clone(), g.clone()
+    ours.step()
+    theirs.step()
+    torch.testing.assert_close(ours_p[0], theirs_p[0], rtol=1e-6, atol=1e-7)
