@@ -704,6 +704,8 @@ class Learner:
             # the pace at which this learner reaches step boundaries: the step and the sync work
             # on this thread (merges applied, answers snapshotted), which the shards space rounds by
             self.stats.step_ema_s = step_time_estimate(ema, worked_s, self._timed_steps)
+            if self._timed_steps < 2:   # the first two iterations' seconds: the first one is left out above
+                self.stats.boot_phases[f"step{self._timed_steps + 1}_s"] = round(iter_s, 3)
             self._timed_steps += 1
             self._note_loss(loss_sum)
 

@@ -186,8 +186,9 @@ def test_a_checkpoint_references_the_fragments_and_stays_at_its_versions_while_m
     assert cluster.run.algo.history_versions == 1
     try:
         shard = cluster.start_shard(0, 1, checkpoint_every_merges=4)
-        for i in range(2):
-            cluster.start_learner(cluster.learner(f"l{i}", i, step_time_floor_ms=5))
+        learners = [cluster.learner(f"l{i}", i, step_time_floor_ms=5) for i in range(2)]
+        for learner in learners:
+            cluster.start_learner(learner)
         wait_until(lambda: held, 30, what="a checkpoint whose write is held back")
         state, recorded = held[0], taken[0]
         wait_until(lambda: all(f.version >= recorded[p][0] + 2 for p, f in shard.frags.items()), 30,
@@ -201,6 +202,9 @@ def test_a_checkpoint_references_the_fragments_and_stays_at_its_versions_while_m
         release.set()
     wait_until(lambda: {"l0", "l1"} <= _merge_contributors(cluster), 30, what="both learners contributing")
     assert shard.stats.stale_base == 0, shard.stats
+    for learner in learners:   # the first iterations' seconds are on record (the first is not in the pace)
+        assert learner.stats.boot_phases["step1_s"] > 0 and learner.stats.boot_phases["step2_s"] > 0
+        assert learner.stats.step_ema_s > 0
     assert not cluster.errors, cluster.errors
 
 
