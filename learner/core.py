@@ -67,9 +67,10 @@ def step_time_estimate(ema: float, step_s: float, seen: int) -> float:
     step alone is not the pace: at 1e8 parameters on a 2-core VM, applying merges and snapshotting
     answers made an iteration 0.43 s where the step took 0.29 s, so the shards merged 1.22 × as
     often as H asked and 5.7 % of answers missed a grace window sized by the step. The first
-    step is left out: it allocates AdamW's moments and touches fresh memory (3.4 s against
-    0.55-0.97 s for the next ones at 1e8 parameters on a 2-core VM), and an EMA seeded with it
-    overstated the step time for ~20 steps, so the shards spaced the first rounds too far apart.
+    iteration is left out: it allocates the gradients and AdamW's moments and touches fresh memory
+    (1.6-2.6 s against ~0.25-0.42 s later at 1e8 parameters on a 2-core VM, ``bench sync``'s
+    ``step1_s``), and an EMA seeded with it overstated the pace for ~20 steps, so the shards spaced
+    the first rounds too far apart.
     The next ``STEP_TIME_WARMUP`` steps are averaged, then an EMA (0.9)."""
     if seen == 0:
         return 0.0
