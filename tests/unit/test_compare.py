@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -20,6 +21,11 @@ def test_mean_ci_is_the_student_t_interval() -> None:
     assert hi - m == pytest.approx(4.303 * 1.0 / math.sqrt(3), rel=1e-6)
     assert m - lo == pytest.approx(hi - m)
     assert runner.mean_ci([5.0]) == (5.0, 5.0, 5.0)
+    # twelve seeds: t with 11 degrees of freedom (2.201), not the normal's 1.96
+    twelve = [float(i) for i in range(12)]
+    m, lo, hi = runner.mean_ci(twelve)
+    assert hi - m == pytest.approx(2.201 * statistics.stdev(twelve) / math.sqrt(12))
+    assert runner._t95(60) == pytest.approx(2.000, abs=0.002) and runner._t95(120) == pytest.approx(1.980, abs=0.002)
 
 
 def test_set_overrides_parse_json_values_and_refuse_unknown_keys() -> None:
