@@ -1050,13 +1050,17 @@ class Learner:
         """Rank 0 of a sharded group, before a boundary: the fragments it will need whole there
         (merges to apply; with ``answers``, rounds it may answer)."""
         want = {item.fragment for item in self._deferred}
-        if not answers:
-            return sorted(want)
-        want.update(p for p, o in self._pending_open.items()   # what _answer_open_rounds would answer
-                    if self.c_steps[p] >= min_steps and self.base_values[p] is not None
-                    and o.epoch == self.base_epoch[p] and o.version >= self.base_version[p]
-                    and (o.epoch, o.fragment, o.round, o.attempt) not in self._answered)
+        if answers:
+            want.update(p for p, o in self._pending_open.items() if self._answerable(p, o, min_steps))
         return sorted(want)
+
+    def _answerable(self, p: int, o: RoundOpened, min_steps: int) -> bool:
+        """Open round ``o`` of fragment p can be answered now: steps enough, a base of the open's
+        epoch and version (an older base fetches first, a newer one means the round merged), and
+        not answered yet."""
+        return (self.c_steps[p] >= min_steps and self.base_values[p] is not None
+                and o.epoch == self.base_epoch[p] and o.version == self.base_version[p]
+                and (o.epoch, o.fragment, o.round, o.attempt) not in self._answered)
 
     def _apply_deferred(self, min_steps: int, *, answer: bool = True) -> None:
         """Rank 0 of a sharded group, at a boundary with the wanted fragments gathered: apply the
@@ -1074,19 +1078,19 @@ class Learner:
         for p, o in list(self._pending_open.items()):
             if self.c_steps[p] < min_steps or self.base_values[p] is None or o.epoch != self.base_epoch[p]:
                 continue
-            if o.version > self.base_version[p]:
-                continue  # our base is stale (a fetch is on its way): answering now would undo merges
             if o.version < self.base_version[p]:
                 del self._pending_open[p]
                 self.stats.stale_opens += 1  # that round has merged already
                 continue
-            key = (o.epoch, o.fragment, o.round, o.attempt)
-            if key in self._answered:
+            if (o.epoch, o.fragment, o.round, o.attempt) in self._answered:
                 del self._pending_open[p]
                 continue
+            if not self._answerable(p, o, min_steps):
+                continue  # our base is stale (a fetch is on its way): answering now would undo merges
             if self._gathered is not None and p not in self._gathered:
                 continue  # a sharded group did not gather it at this boundary: answered at a later one
             del self._pending_open[p]
+            key = (o.epoch, o.fragment, o.round, o.attempt)
             self._answered.add(key)
             snapshot = self._local_values(p)  # a copy; delta and quantization off-thread
             self._contributed[p] = Contribution(snapshot, int(self.c_steps[p]), int(self.c_tokens[p]))

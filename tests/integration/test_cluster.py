@@ -1,6 +1,7 @@
 """Cluster behaviour with a real redis-server and real ZeroMQ sockets."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import msgpack
@@ -17,8 +18,7 @@ from tests.conftest import TinyNet, tiny_task, wait_until
 pytestmark = pytest.mark.timeout(120)
 
 ASYNC = RunConfig(algo=AlgoConfig(fragments=4, sync_every_steps=4, quorum=1, inner_warmup_steps=1))
-RECORDED = RunConfig(algo=AlgoConfig(fragments=4, sync_every_steps=4, quorum=1, inner_warmup_steps=1,
-                                     history_versions=64))
+RECORDED = dataclasses.replace(ASYNC, algo=dataclasses.replace(ASYNC.algo, history_versions=64))
 """ASYNC, the shards keeping their recent versions: the tests that compare a learner's copy, which
 may be a broadcast behind at the end, with the shard's value of that version read them there."""
 
