@@ -314,10 +314,12 @@ def cmd_learner(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc != 1 and ranks is None:   # a rank ignores it
         return _exec_torchrun(args)
     code = _learner(args, ranks)
-    if _FORKED:
+    if _FORKED or ranks is not None:
         # a fork's interpreter teardown walks (and so copies, page by page) every object it
-        # inherited: 2-3 s per learner, 30 s and more with 32 on two cores. Everything is written
-        # (Redis, logs): end here, as multiprocessing ends its forked children.
+        # inherited: 2-3 s per learner, 30 s and more with 32 on two cores. A torchrun rank's
+        # teardown can be aborted by gloo's threads ("terminate called without an active
+        # exception", SIGABRT) after its process group was destroyed and its work was done.
+        # Everything is written (Redis, logs): end here, as multiprocessing ends its children.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
