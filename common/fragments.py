@@ -271,12 +271,14 @@ def _tensor(tensors: Mapping[str, torch.Tensor], spec: TensorSpec) -> torch.Tens
     return tensor
 
 
-def gather(tensors: Mapping[str, torch.Tensor], fragment: Fragment) -> torch.Tensor:
-    """A new flat float32 vector [fragment.numel]: the fragment's pieces in order, zero gaps."""
-    flat = torch.zeros(fragment.numel, dtype=torch.float32)
+def gather(tensors: Mapping[str, torch.Tensor], fragment: Fragment,
+           device: torch.device | str = "cpu") -> torch.Tensor:
+    """A new flat float32 vector [fragment.numel] on ``device``: the fragment's pieces in order,
+    zero gaps."""
+    flat = torch.zeros(fragment.numel, dtype=torch.float32, device=device)
     for piece, (start, stop, _) in zip(fragment.pieces, fragment.spans):
         src = _tensor(tensors, piece.tensor).detach().reshape(-1)[piece.start:piece.stop]
-        flat[start:stop] = src.to(device="cpu", dtype=torch.float32)
+        flat[start:stop] = src.to(device=flat.device, dtype=torch.float32)
     return flat
 
 

@@ -39,6 +39,7 @@ from learner.network import (Answer, AskPeer, Fetch, FragmentArrived, Have, Netw
                              PeerStateArrived, PeerStateWanted, RoundOpened, StateRequested, optimizer_digest)
 from learner.group import Group, group_from_env, params_digest, rank_stream, resolve_sharding
 from learner.inner import apply_step, load_optimizer_state, make_inner_optimizer
+from learner.staging import HostStaging, staging_for
 from tasks.contract import Task, TaskError, batch_to, bind_task, build_model, check_task, count_tokens, scalar_loss
 
 
@@ -229,6 +230,7 @@ class Learner:
         self.tensors = state_tensors(self.model)
         self.plan: tuple[Fragment, ...] = model_plan(self.model, self.task.embedding_names, self.algo.fragments)
         self.plan_digest = plan_digest(self.plan)
+        self._staging: HostStaging | None = staging_for(self.device, grouped=self.group is not None)
         self.stream = data_stream(self.options, self.id)
         check_task(self.task, self.model, seed=self.run_cfg.task.seed, stream=self.stream)
         self.stats.boot_phases["prepared"] = round(time.time() - self._process_started_at, 3)
@@ -982,8 +984,13 @@ class Learner:
         else:  # carry the steps not merged yet (not across a move back), or overwrite / α-mix
             carry = self.algo.carry_local_steps and continuing
             local = self._local_values(p) if carry or self.algo.mix_alpha > 0 else None
+            merged, base = item.values, self.base_values[p]
+            if self._staging is not None:   # on the GPU, where the local value and snapshot are
+                merged = self._staging.to_device(merged)
+                if carry and contributed is None:
+                    base = self._staging.to_device(base)
             value, self.c_steps[p], self.c_tokens[p] = receive_merged(
-                item.values, local, self.base_values[p], contributed, int(self.c_steps[p]),
+                merged, local, base, contributed, int(self.c_steps[p]),
                 int(self.c_tokens[p]), carry=carry, mix_alpha=self.algo.mix_alpha)
         if self._gathered is not None:    # a sharded group: the value reaches the shards after this
             self._gathered[p] = value
@@ -1037,14 +1044,17 @@ class Learner:
             self._apply(item)
 
     def _local_values(self, p: int) -> torch.Tensor:
-        """This learner's current value of fragment p (flat float32 on the CPU, never written in
-        place afterwards): gathered from its tensors, or in a sharded group the value gathered or
-        applied at this boundary (an fp32 value as applied, before any cast to a buffer's dtype)."""
+        """This learner's current value of fragment p (flat float32, never written in place
+        afterwards): gathered from its tensors (on the CPU; on the GPU with host staging), or in a
+        sharded group the value gathered or applied at this boundary (an fp32 value as applied,
+        before any cast to a buffer's dtype)."""
         if self._gathered is not None:
             return self._gathered[p]
         if self._deferring:
             raise RuntimeError(f"fragment {p} read outside a step boundary of a sharded group")
-        return gather(self.tensors, self.plan[p]).cpu()
+        if self._staging is not None:
+            return gather(self.tensors, self.plan[p], device=self.device)
+        return gather(self.tensors, self.plan[p])
 
     def _wanted_whole(self, min_steps: int, *, answers: bool = True) -> list[int]:
         """Rank 0 of a sharded group, before a boundary: the fragments it will need whole there
@@ -1094,9 +1104,13 @@ class Learner:
             self._answered.add(key)
             snapshot = self._local_values(p)  # a copy; delta and quantization off-thread
             self._contributed[p] = Contribution(snapshot, int(self.c_steps[p]), int(self.c_tokens[p]))
+            sent, ready = snapshot, None
+            if self._staging is not None:     # to pinned host memory on a side stream: no wait here
+                sent, ready = self._staging.to_host(snapshot)
             self._outbox.put(Answer(fragment=p, epoch=o.epoch, round=o.round, attempt=o.attempt,
                                     base=int(self.base_version[p]), base_values=self.base_values[p],
-                                    snapshot=snapshot, steps=int(self.c_steps[p]), tokens=int(self.c_tokens[p])))
+                                    snapshot=sent, steps=int(self.c_steps[p]), tokens=int(self.c_tokens[p]),
+                                    ready=ready))
             self.stats.answers += 1
             if self.stats.answers == 1:
                 self.stats.boot_phases["first_answer"] = round(time.time() - self._process_started_at, 3)

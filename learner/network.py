@@ -78,6 +78,7 @@ class Answer:
     snapshot: torch.Tensor
     steps: int
     tokens: int
+    ready: Any = None   # a CUDA learner's snapshot is complete once this event is (learner/staging.py)
 
 
 @dataclass(frozen=True)
@@ -415,6 +416,8 @@ class NetworkThread:
                     pass
                 continue
             a: Answer = item
+            if a.ready is not None:
+                a.ready.synchronize()      # the side stream's copy to pinned host memory
             # δ_m = θ_{m,p} − Θ_p^{base_m}, in a buffer kept for the next answer (a fresh one costs
             # its page faults); the codec's frames never alias it
             if self._delta is None or self._delta.numel() < a.snapshot.numel():

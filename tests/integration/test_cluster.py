@@ -264,6 +264,58 @@ def test_learner_that_misses_broadcasts_detects_the_gap_and_fetches_full_fragmen
     assert all(f.master is not None for f in shard.frags.values())
 
 
+class _CpuStaging:
+    """learner/staging.py's interface on the CPU (a CUDA learner's staging, which this machine
+    cannot run): the training thread's side of it, end to end through a real shard. Copies, and an
+    event the network thread must wait on (it counts the waits)."""
+
+    def __init__(self) -> None:
+        self.to_host_calls = self.to_device_calls = self.waited = 0
+
+    def to_host(self, value):
+        self.to_host_calls += 1
+        staging = self
+
+        class Done:
+            def synchronize(self) -> None:
+                staging.waited += 1
+        return value.clone(), Done()
+
+    def to_device(self, host):
+        self.to_device_calls += 1
+        return host.clone()
+
+
+def test_a_learner_with_host_staging_contributes_and_stays_bit_identical_to_the_shard(make_cluster):
+    """The CUDA learner's path (snapshots kept where the model is, answers copied to the host with an
+    event, merges carried where the model is), run on the CPU with the staging interface: the
+    learner contributes, applies merges by carry, and its copies equal the shard's values."""
+    from learner.core import Learner
+    staging = _CpuStaging()
+
+    class StagedLearner(Learner):
+        def _prepare(self, run):
+            super()._prepare(run)
+            self._staging = staging
+    cluster = make_cluster(RECORDED)
+    cluster.start_shard(0, 1)
+    steady = cluster.learner("steady", 0, step_time_floor_ms=5, max_steps=120)
+    base = cluster.learner("staged", 1, step_time_floor_ms=5, max_steps=120)
+    staged = StagedLearner(endpoints=base.endpoints, options=base.options, task=base.task, run=base._run_arg,
+                           stop=base.stop)
+    threads = [cluster.start_learner(steady), cluster.start_learner(staged)]
+    wait_until(lambda: "staged" in _merge_contributors(cluster), 30, what="the staged learner contributing")
+    wait_until(lambda: not any(t.is_alive() for t in threads), 60, what="both learners to finish 120 steps")
+    assert not cluster.errors, cluster.errors
+    assert staged.algo.carry_local_steps and staged.stats.merges_applied >= 8, staged.stats
+    assert staging.to_host_calls == staged.stats.answers >= 8
+    assert staging.waited >= 1 and staging.to_device_calls >= staged.stats.merges_applied
+    shard = cluster.shards[0]
+    for p, f in shard.frags.items():
+        v = int(staged.base_version[p])
+        assert v in f.history and torch.equal(staged.base_values[p], f.history[v]), (p, v)
+
+
 def test_redis_restarting_empty_is_rebuilt_without_losing_progress(make_cluster, redis_server):
     cluster = make_cluster(ASYNC)
     shard = cluster.start_shard(0, 1)

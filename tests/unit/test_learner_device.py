@@ -25,3 +25,33 @@ def test_resolve_device_auto_and_errors():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="no CUDA device"):
             resolve_device("cuda")
+
+
+def test_host_staging_only_for_a_cuda_learner_outside_a_group():
+    from learner.staging import HostStaging, staging_for
+    assert staging_for(torch.device("cpu"), grouped=False) is None
+    assert staging_for(torch.device("cuda", 0), grouped=True) is None    # a torchrun group: plain path
+    with pytest.raises(ValueError, match="CUDA"):
+        HostStaging(torch.device("cpu"))
+
+
+def test_gather_builds_the_fragment_on_the_device_asked():
+    from common.fragments import gather, model_plan, state_tensors
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    tensors = state_tensors(model)
+    frag = model_plan(model, (), 2)[0]
+    assert gather(tensors, frag, device="meta").device.type == "meta"
+    assert torch.equal(gather(tensors, frag, device="cpu"), gather(tensors, frag))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_host_staging_round_trip_on_cuda():
+    from learner.staging import HostStaging
+    dev = torch.device("cuda", 0)
+    staging = HostStaging(dev)
+    value = torch.randn(1 << 20, device=dev)
+    host, done = staging.to_host(value)
+    done.synchronize()
+    assert host.is_pinned() and torch.equal(host, value.cpu())
+    back = staging.to_device(host * 2)
+    assert torch.equal(back.cpu(), host * 2)      # the current stream waited for the copy

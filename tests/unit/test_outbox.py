@@ -96,3 +96,49 @@ def test_the_network_thread_sends_deltas_and_counts_a_non_finite_one_without_sen
         sub.close(0)
         ctx.term()
         box.close()
+
+
+def test_the_network_thread_waits_for_a_staged_snapshot_before_it_reads_it() -> None:
+    """A CUDA learner's answer carries the event of its device-to-host copy (learner/staging.py):
+    the network thread waits on it before computing δ, so it never encodes a half-copied snapshot."""
+    import threading
+    import zmq
+    from common import wire
+    from common.config import Endpoints
+    from learner.core import LearnerStats
+    from learner.network import NetworkThread
+
+    base = torch.arange(8, dtype=torch.float32)
+
+    class CopyDone:        # stands in for a CUDA event: the copy lands when it is waited on
+        def __init__(self, target: torch.Tensor) -> None:
+            self.target, self.waited = target, 0
+
+        def synchronize(self) -> None:
+            self.waited += 1
+            self.target.copy_(base + 2.0)
+
+    net = NetworkThread(learner_id="l", endpoints=Endpoints(run_id="r"), codec="fp32", numels=[8],
+                        inbox=queue.SimpleQueue(), outbox=(box := Outbox()), stats=LearnerStats(),
+                        shard_endpoints=lambda: (0, {}), stop=threading.Event())
+    ctx = zmq.Context()
+    pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        pub.bind("inproc://staged")
+        sub.connect("inproc://staged")
+        events = []
+        while not sub.poll(0):             # the first publish may precede the subscription: resend
+            snapshot = torch.zeros(8)      # not copied yet
+            events.append(CopyDone(snapshot))
+            box.put(Answer(fragment=0, epoch=1, round=0, attempt=0, base=0, base_values=base,
+                           snapshot=snapshot, steps=2, tokens=8, ready=events[-1]))
+            net.send(pub, None, set())
+        msg = wire.decode(sub.recv_multipart())
+        assert torch.equal(msg.values(), torch.full((8,), 2.0))
+        assert all(e.waited == 1 for e in events)
+    finally:
+        pub.close(0)
+        sub.close(0)
+        ctx.term()
+        box.close()
