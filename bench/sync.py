@@ -14,7 +14,12 @@ from joined to stopped. Reports:
   (the fragment's steps between merges, an EMA, above 1.2 × H) ÷ all merges;
 - late answers (arrived after their round merged) ÷ answers received;
 - join time (process start to joined) and peak RSS per role (learner, shard), with the model's
-  fp32 bytes for scale, and the learners' peak RSS in the run without rounds (training alone).
+  fp32 bytes for scale, and the learners' peak RSS in the run without rounds (training alone);
+- CPU: the cores the learners kept busy (every thread, joined to stopped) with and without rounds,
+  their CPU seconds per step, the shards' CPU seconds per learner step, and from those the cores
+  that the learners and shards together would need to step as fast with rounds as without
+  (``cores_needed_for_ratio_1``), against the machine's cores: above them, a ratio of 1 cannot be
+  reached here (the broker, Redis and ``up`` itself come on top).
 
 This machine runs everything on the same cores: the syncers' merges and the learners' network
 threads compete with training, which a deployment (syncers on their own CPU boxes) does not.
@@ -74,6 +79,17 @@ def _learner_rates(rep: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _cpu(rep: dict[str, Any]) -> tuple[float, float, float]:
+    """(the learners' CPU seconds while training, their steps, the cores they kept busy)."""
+    cpu = steps = cores = 0.0
+    for h in rep.get("learner_stats", {}).values():
+        span = _f(h, "stopped_at") - _f(h, "started_at") - _f(h, "boot_s")
+        used = _f(h, "cpu_s") - _f(h, "cpu_s_at_joined")
+        if span > 0 and used > 0:
+            cpu, steps, cores = cpu + used, steps + _f(h, "steps"), cores + used / span
+    return cpu, steps, cores
+
+
 def summarise(with_sync: dict[str, Any], without: dict[str, Any], *, params: int, sync_every: int,
               fragments: int, syncers: int) -> dict[str, Any]:
     """The figures of one ``bench sync`` run from the two reports (pure: unit-tested)."""
@@ -125,7 +141,24 @@ def summarise(with_sync: dict[str, Any], without: dict[str, Any], *, params: int
         "peak_rss_mb_without_sync": {
             "learner": max((_f(h, "peak_rss_mb") for h in without.get("learner_stats", {}).values()), default=0.0)},
         "wall_s": {"with": wall, "without": float(without.get("wall_s") or 0.0)},
+        **_cpu_figures(with_sync, without, shards, steps_per_s_without=sum(base.values())),
     }
+
+
+def _cpu_figures(with_sync: dict[str, Any], without: dict[str, Any], shards: dict[str, Any], *,
+                 steps_per_s_without: float) -> dict[str, Any]:
+    cpu_w, steps_w, cores_w = _cpu(with_sync)
+    cpu_o, steps_o, cores_o = _cpu(without)
+    if not (steps_w and steps_o) or not all(_f(h, "cpu_s") for h in shards.values()):
+        return {}      # reports of a version that did not record CPU time
+    per_step_w, per_step_o = cpu_w / steps_w, cpu_o / steps_o
+    shard_per_step = sum(_f(h, "cpu_s") for h in shards.values()) / steps_w   # start-up included
+    return {"cpu": {
+        "learner_cores_with": round(cores_w, 3), "learner_cores_without": round(cores_o, 3),
+        "learner_cpu_s_per_step_with": round(per_step_w, 4), "learner_cpu_s_per_step_without": round(per_step_o, 4),
+        "shard_cpu_s_per_learner_step": round(shard_per_step, 4),
+        "cores_needed_for_ratio_1": round(steps_per_s_without * (per_step_w + shard_per_step), 3),
+        "cores": os.cpu_count()}}
 
 
 def main(argv: Sequence[str]) -> int:

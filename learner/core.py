@@ -113,6 +113,8 @@ class LearnerStats:
     train_s: float = 0.0
     blocked_s: float = 0.0
     boot_s: float = 0.0
+    cpu_s_at_joined: float = 0.0
+    """The process's CPU seconds (every thread) when it joined: ``cpu_s`` minus this is training's."""
     boot_phases: dict[str, float] = field(default_factory=dict)
     """Seconds from the process start to: init (interpreter, imports), prepared (run config, task,
     model, checks), joined (every fragment fetched), first_answer."""
@@ -505,6 +507,7 @@ class Learner:
                                          {p: v for p, v in enumerate(self.base_values) if v is not None})
                 self._changed.clear()
             self.stats.boot_s = time.time() - self._process_started_at
+            self.stats.cpu_s_at_joined = time.process_time()
             self.stats.boot_phases["joined"] = round(self.stats.boot_s, 3)
             self.joined_versions = {p: int(v) for p, v in enumerate(self.base_version)}
             self.log.info("learner.joined", fragments=len(self.plan), boot_s=round(self.stats.boot_s, 2),
@@ -1189,7 +1192,8 @@ class Learner:
                 "data_shard": self.options.data_shard, "data_stream": self.stream, "pid": os.getpid(), "host": socket.gethostname(),
                 "data_position": self.data_position + s.batches, "answers_replaced": self._outbox.replaced,
                 "bytes_fetched": s.bytes_fetched, "chunks_fetched": s.chunks_fetched,
-                "peak_rss_mb": peak_rss_mb()}
+                "peak_rss_mb": peak_rss_mb(), "cpu_s": round(time.process_time(), 3),
+                "cpu_s_at_joined": round(s.cpu_s_at_joined, 3)}
 
     def _leave(self) -> None:
         try:

@@ -1076,7 +1076,7 @@ class Shard:
                 "answers": self.stats.answers, "rounds_behind": self.stats.rounds_behind,
                 "merge_s_sum": round(self.stats.merge_s.sum_s, 4), "replies_cached": self.stats.replies_cached,
                 "requests": self.stats.requests, "requests_deduped": self.stats.requests_deduped,
-                "peak_rss_mb": peak_rss_mb()})
+                "peak_rss_mb": peak_rss_mb(), "cpu_s": round(time.process_time(), 3)})
             for p, f in self.frags.items():
                 if f.recovery is not None:
                     continue  # the recorded version stays until this fragment has caught up

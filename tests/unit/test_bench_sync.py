@@ -30,3 +30,21 @@ def test_rates_bytes_and_merges_come_from_the_learners_training_window() -> None
     assert res["late_fraction"] == pytest.approx(5 / 100)
     assert res["peak_rss_mb"] == {"learner": 900.5, "shard": 700.0}
     assert res["peak_rss_mb_without_sync"] == {"learner": 640.25}            # training alone
+    assert "cpu" not in res                                                  # reports without CPU times
+
+
+def test_cpu_figures_bound_what_the_machine_can_give() -> None:
+    """The cores the learners use while training, their CPU per step, the shards' per learner step,
+    and the cores both would need to step with rounds as fast as without."""
+    def learner(steps: int, cpu: float) -> dict:
+        return {**_learner(steps, 100.0, 1, 1, 0), "cpu_s": str(cpu + 7.0), "cpu_s_at_joined": "7.0"}
+    with_sync = {"wall_s": 200.0, "learner_stats": {"a": learner(90, 80.0), "b": learner(80, 90.0)},
+                 "shard_stats": {"0": {"merges": "50", "answers": "95", "cpu_s": "34.0"}}}
+    without = {"wall_s": 200.0, "learner_stats": {"a": learner(100, 60.0), "b": learner(100, 60.0)},
+               "shard_stats": {}}
+    cpu = summarise(with_sync, without, params=1000, sync_every=10, fragments=4, syncers=1)["cpu"]
+    assert cpu["learner_cores_with"] == pytest.approx(1.7) and cpu["learner_cores_without"] == pytest.approx(1.2)
+    assert cpu["learner_cpu_s_per_step_with"] == pytest.approx(1.0)          # 170 s over 170 steps
+    assert cpu["learner_cpu_s_per_step_without"] == pytest.approx(0.6)
+    assert cpu["shard_cpu_s_per_learner_step"] == pytest.approx(0.2)
+    assert cpu["cores_needed_for_ratio_1"] == pytest.approx(2.0 * 1.2)       # 2 steps/s without, 1.2 s each
