@@ -33,7 +33,7 @@ from common.fragments import (Fragment, describe_plan_difference, gather, model_
                               scatter, state_tensors)
 from common.keys import Keys
 from common.merge import Contribution, receive_merged
-from common.lifecycle import peak_rss_mb, process_start_time, rss_mb
+from common.lifecycle import peak_rss_mb, process_start_time, rss_mb, tune_allocator
 from common.log import get_logger
 from learner.network import (Answer, AskPeer, Fetch, FragmentArrived, Have, NetworkThread, Outbox, PeerState,
                              PeerStateArrived, PeerStateWanted, RoundOpened, StateRequested, optimizer_digest)
@@ -172,6 +172,7 @@ class Learner:
         ``run``: the run config to start or join with (None: take the run's from Redis)."""
         self.endpoints = endpoints
         self.options = options
+        self.malloc_tuned = tune_allocator()   # fragment-sized temporaries off fresh mappings
         self.id = resolve_learner_id(options)
         self.keys = Keys(endpoints.run_id)
         self.task = task
