@@ -39,6 +39,7 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3          # glibc's mallopt parameters
 LEARNER_MMAP_THRESHOLD = 64 << 20
+LEARNER_MMAP_THRESHOLD_OLD_GLIBC = 32 << 20          # the most glibc < 2.35 accepts on 64-bit
 LEARNER_TRIM_THRESHOLD = 512 << 20
 
 
@@ -50,10 +51,13 @@ def tune_allocator(mmap_threshold: int = LEARNER_MMAP_THRESHOLD,
     on first touch, then handed back when freed. A learner makes several such temporaries per merge
     and per answer, and torch several per training step. Returns whether it was applied: not when
     ``DDLOCO_MALLOC=default``, nor when the operator set glibc's own ``MALLOC_MMAP_THRESHOLD_`` or
-    ``MALLOC_TRIM_THRESHOLD_`` (their choice stands), nor where there is no glibc ``mallopt``."""
+    ``MALLOC_TRIM_THRESHOLD_`` or the same in ``GLIBC_TUNABLES`` (their choice stands), nor where
+    there is no glibc ``mallopt``. An older glibc that refuses a threshold above 32 MiB gets 32 MiB."""
     if os.environ.get("DDLOCO_MALLOC", "") == "default":
         return False
     if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+        return False
+    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     if not sys.platform.startswith("linux"):
         return False
@@ -62,7 +66,10 @@ def tune_allocator(mmap_threshold: int = LEARNER_MMAP_THRESHOLD,
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
+    mapped = bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) or bool(
+        mallopt(M_MMAP_THRESHOLD, min(mmap_threshold, LEARNER_MMAP_THRESHOLD_OLD_GLIBC)))
+    trimmed = bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
+    return mapped and trimmed
 
 
 def process_start_time() -> float | None:

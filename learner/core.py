@@ -512,6 +512,7 @@ class Learner:
             self.stats.boot_phases["joined"] = round(self.stats.boot_s, 3)
             self.joined_versions = {p: int(v) for p, v in enumerate(self.base_version)}
             self.log.info("learner.joined", fragments=len(self.plan), boot_s=round(self.stats.boot_s, 2),
+                          malloc_tuned=self.malloc_tuned, host_staging=self._staging is not None,
                           boot_phases=self.stats.boot_phases,
                           versions_max=int(self.base_version.max()), config=self.run_cfg.to_dict())
             self._train()

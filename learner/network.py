@@ -268,6 +268,8 @@ class Outbox:
 
 
 POLL_MS = 100
+STAGED_POLL_MS = 1
+"""The poll while an answer's snapshot is still on its way to the host (a CUDA learner)."""
 """The network thread wakes at least this often (stop, shard endpoints); sockets and the outbox's
 pipe wake it at once."""
 
@@ -311,6 +313,8 @@ class NetworkThread:
         self.stop = stop
         self.malformed = 0
         self._delta: torch.Tensor | None = None
+        self._staged: list[Answer] = []
+        """Answers taken from the outbox whose snapshot is still being copied to the host."""
         """The answers' δ buffer (the largest fragment answered so far)."""
 
     def run(self) -> None:
@@ -363,7 +367,8 @@ class NetworkThread:
                     if self.log is not None and client.bad_endpoints and client.bad_endpoints != bad:
                         self.log.warning("learner.bad_shard_endpoint", shards=client.bad_endpoints)
                 self.send(pub, client, unsent_fetch, peer)
-                for sock, _ in poller.poll(POLL_MS if self._wake_fd is not None else 5):
+                wait_ms = STAGED_POLL_MS if self._staged else POLL_MS if self._wake_fd is not None else 5
+                for sock, _ in poller.poll(wait_ms):
                     if sock == self._wake_fd:
                         self._wake.drain_wakeups()   # what was put is sent at the top of the loop
                     elif sock is sub:
@@ -388,6 +393,7 @@ class NetworkThread:
         for p in list(unsent_fetch):
             if client.request(p):
                 unsent_fetch.discard(p)
+        self._send_staged(pub)
         while True:
             try:
                 item = self.outbox.get_nowait()
@@ -415,26 +421,33 @@ class NetworkThread:
                 except zmq.Again:
                     pass
                 continue
-            a: Answer = item
-            if a.ready is not None:
-                a.ready.synchronize()      # the side stream's copy to pinned host memory
-            # δ_m = θ_{m,p} − Θ_p^{base_m}, in a buffer kept for the next answer (a fresh one costs
-            # its page faults); the codec's frames never alias it
-            if self._delta is None or self._delta.numel() < a.snapshot.numel():
-                self._delta = torch.empty(a.snapshot.numel(), dtype=torch.float32)
-            delta = torch.sub(a.snapshot, a.base_values, out=self._delta[:a.snapshot.numel()])
-            try:
-                frames = wire.encode(kind=wire.UPDATE, run=self.endpoints.run_id, sender=self.id,
-                                     fragment=a.fragment, values=delta, codec=self.codec, epoch=a.epoch,
-                                     round=a.round, attempt=a.attempt, base=a.base, steps=a.steps, tokens=a.tokens)
-            except quant.CodecError:                               # NaN/inf: every codec refuses them
-                self.stats.nonfinite_answers += 1                  # diverged: never send NaN/inf
-                continue
-            try:
-                pub.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                self.stats.bytes_up += wire.message_nbytes(frames)
-            except zmq.Again:
-                pass
+            self._staged.append(item)
+            self._send_staged(pub)
+
+    def _send_staged(self, pub: zmq.Socket) -> None:
+        """Answers whose snapshot is on the host (a CUDA learner's copy to pinned memory done: its
+        event is queried, never waited on, so this thread keeps receiving meanwhile), in order."""
+        while self._staged and (self._staged[0].ready is None or self._staged[0].ready.query()):
+            self._send_answer(pub, self._staged.pop(0))
+
+    def _send_answer(self, pub: zmq.Socket, a: Answer) -> None:
+        # δ_m = θ_{m,p} − Θ_p^{base_m}, in a buffer kept for the next answer (a fresh one costs
+        # its page faults); the codec's frames never alias it
+        if self._delta is None or self._delta.numel() < a.snapshot.numel():
+            self._delta = torch.empty(a.snapshot.numel(), dtype=torch.float32)
+        delta = torch.sub(a.snapshot, a.base_values, out=self._delta[:a.snapshot.numel()])
+        try:
+            frames = wire.encode(kind=wire.UPDATE, run=self.endpoints.run_id, sender=self.id,
+                                 fragment=a.fragment, values=delta, codec=self.codec, epoch=a.epoch,
+                                 round=a.round, attempt=a.attempt, base=a.base, steps=a.steps, tokens=a.tokens)
+        except quant.CodecError:                               # NaN/inf: every codec refuses them
+            self.stats.nonfinite_answers += 1                  # diverged: never send NaN/inf
+            return
+        try:
+            pub.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            self.stats.bytes_up += wire.message_nbytes(frames)
+        except zmq.Again:
+            pass
 
     def receive_broadcasts(self, sub: zmq.Socket) -> None:
         """Up to 256 waiting ``open`` and ``frag`` messages."""

@@ -267,18 +267,19 @@ def test_learner_that_misses_broadcasts_detects_the_gap_and_fetches_full_fragmen
 class _CpuStaging:
     """learner/staging.py's interface on the CPU (a CUDA learner's staging, which this machine
     cannot run): the training thread's side of it, end to end through a real shard. Copies, and an
-    event the network thread must wait on (it counts the waits)."""
+    event the network thread must query (it counts the queries)."""
 
     def __init__(self) -> None:
-        self.to_host_calls = self.to_device_calls = self.waited = 0
+        self.to_host_calls = self.to_device_calls = self.queried = 0
 
     def to_host(self, value):
         self.to_host_calls += 1
         staging = self
 
         class Done:
-            def synchronize(self) -> None:
-                staging.waited += 1
+            def query(self) -> bool:
+                staging.queried += 1
+                return True
         return value.clone(), Done()
 
     def to_device(self, host):
@@ -309,7 +310,7 @@ def test_a_learner_with_host_staging_contributes_and_stays_bit_identical_to_the_
     assert not cluster.errors, cluster.errors
     assert staged.algo.carry_local_steps and staged.stats.merges_applied >= 8, staged.stats
     assert staging.to_host_calls == staged.stats.answers >= 8
-    assert staging.waited >= 1 and staging.to_device_calls >= staged.stats.merges_applied
+    assert staging.queried >= 1 and staging.to_device_calls >= staged.stats.merges_applied
     shard = cluster.shards[0]
     for p, f in shard.frags.items():
         v = int(staged.base_version[p])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -28,21 +29,24 @@ print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 def _faults(mode: str, **env: str) -> tuple[bool, int]:
     out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True,
-                         env={**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")},
+                         env={**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"},
                               "PYTHONPATH": os.getcwd(), **env})
     applied, faults = out.stdout.split()
     return applied == "True", int(faults)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_tuned_allocator_reuses_fragment_sized_blocks_instead_of_faulting_them_in_again():
     applied, tuned = _faults("tune")
     _, plain = _faults("plain")
     assert applied
     pages = 10 * (1 << 22) * 4 // 4096                # one temporary's pages, once per merge
-    assert tuned < pages // 20 and plain > pages // 10, (tuned, plain, pages)   # glibc 2.36 here: 0 and 12-16 k
+    assert tuned < pages // 20, (tuned, plain, pages)
+    # with glibc's defaults (2.36 here) the same loop mostly faults 12-16 k pages back in, but not
+    # in every run (it depends on where the heap's blocks fall), so that side is not asserted
 
 
 def test_an_operators_choice_or_the_opt_out_is_left_alone():
     assert _faults("tune", DDLOCO_MALLOC="default")[0] is False
     assert _faults("tune", MALLOC_TRIM_THRESHOLD_="1048576")[0] is False
+    assert _faults("tune", GLIBC_TUNABLES="glibc.malloc.trim_threshold=1048576")[0] is False

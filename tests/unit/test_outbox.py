@@ -98,9 +98,10 @@ def test_the_network_thread_sends_deltas_and_counts_a_non_finite_one_without_sen
         box.close()
 
 
-def test_the_network_thread_waits_for_a_staged_snapshot_before_it_reads_it() -> None:
+def test_the_network_thread_sends_a_staged_snapshot_only_once_its_copy_is_done() -> None:
     """A CUDA learner's answer carries the event of its device-to-host copy (learner/staging.py):
-    the network thread waits on it before computing δ, so it never encodes a half-copied snapshot."""
+    the network thread queries it, keeps the answer while the copy runs (without blocking: it goes
+    on receiving), and computes δ only once the copy is done, never from a half-copied snapshot."""
     import threading
     import zmq
     from common import wire
@@ -110,13 +111,15 @@ def test_the_network_thread_waits_for_a_staged_snapshot_before_it_reads_it() -> 
 
     base = torch.arange(8, dtype=torch.float32)
 
-    class CopyDone:        # stands in for a CUDA event: the copy lands when it is waited on
+    class Copy:        # stands in for a CUDA event: the copy lands at the second query
         def __init__(self, target: torch.Tensor) -> None:
-            self.target, self.waited = target, 0
+            self.target, self.queries = target, 0
 
-        def synchronize(self) -> None:
-            self.waited += 1
-            self.target.copy_(base + 2.0)
+        def query(self) -> bool:
+            self.queries += 1
+            if self.queries == 2:
+                self.target.copy_(base + 2.0)
+            return self.queries >= 2
 
     net = NetworkThread(learner_id="l", endpoints=Endpoints(run_id="r"), codec="fp32", numels=[8],
                         inbox=queue.SimpleQueue(), outbox=(box := Outbox()), stats=LearnerStats(),
@@ -127,16 +130,20 @@ def test_the_network_thread_waits_for_a_staged_snapshot_before_it_reads_it() -> 
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         pub.bind("inproc://staged")
         sub.connect("inproc://staged")
-        events = []
         while not sub.poll(0):             # the first publish may precede the subscription: resend
-            snapshot = torch.zeros(8)      # not copied yet
-            events.append(CopyDone(snapshot))
-            box.put(Answer(fragment=0, epoch=1, round=0, attempt=0, base=0, base_values=base,
-                           snapshot=snapshot, steps=2, tokens=8, ready=events[-1]))
+            box.put(Answer(fragment=1, epoch=1, round=0, attempt=0, base=0, base_values=base,
+                           snapshot=base, steps=2, tokens=8))
             net.send(pub, None, set())
+        while sub.poll(20):
+            sub.recv_multipart()
+        copy = Copy(snapshot := torch.zeros(8))     # not copied yet
+        box.put(Answer(fragment=0, epoch=1, round=0, attempt=0, base=0, base_values=base,
+                       snapshot=snapshot, steps=2, tokens=8, ready=copy))
+        net.send(pub, None, set())
+        assert copy.queries == 1 and not sub.poll(50)      # kept, not sent, not waited on
+        net.send(pub, None, set())
         msg = wire.decode(sub.recv_multipart())
-        assert torch.equal(msg.values(), torch.full((8,), 2.0))
-        assert all(e.waited == 1 for e in events)
+        assert msg.fragment == 0 and torch.equal(msg.values(), torch.full((8,), 2.0))
     finally:
         pub.close(0)
         sub.close(0)
