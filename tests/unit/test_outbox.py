@@ -1,6 +1,7 @@
 """The learner's outbox: answers bounded per fragment, a wake-up the network thread can poll."""
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import select
@@ -15,6 +16,36 @@ def _answer(fragment: int, round: int) -> Answer:
     x = torch.zeros(4)
     return Answer(fragment=fragment, epoch=1, round=round, attempt=0, base=0, base_values=x, snapshot=x,
                   steps=1, tokens=1)
+
+
+def _network(codec: str, numels: list[int]):
+    """A learner's network thread (not started: the test drives ``send``), its outbox and stats."""
+    import threading
+    from common.config import Endpoints
+    from learner.core import LearnerStats
+    from learner.network import NetworkThread
+    stats, box = LearnerStats(), Outbox()
+    net = NetworkThread(learner_id="l", endpoints=Endpoints(run_id="r"), codec=codec, numels=numels,
+                        inbox=queue.SimpleQueue(), outbox=box, stats=stats, shard_endpoints=lambda: (0, {}),
+                        stop=threading.Event())
+    return net, box, stats
+
+
+@contextlib.contextmanager
+def _pub_sub(name: str):
+    """An inproc PUB and a SUB subscribed to everything on it."""
+    import zmq
+    ctx = zmq.Context()
+    pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        pub.bind(f"inproc://{name}")
+        sub.connect(f"inproc://{name}")
+        yield pub, sub
+    finally:
+        pub.close(0)
+        sub.close(0)
+        ctx.term()
 
 
 def test_a_newer_answer_replaces_the_unsent_older_one_of_its_fragment_and_is_counted() -> None:
@@ -56,23 +87,9 @@ def test_a_forked_process_gets_a_pipe_of_its_own() -> None:
 def test_the_network_thread_sends_deltas_and_counts_a_non_finite_one_without_sending_it(codec) -> None:
     """δ = snapshot − base is computed in a buffer reused from answer to answer; a NaN/inf δ is
     refused by the codec, counted, and never published."""
-    import threading
-    import zmq
     from common import wire
-    from common.config import Endpoints
-    from learner.core import LearnerStats
-    from learner.network import NetworkThread
-    stats = LearnerStats()
-    box = Outbox()
-    net = NetworkThread(learner_id="l", endpoints=Endpoints(run_id="r"), codec=codec, numels=[8, 8],
-                        inbox=queue.SimpleQueue(), outbox=box, stats=stats, shard_endpoints=lambda: (0, {}),
-                        stop=threading.Event())
-    ctx = zmq.Context()
-    pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
-    try:
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        pub.bind("inproc://answers")
-        sub.connect("inproc://answers")
+    net, box, stats = _network(codec, [8, 8])
+    with _pub_sub("answers") as (pub, sub), contextlib.closing(box):
         base = torch.arange(8, dtype=torch.float32)
         bad = base.clone()
         bad[3] = float("nan")
@@ -91,24 +108,13 @@ def test_the_network_thread_sends_deltas_and_counts_a_non_finite_one_without_sen
         while sub.poll(50):
             sent.append(wire.decode(sub.recv_multipart()).fragment)
         assert 1 not in sent
-    finally:
-        pub.close(0)
-        sub.close(0)
-        ctx.term()
-        box.close()
 
 
 def test_the_network_thread_sends_a_staged_snapshot_only_once_its_copy_is_done() -> None:
     """A CUDA learner's answer carries the event of its device-to-host copy (learner/staging.py):
     the network thread queries it, keeps the answer while the copy runs (without blocking: it goes
     on receiving), and computes δ only once the copy is done, never from a half-copied snapshot."""
-    import threading
-    import zmq
     from common import wire
-    from common.config import Endpoints
-    from learner.core import LearnerStats
-    from learner.network import NetworkThread
-
     base = torch.arange(8, dtype=torch.float32)
 
     class Copy:        # stands in for a CUDA event: the copy lands at the second query
@@ -121,15 +127,8 @@ def test_the_network_thread_sends_a_staged_snapshot_only_once_its_copy_is_done()
                 self.target.copy_(base + 2.0)
             return self.queries >= 2
 
-    net = NetworkThread(learner_id="l", endpoints=Endpoints(run_id="r"), codec="fp32", numels=[8],
-                        inbox=queue.SimpleQueue(), outbox=(box := Outbox()), stats=LearnerStats(),
-                        shard_endpoints=lambda: (0, {}), stop=threading.Event())
-    ctx = zmq.Context()
-    pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
-    try:
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        pub.bind("inproc://staged")
-        sub.connect("inproc://staged")
+    net, box, _ = _network("fp32", [8])
+    with _pub_sub("staged") as (pub, sub), contextlib.closing(box):
         while not sub.poll(0):             # the first publish may precede the subscription: resend
             box.put(Answer(fragment=1, epoch=1, round=0, attempt=0, base=0, base_values=base,
                            snapshot=base, steps=2, tokens=8))
@@ -144,8 +143,3 @@ def test_the_network_thread_sends_a_staged_snapshot_only_once_its_copy_is_done()
         net.send(pub, None, set())
         msg = wire.decode(sub.recv_multipart())
         assert msg.fragment == 0 and torch.equal(msg.values(), torch.full((8,), 2.0))
-    finally:
-        pub.close(0)
-        sub.close(0)
-        ctx.term()
-        box.close()
