@@ -337,8 +337,10 @@ class Shard:
         owned = owned_fragments(self.options.shard, self.options.shards, algo.fragments)
         for p in owned:
             theta = gather(params, self.plan[p])
-            self.frags[p] = FragmentState(spec=self.plan[p], theta=theta, momentum=torch.zeros_like(theta),
-                                          history={0: theta})
+            # with μ = 0 the momentum is never read nor written (common.merge.outer_step): a zero view
+            # of one value, not a zero copy of the fragment (checkpointed as that one value)
+            momentum = torch.zeros_like(theta) if algo.outer_momentum else torch.zeros(1).expand(theta.numel())
+            self.frags[p] = FragmentState(spec=self.plan[p], theta=theta, momentum=momentum, history={0: theta})
         self.run_tokens = 0
         """The run's global token count as last seen in Redis (checkpointed; restored after a restart)."""
         recorded = self._recorded_versions()

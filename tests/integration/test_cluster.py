@@ -146,6 +146,9 @@ def test_shard_restarted_from_checkpoint_resumes_at_same_versions(make_cluster):
     assert on_disk["epoch"] == shard.epoch
     assert all(set(fs) == {"theta", "momentum", "version", "next_round", "master"}
                for fs in on_disk["fragments"].values())
+    assert cluster.run.algo.outer_momentum == 0   # the momentum holds one zero, not a fragment of them
+    assert all(fs["momentum"].untyped_storage().nbytes() == 4 and not fs["momentum"].any()
+               for fs in on_disk["fragments"].values())
     restarted = cluster.start_shard(0, 1)
     assert {p: f.version for p, f in restarted.frags.items()} == {p: s[0] for p, s in saved.items()}
     for p, (_, theta, momentum, master) in saved.items():   # the replicas' value and the fp32 master
