@@ -70,10 +70,15 @@ def _f(h: dict[str, Any], key: str) -> float:
         return 0.0
 
 
+def _span(h: dict[str, Any]) -> float:
+    """A learner's training window: joined to stopped, in seconds."""
+    return _f(h, "stopped_at") - _f(h, "started_at") - _f(h, "boot_s")
+
+
 def _learner_rates(rep: dict[str, Any]) -> dict[str, float]:
     out = {}
     for lid, h in rep["learner_stats"].items():
-        span = _f(h, "stopped_at") - _f(h, "started_at") - _f(h, "boot_s")
+        span = _span(h)
         if span > 0 and _f(h, "steps") > 0:
             out[lid] = _f(h, "steps") / span
     return out
@@ -83,7 +88,7 @@ def _cpu(rep: dict[str, Any]) -> tuple[float, float, float]:
     """(the learners' CPU seconds while training, their steps, the cores they kept busy)."""
     cpu = steps = cores = 0.0
     for h in rep.get("learner_stats", {}).values():
-        span = _f(h, "stopped_at") - _f(h, "started_at") - _f(h, "boot_s")
+        span = _span(h)
         used = _f(h, "cpu_s") - _f(h, "cpu_s_at_joined")
         if span > 0 and used > 0:
             cpu, steps, cores = cpu + used, steps + _f(h, "steps"), cores + used / span
@@ -102,7 +107,7 @@ def summarise(with_sync: dict[str, Any], without: dict[str, Any], *, params: int
     shards = with_sync["shard_stats"]
     wall = float(with_sync.get("wall_s") or 0.0)
     # merges are counted over the learners' training window (start-up and joins excluded)
-    spans = [_f(h, "stopped_at") - _f(h, "started_at") - _f(h, "boot_s") for h in learners.values()]
+    spans = [_span(h) for h in learners.values()]
     window = statistics.median(spans) if spans else 0.0
     median_rate = statistics.median(rates.values()) if rates else 0.0
     required = (fragments / syncers) * median_rate / sync_every                # merges/s one shard owes

@@ -275,9 +275,11 @@ def gather(tensors: Mapping[str, torch.Tensor], fragment: Fragment,
            device: torch.device | str = "cpu") -> torch.Tensor:
     """A new flat float32 vector [fragment.numel] on ``device``: the fragment's pieces in order,
     zero gaps."""
-    gaps = sum(stop - start for start, stop, _ in fragment.spans) != fragment.numel
-    flat = (torch.zeros if gaps else torch.empty)(fragment.numel, dtype=torch.float32, device=device)
-    for piece, (start, stop, _) in zip(fragment.pieces, fragment.spans):
+    spans = fragment.spans                  # computed once: ``numel`` would compute it again
+    numel = spans[-1][1] if spans else 0
+    gaps = sum(stop - start for start, stop, _ in spans) != numel
+    flat = (torch.zeros if gaps else torch.empty)(numel, dtype=torch.float32, device=device)
+    for piece, (start, stop, _) in zip(fragment.pieces, spans):
         src = _tensor(tensors, piece.tensor).detach().reshape(-1)[piece.start:piece.stop]
         flat[start:stop] = src.to(device=flat.device, dtype=torch.float32)
     return flat

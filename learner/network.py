@@ -268,10 +268,10 @@ class Outbox:
 
 
 POLL_MS = 100
-STAGED_POLL_MS = 1
-"""The poll while an answer's snapshot is still on its way to the host (a CUDA learner)."""
 """The network thread wakes at least this often (stop, shard endpoints); sockets and the outbox's
 pipe wake it at once."""
+STAGED_POLL_MS = 1
+"""The poll while an answer's snapshot is still on its way to the host (a CUDA learner)."""
 
 
 class NetworkThread:
@@ -313,9 +313,9 @@ class NetworkThread:
         self.stop = stop
         self.malformed = 0
         self._delta: torch.Tensor | None = None
+        """The answers' δ buffer (the largest fragment answered so far)."""
         self._staged: list[Answer] = []
         """Answers taken from the outbox whose snapshot is still being copied to the host."""
-        """The answers' δ buffer (the largest fragment answered so far)."""
 
     def run(self) -> None:
         ctx = zmq.Context()

@@ -506,8 +506,9 @@ class Shard:
     def checkpoint(self, *, wait: bool = False) -> None:
         """Snapshot {Θ, momentum, version, next_round} of every fragment (references to tensors no
         merge writes in place: no copy, no extra memory) and hand it to the writer thread, which
-        writes it atomically (temp file, fsync, rename, fsync of the directory) off the loop. A snapshot taken while the previous one
-        is still being written replaces any snapshot still waiting (the newest one wins).
+        writes it atomically (temp file, fsync, rename, fsync of the directory) off the loop. A
+        snapshot taken while the previous one is still being written replaces any snapshot still
+        waiting (the newest one wins).
         ``wait``: write synchronously after the writer finished (the final checkpoint at stop)."""
         if self.checkpoint_path is None:
             return
