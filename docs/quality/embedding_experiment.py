@@ -1,0 +1,211 @@
+"""Experiments of the seventh quality measurement (docs/ALGORITHM.md section 10), not part of the product.
+
+The group diagnostic (group_sync_experiment.py) found the embeddings (wte, tied to the output
+head, and wpe) carry most of the remaining gap to data-parallel. These variants change only how
+the embedding spans are merged or synced, everything else at the defaults:
+
+- ``none``: the defaults;
+- ``rda``: embedding spans merged with RDA like the other parameters (the paper leaves them to the
+  weighted mean);
+- ``eta=X``: the embedding spans' merged outer gradient is scaled by X (an outer step of X);
+- ``avg``: the embedding tensors are averaged across the learners after every step (parameters,
+  not gradients; outside the rounds);
+- ``precond``: the per-coordinate scaling of outer_precond_experiment.py on the embedding spans;
+- ``lr=X``: the learners' inner steps on the embedding tensors are X times AdamW's (an inner
+  learning rate of X · lr for wte and wpe; their weight decay is 0);
+- ``share=D``: every learner's embedding gradients are shared with the others, D steps late:
+  learner m steps its embeddings with (g_m(t) + sum over the others of g_j(t - D)) / M, its own
+  AdamW moments (D = 0 is data-parallel for the embeddings, as group_sync_experiment.py's ``emb``);
+- ``rows``: each row of the token embedding (wte) is merged with weights proportional to how
+  often each learner saw that byte as input since its previous answer of the fragment (a row no
+  learner saw: the plain weights). A byte that one learner saw moves its row by that learner's
+  delta, not a quarter of it.
+
+Usage: python docs/quality/embedding_experiment.py SEED MODE [JSON algo overrides]
+(MODE ``dp:lr=X``: data-parallel, dp_emulated, with the same inner change.)
+"""
+import json
+import sys
+
+import numpy as np
+from dataclasses import replace
+
+import torch
+
+from common import merge
+from common.config import AlgoConfig
+from ddloco.compare import systems
+from learner.inner import apply_step
+from tasks.contract import load_task
+
+STATE: dict[int, list] = {}
+CURRENT: list = [None]          # the fragment open_round gathered last
+COUNTS: list = []               # per learner: cumulative input-byte counts
+SEEN: dict[int, list] = {}      # per fragment (id of its momentum): COUNTS at its previous merge
+
+
+def is_emb(kind) -> bool:
+    return merge._span_kind(kind) == "embedding"
+
+
+def patch(mode: str) -> None:
+    if mode == "none":
+        return
+    if mode == "avg":
+        reps_seen: list = []
+        make_replicas, step = systems._replicas, systems.inner_step
+        calls = [0]
+
+        def replicas(*a, **k):
+            reps_seen[:] = make_replicas(*a, **k)
+            return reps_seen[:]
+
+        def inner(model, *a, **k):
+            out = step(model, *a, **k)
+            calls[0] += 1
+            if calls[0] % len(reps_seen) == 0:
+                with torch.no_grad():
+                    named = [dict(r.model.named_parameters()) for r in reps_seen]
+                    for name in named[0]:
+                        if name.startswith(("wte", "wpe")):
+                            mean = torch.stack([p[name] for p in named]).mean(dim=0)
+                            for p in named:
+                                p[name].copy_(mean)
+            return out
+
+        systems._replicas, systems.inner_step = replicas, inner
+        return
+
+    if mode.startswith("lr="):
+        x, step = float(mode[3:]), systems.inner_step
+
+        def inner(model, *a, **k):
+            emb = [p for n, p in model.named_parameters() if n.startswith(("wte", "wpe"))]
+            before = [p.detach().clone() for p in emb]
+            out = step(model, *a, **k)
+            with torch.no_grad():
+                for p, b in zip(emb, before):
+                    p.copy_(b + x * (p - b))
+            return out
+
+        systems.inner_step = inner
+        return
+    if mode.startswith("share="):
+        delay, make_replicas = int(mode[6:]), systems._replicas
+        reps_seen: list = []
+        waiting: list = []
+        past: list = []            # per step: [per learner: {name: grad}]
+
+        def replicas(*a, **k):
+            reps_seen[:] = make_replicas(*a, **k)
+            return reps_seen[:]
+
+        def inner(model, opt, sched, loss, algo=None):
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            waiting.append((model, opt, sched, algo))
+            if len(waiting) < len(reps_seen):
+                return opt.param_groups[0]["lr"]
+            m_count = len(waiting)
+            named = [dict(m.named_parameters()) for m, *_ in waiting]
+            now = [{n: p.grad.detach().clone() for n, p in d.items() if n.startswith(("wte", "wpe"))} for d in named]
+            past.append(now)
+            old = past[-1 - delay] if len(past) > delay else None
+            del past[:-(delay + 1)]
+            with torch.no_grad():
+                for i, d in enumerate(named):
+                    for n in now[i]:
+                        g = now[i][n].clone()
+                        if old is not None:
+                            for j in range(m_count):
+                                if j != i:
+                                    g += old[j][n]
+                        d[n].grad.copy_(g / m_count if old is not None else g)
+            for m, o, s_, a in waiting:
+                lr = apply_step(m, o, s_, a)
+            waiting.clear()
+            return lr
+
+        systems._replicas, systems.inner_step = replicas, inner
+        return
+    if mode == "rows":
+        make_replicas, gather = systems._replicas, systems.gather
+
+        def counting(m, it):
+            for batch in it:
+                COUNTS[m] += np.bincount(np.asarray(batch.inputs).ravel(), minlength=256)
+                yield batch
+
+        def replicas(*a, **k):
+            reps = make_replicas(*a, **k)
+            COUNTS[:] = [np.zeros(256) for _ in reps]
+            for m, r in enumerate(reps):
+                r.data = counting(m, r.data)
+            return reps
+
+        def gathering(params, fragment, *a, **k):
+            CURRENT[0] = fragment
+            return gather(params, fragment, *a, **k)
+
+        systems._replicas, systems.gather = replicas, gathering
+
+    def update(theta, momentum, outer_grads, weights, spans, algo, *, merges_done=0, rule=None):
+        if mode == "rows":
+            grad = merge.merge_outer_gradients(outer_grads, weights, spans, algo.merge_rule)
+            last = SEEN.setdefault(id(momentum), [np.zeros(256) for _ in COUNTS])
+            window = torch.tensor(np.stack([c - l for c, l in zip(COUNTS, last)]), dtype=torch.float32)  # [M, 256]
+            SEEN[id(momentum)] = [c.copy() for c in COUNTS]
+            for (a, b, k), piece in zip(spans, CURRENT[0].pieces):
+                if piece.name != "wte.weight":
+                    continue
+                width = piece.tensor.shape[1]
+                assert piece.start % width == 0 and piece.stop % width == 0
+                rows = slice(piece.start // width, piece.stop // width)
+                w = window[:, rows]                                            # [M, R]
+                tot = w.sum(dim=0, keepdim=True)
+                w = torch.where(tot > 0, w / tot.clamp(min=1), weights[:, None].expand_as(w))
+                block = outer_grads[:, a:b].reshape(outer_grads.shape[0], -1, width)   # [M, R, width]
+                grad[a:b] = (w[:, :, None] * block).sum(dim=0).reshape(-1)
+            return merge.outer_step(theta, momentum, grad, spans, algo, merges_done=merges_done)
+        if mode == "rda":
+            spans2 = [(a, b, "param" if is_emb(k) else k) for a, b, k in spans]
+            grad = merge.merge_outer_gradients(outer_grads, weights, spans2, algo.merge_rule)
+            return merge.outer_step(theta, momentum, grad, spans, algo, merges_done=merges_done)
+        grad = merge.merge_outer_gradients(outer_grads, weights, spans, algo.merge_rule)
+        if mode.startswith("eta="):
+            x = float(mode[4:])
+            for a, b, k in spans:
+                if is_emb(k):
+                    grad[a:b] *= x
+        elif mode == "precond" and outer_grads.shape[0] > 1:
+            m, beta = outer_grads.shape[0], 0.9
+            sq = (outer_grads * outer_grads).mean(dim=0)
+            var = outer_grads.var(dim=0, unbiased=True)
+            st = STATE.setdefault(id(momentum), [torch.zeros_like(sq), torch.zeros_like(sq), 0])
+            st[0].mul_(beta).add_(sq, alpha=1 - beta)
+            st[1].mul_(beta).add_(var, alpha=1 - beta)
+            st[2] += 1
+            corr = 1 - beta ** st[2]
+            a_, n_ = st[0] / corr, st[1] / corr
+            f = (a_ / (a_ - (1 - 1 / m) * n_).clamp(min=1e-30)).sqrt().clamp(1.0, m ** 0.5)
+            f = torch.where(a_ > 0, f, torch.ones_like(f))
+            for a, b, k in spans:
+                if is_emb(k):
+                    grad[a:b] *= f[a:b]
+        return merge.outer_step(theta, momentum, grad, spans, algo, merges_done=merges_done)
+
+    systems.outer_update = update
+
+
+if __name__ == "__main__":
+    seed, mode = int(sys.argv[1]), sys.argv[2]
+    extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    dp = mode.startswith("dp:")      # "dp:MODE": data-parallel (dp_emulated) with the same change
+    patch(mode[3:] if dp else mode)
+    torch.set_num_threads(1)
+    task = load_task("gpt", {})
+    algo = replace(AlgoConfig(), **extra)
+    run = systems.run_dp_emulated if dp else systems.run_decoupled_emulated
+    r = run(task, algo, learners=4, steps=400, seed=seed, eval_points=8)
+    print(json.dumps({"seed": seed, "mode": mode, "extra": extra, "loss": r.eval_loss_final,
+                      "curve": r.curve, "wall": r.wall_s}), flush=True)
