@@ -16,6 +16,12 @@ the embedding spans are merged or synced, everything else at the defaults:
 - ``share=D``: every learner's embedding gradients are shared with the others, D steps late:
   learner m steps its embeddings with (g_m(t) + sum over the others of g_j(t - D)) / M, its own
   AdamW moments (D = 0 is data-parallel for the embeddings, as group_sync_experiment.py's ``emb``);
+- ``b1=X``: the learners' AdamW on the embedding tensors uses beta1 = X (its momentum averages the
+  gradient noise over more steps);
+- ``damp=C`` / ``dampemb=C``: when a learner applies a merged fragment, its AdamW first moment of
+  that fragment's values (of its embedding values only, with ``dampemb``) is multiplied by C: the
+  momentum it built on its own trajectory is not carried on past the merge at full strength (a
+  change only a merging system can make; data-parallel has no merge);
 - ``rows``: each row of the token embedding (wte) is merged with weights proportional to how
   often each learner saw that byte as input since its previous answer of the fragment (a row no
   learner saw: the plain weights). A byte that one learner saw moves its row by that learner's
@@ -89,6 +95,55 @@ def patch(mode: str) -> None:
             return out
 
         systems.inner_step = inner
+        return
+    if mode.startswith("b1="):
+        beta1, build, make_opt = float(mode[3:]), systems.build_model, systems.make_inner_optimizer
+        built: list = []
+
+        def build_model(*a, **k):
+            built[:] = [build(*a, **k)]
+            return built[0]
+
+        def make_inner_optimizer(params, algo, tokens=None):   # the model built last is the one
+            opt, sched = make_opt(params, algo, tokens=tokens)
+            emb = [p for n, p in built[0].named_parameters() if n.startswith(("wte", "wpe"))]
+            ids = {id(p) for p in emb}
+            group = opt.param_groups[0]
+            group["params"] = [p for p in group["params"] if id(p) not in ids]
+            opt.add_param_group({"params": emb, "betas": (beta1, group["betas"][1])})
+            opt.param_groups[1]["lr"] = group["lr"]
+            sched.lr_lambdas.append(sched.lr_lambdas[0])
+            sched.base_lrs.append(sched.base_lrs[0])
+            return opt, sched
+
+        systems.build_model, systems.make_inner_optimizer = build_model, make_inner_optimizer
+        return
+    if mode.startswith(("damp=", "dampemb=")):
+        only_emb = mode.startswith("dampemb=")
+        factor, make_replicas, scatter = float(mode.split("=")[1]), systems._replicas, systems.scatter
+        owners: dict = {}
+
+        def replicas(*a, **k):
+            reps = make_replicas(*a, **k)
+            owners.clear()
+            owners.update({id(r.params): r for r in reps})
+            return reps
+
+        def scattering(params, fragment, value, *a, **k):
+            out = scatter(params, fragment, value, *a, **k)
+            r = owners.get(id(params))
+            if r is not None:                          # a learner applying a merged fragment
+                named = dict(r.model.named_parameters())
+                with torch.no_grad():
+                    for piece in fragment.pieces:
+                        if only_emb and not piece.name.startswith(("wte", "wpe")):
+                            continue
+                        st = r.opt.state.get(named.get(piece.name))
+                        if st and "exp_avg" in st:
+                            st["exp_avg"].view(-1)[piece.start:piece.stop] *= factor
+            return out
+
+        systems._replicas, systems.scatter = replicas, scattering
         return
     if mode.startswith("share="):
         delay, make_replicas = int(mode[6:]), systems._replicas
