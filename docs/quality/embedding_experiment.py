@@ -31,6 +31,7 @@ Usage: python docs/quality/embedding_experiment.py SEED MODE [JSON algo override
 (MODE ``dp:lr=X``: data-parallel, dp_emulated, with the same inner change.)
 """
 import json
+import os
 import sys
 
 import numpy as np
@@ -42,9 +43,10 @@ from common import merge
 from common.config import AlgoConfig
 from ddloco.compare import systems
 from learner.inner import apply_step
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from outer_precond_experiment import coordinate_factor  # noqa: E402  (the sixth measurement's scaling)
 from tasks.contract import load_task
 
-STATE: dict[int, list] = {}
 CURRENT: list = [None]          # the fragment open_round gathered last
 COUNTS: list = []               # per learner: cumulative input-byte counts
 SEEN: dict[int, list] = {}      # per fragment (id of its momentum): COUNTS at its previous merge
@@ -233,17 +235,7 @@ def patch(mode: str) -> None:
                 if is_emb(k):
                     grad[a:b] *= x
         elif mode == "precond" and outer_grads.shape[0] > 1:
-            m, beta = outer_grads.shape[0], 0.9
-            sq = (outer_grads * outer_grads).mean(dim=0)
-            var = outer_grads.var(dim=0, unbiased=True)
-            st = STATE.setdefault(id(momentum), [torch.zeros_like(sq), torch.zeros_like(sq), 0])
-            st[0].mul_(beta).add_(sq, alpha=1 - beta)
-            st[1].mul_(beta).add_(var, alpha=1 - beta)
-            st[2] += 1
-            corr = 1 - beta ** st[2]
-            a_, n_ = st[0] / corr, st[1] / corr
-            f = (a_ / (a_ - (1 - 1 / m) * n_).clamp(min=1e-30)).sqrt().clamp(1.0, m ** 0.5)
-            f = torch.where(a_ > 0, f, torch.ones_like(f))
+            f = coordinate_factor(outer_grads, id(momentum), 0.9)
             for a, b, k in spans:
                 if is_emb(k):
                     grad[a:b] *= f[a:b]

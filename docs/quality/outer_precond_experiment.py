@@ -26,23 +26,29 @@ from tasks.contract import load_task
 STATE: dict[int, list] = {}
 
 
+def coordinate_factor(outer_grads: torch.Tensor, key: int, beta: float) -> torch.Tensor:
+    """f per coordinate for the M > 1 answers ``outer_grads`` [M, n] of the fragment ``key``
+    (its EMAs live in STATE under that key)."""
+    m = outer_grads.shape[0]
+    sq = (outer_grads * outer_grads).mean(dim=0)
+    var = outer_grads.var(dim=0, unbiased=True)
+    st = STATE.setdefault(key, [torch.zeros_like(sq), torch.zeros_like(sq), 0])
+    st[0].mul_(beta).add_(sq, alpha=1 - beta)
+    st[1].mul_(beta).add_(var, alpha=1 - beta)
+    st[2] += 1
+    corr = 1 - beta ** st[2]
+    a, n = st[0] / corr, st[1] / corr
+    dp_like = (a - (1 - 1 / m) * n).clamp(min=0)
+    f = (a / dp_like.clamp(min=1e-30)).sqrt().clamp(1.0, m ** 0.5)
+    return torch.where(a > 0, f, torch.ones_like(f))
+
+
 def make_update(beta: float):
     def update(theta, momentum, outer_grads, weights, spans, algo, *, merges_done=0, rule=None):
-        m = outer_grads.shape[0]
         mean = weights @ outer_grads                                    # [n]
         grad = merge.merge_outer_gradients(outer_grads, weights, spans, "mean")
-        if m > 1:
-            sq = (outer_grads * outer_grads).mean(dim=0)
-            var = outer_grads.var(dim=0, unbiased=True)
-            st = STATE.setdefault(id(momentum), [torch.zeros_like(sq), torch.zeros_like(sq), 0])
-            st[0].mul_(beta).add_(sq, alpha=1 - beta)
-            st[1].mul_(beta).add_(var, alpha=1 - beta)
-            st[2] += 1
-            corr = 1 - beta ** st[2]
-            a, n = st[0] / corr, st[1] / corr
-            dp_like = (a - (1 - 1 / m) * n).clamp(min=0)
-            f = (a / dp_like.clamp(min=1e-30)).sqrt().clamp(1.0, m ** 0.5)
-            f = torch.where(a > 0, f, torch.ones_like(f))
+        if outer_grads.shape[0] > 1:
+            f = coordinate_factor(outer_grads, id(momentum), beta)
             for start, stop, kind in spans:
                 if merge._span_kind(kind) == "param":
                     grad[start:stop] = mean[start:stop] * f[start:stop]
