@@ -14,7 +14,7 @@ variants change only how the embedding spans are merged or synced, everything el
 - ``precond``: the per-coordinate scaling of outer_precond_experiment.py on the embedding spans;
 - ``lr=X``: the learners' inner steps on the embedding tensors are X times AdamW's (an inner
   learning rate of X · lr for wte and wpe; their weight decay is 0);
-- ``share=D``: every learner's embedding gradients are shared with the others, D steps late:
+- ``share=D`` (group_sync_experiment.patch("emb", delay=D)): every learner's embedding gradients are shared with the others, D steps late:
   learner m steps its embeddings with (g_m(t) + sum over the others of g_j(t - D)) / M, its own
   AdamW moments (D = 0 is data-parallel for the embeddings, as group_sync_experiment.py's ``emb``);
 - ``b1=X``: the learners' AdamW on the embedding tensors uses beta1 = X (its momentum averages the
@@ -43,14 +43,17 @@ import torch
 from common import merge
 from common.config import AlgoConfig
 from ddloco.compare import systems
-from learner.inner import apply_step
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import group_sync_experiment  # noqa: E402  (the seventh measurement's gradient sharing)
 from outer_precond_experiment import coordinate_factor  # noqa: E402  (the sixth measurement's scaling)
 from tasks.contract import load_task
 
 CURRENT: list = [None]          # the fragment open_round gathered last
 COUNTS: list = []               # per learner: cumulative input-byte counts
 SEEN: dict[int, list] = {}      # per fragment (id of its momentum): COUNTS at its previous merge
+
+
+is_emb_name = group_sync_experiment.GROUPS["emb"]       # wte (tied to the head) and wpe
 
 
 def is_emb(kind) -> bool:
@@ -76,7 +79,7 @@ def patch(mode: str) -> None:
                 with torch.no_grad():
                     named = [dict(r.model.named_parameters()) for r in reps_seen]
                     for name in named[0]:
-                        if name.startswith(("wte", "wpe")):
+                        if is_emb_name(name):
                             mean = torch.stack([p[name] for p in named]).mean(dim=0)
                             for p in named:
                                 p[name].copy_(mean)
@@ -89,7 +92,7 @@ def patch(mode: str) -> None:
         x, step = float(mode[3:]), systems.inner_step
 
         def inner(model, *a, **k):
-            emb = [p for n, p in model.named_parameters() if n.startswith(("wte", "wpe"))]
+            emb = [p for n, p in model.named_parameters() if is_emb_name(n)]
             before = [p.detach().clone() for p in emb]
             out = step(model, *a, **k)
             with torch.no_grad():
@@ -109,7 +112,7 @@ def patch(mode: str) -> None:
 
         def make_inner_optimizer(params, algo, tokens=None):   # the model built last is the one
             opt, sched = make_opt(params, algo, tokens=tokens)
-            emb = [p for n, p in built[0].named_parameters() if n.startswith(("wte", "wpe"))]
+            emb = [p for n, p in built[0].named_parameters() if is_emb_name(n)]
             ids = {id(p) for p in emb}
             group = opt.param_groups[0]
             group["params"] = [p for p in group["params"] if id(p) not in ids]
@@ -139,7 +142,7 @@ def patch(mode: str) -> None:
                 named = dict(r.model.named_parameters())
                 with torch.no_grad():
                     for piece in fragment.pieces:
-                        if only_emb and not piece.name.startswith(("wte", "wpe")):
+                        if only_emb and not is_emb_name(piece.name):
                             continue
                         st = r.opt.state.get(named.get(piece.name))
                         if st and "exp_avg" in st:
@@ -149,42 +152,7 @@ def patch(mode: str) -> None:
         systems._replicas, systems.scatter = replicas, scattering
         return
     if mode.startswith("share="):
-        delay, make_replicas = int(mode[6:]), systems._replicas
-        reps_seen: list = []
-        waiting: list = []
-        past: list = []            # per step: [per learner: {name: grad}]
-
-        def replicas(*a, **k):
-            reps_seen[:] = make_replicas(*a, **k)
-            return reps_seen[:]
-
-        def inner(model, opt, sched, loss, algo=None):
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            waiting.append((model, opt, sched, algo))
-            if len(waiting) < len(reps_seen):
-                return opt.param_groups[0]["lr"]
-            m_count = len(waiting)
-            named = [dict(m.named_parameters()) for m, *_ in waiting]
-            now = [{n: p.grad.detach().clone() for n, p in d.items() if n.startswith(("wte", "wpe"))} for d in named]
-            past.append(now)
-            old = past[-1 - delay] if len(past) > delay else None
-            del past[:-(delay + 1)]
-            with torch.no_grad():
-                for i, d in enumerate(named):
-                    for n in now[i]:
-                        g = now[i][n].clone()
-                        if old is not None:
-                            for j in range(m_count):
-                                if j != i:
-                                    g += old[j][n]
-                        d[n].grad.copy_(g / m_count if old is not None else g)
-            for m, o, s_, a in waiting:
-                lr = apply_step(m, o, s_, a)
-            waiting.clear()
-            return lr
-
-        systems._replicas, systems.inner_step = replicas, inner
+        group_sync_experiment.patch("emb", delay=int(mode[6:]))
         return
     if mode == "rows":
         make_replicas, gather = systems._replicas, systems.gather

@@ -34,11 +34,15 @@ GROUPS = {
 }
 
 
-def patch(group: str) -> None:
+def patch(group: str, delay: int = 0) -> None:
+    """Train ``group`` on every learner with the learners' gradients averaged at each step. With
+    ``delay`` D > 0 the others' gradients arrive D steps late: learner m steps the group with
+    (g_m(t) + sum over the others of g_j(t - D)) / M (its own gradient alone before step D)."""
     chosen = GROUPS[group]
     reps_seen: list = []
     make_replicas = systems._replicas
     waiting: list = []
+    past: list = []            # per step, per learner: {name: gradient} (kept only when delay > 0)
 
     def replicas(*a, **k):
         reps = make_replicas(*a, **k)
@@ -51,13 +55,27 @@ def patch(group: str) -> None:
         waiting.append((model, opt, sched, algo))
         if len(waiting) < len(reps_seen):       # the step waits until every learner has its gradient
             return opt.param_groups[0]["lr"]
+        named = [dict(m.named_parameters()) for m, *_ in waiting]
         with torch.no_grad():
-            named = [dict(m.named_parameters()) for m, *_ in waiting]
-            for name in named[0]:
-                if chosen(name):
-                    mean = torch.stack([p[name].grad for p in named]).mean(dim=0)
-                    for p in named:
-                        p[name].grad.copy_(mean)
+            if delay == 0:
+                for name in named[0]:
+                    if chosen(name):
+                        mean = torch.stack([p[name].grad for p in named]).mean(dim=0)
+                        for p in named:
+                            p[name].grad.copy_(mean)
+            else:
+                now = [{n: p.grad.detach().clone() for n, p in d.items() if chosen(n)} for d in named]
+                past.append(now)
+                old = past[0] if len(past) > delay else None
+                del past[:-delay]
+                if old is not None:
+                    for i, d in enumerate(named):
+                        for n in now[i]:
+                            g = now[i][n].clone()
+                            for j in range(len(named)):
+                                if j != i:
+                                    g += old[j][n]
+                            d[n].grad.copy_(g / len(named))
         for m, o, s, a in waiting:
             lr = apply_step(m, o, s, a)
         waiting.clear()
