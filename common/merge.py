@@ -133,6 +133,10 @@ class OuterAccumulator:
         self.weight_sum = 0.0
         self.count = 0
         self._ints = [(start, stop) for start, stop, kind in self.pieces if kind == "int_buffer"]
+        self._floats = [(start, stop) for start, stop, kind in self.pieces if kind == "buffer"]
+        self._bounded = [(start, stop) for start, stop, kind in self.pieces
+                         if kind in ("param", "embedding") and stop > start]
+        """The parameter pieces: what a norm bound sees and scales (buffers move by their own rule)."""
         # for add_answer's C kernels (common/_qkernels.c): segments tiling [0, numel) as (start, stop, rda),
         # the pieces and the gaps between them, and which segment each RDA piece is
         bounds = sorted([(a, b, on) for (a, b, _), on in zip(self.pieces, self.rda)] +
@@ -142,6 +146,22 @@ class OuterAccumulator:
         self._norms = np.zeros(len(self._segments), dtype=np.float64)
         starts = {int(a): k for k, a in enumerate(self._segments[:, 0])} if len(self._segments) else {}
         self._rda_segment = [(i, starts[a]) for i, (a, b, _) in enumerate(self.pieces) if self.rda[i] and b > a]
+        self._bounded_segments = np.array([starts[a] for a, _ in self._bounded], dtype=np.int64)
+
+    def bounded_norm(self, x: torch.Tensor) -> float:
+        """‖x‖ over the parameter pieces of the fragment (param, embedding), in float64: the norm a
+        bound on outer gradients sees. Buffers (BatchNorm statistics, integer counters) are left
+        out: a counter's jump of hundreds is no outer gradient."""
+        if not self._bounded:
+            return 0.0
+        return math.sqrt(sum(float(torch.linalg.vector_norm(x[a:b], dtype=torch.float64)) ** 2   # 1e38s: no overflow
+                             for a, b in self._bounded))
+
+    def _scale_params(self, outer: torch.Tensor, scale: float) -> torch.Tensor:
+        """Δ_m with its parameter pieces scaled (a clipped answer); buffers and gaps as they are."""
+        for a, b in self._bounded:
+            outer[a:b].mul_(scale)
+        return outer
 
     def add(self, outer: torch.Tensor, weight: float) -> None:
         """Fold in one contributor's Δ_m [numel] with normalised weight ŵ_m (Δ_m is only read)."""
@@ -175,7 +195,8 @@ class OuterAccumulator:
                    clip: Callable[[float], float] | None = None, buf: torch.Tensor | None = None) -> float:
         """Fold in the answer δ_m built on ``base``: Δ_m = Θ − (base + δ_m), scaled by
         ``clip(‖Δ_m‖)`` (e.g. ``NormClipper.observe``; None: 1; 0: the answer is left out, not
-        counted). Returns that scale. With the C
+        counted). ``clip`` sees the norm of the parameter pieces only and scales only them:
+        buffers always move by their own rule. Returns that scale. With the C
         kernels (fp32 on CPU) Δ_m is never stored: two passes over the inputs; otherwise it is
         built in ``buf`` (a scratch [numel] buffer, or a new one) and ``add``-ed."""
         w = float(weight)
@@ -185,13 +206,13 @@ class OuterAccumulator:
                                             and t.is_contiguous() for t in tensors)):
             outer = torch.add(base, delta, out=buf) if buf is not None else base + delta
             outer = torch.sub(theta, outer, out=outer)
-            scale = clip(float(torch.linalg.vector_norm(outer, dtype=torch.float64))) if clip is not None else 1.0
+            scale = clip(self.bounded_norm(outer)) if clip is not None else 1.0
             if scale != 0.0:
-                self.add(outer if scale == 1.0 else outer.mul_(scale), w)
+                self.add(outer if scale == 1.0 else self._scale_params(outer, scale), w)
             return scale
         th, ba, de = (t.detach().numpy() for t in (theta, base, delta))
         kernels.outer_sq_sums(th, ba, de, self._segments, self._norms)
-        scale = clip(math.sqrt(float(self._norms.sum()))) if clip is not None else 1.0
+        scale = clip(math.sqrt(float(self._norms[self._bounded_segments].sum()))) if clip is not None else 1.0
         if scale == 0.0:
             return scale
         kept = self._ints_so_far()
@@ -201,8 +222,10 @@ class OuterAccumulator:
                                  self._segments, self._norms)
         for i, k in self._rda_segment:
             self.radius[i] += w * scale * float(self._norms[k])
-        blocks = [theta[a:b] - (base[a:b] + delta[a:b]) for a, b in self._ints]
-        self._fold_ints(kept, blocks if scale == 1.0 else [x * scale for x in blocks])
+        if scale != 1.0:   # the kernel scaled every piece: float buffers take their whole Δ_m back
+            for a, b in self._floats:
+                self.mean[a:b].add_(theta[a:b] - (base[a:b] + delta[a:b]), alpha=w * (1.0 - scale))
+        self._fold_ints(kept, [theta[a:b] - (base[a:b] + delta[a:b]) for a, b in self._ints])
         self.weight_sum += abs(w)
         self.count += 1
         return scale

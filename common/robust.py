@@ -3,16 +3,25 @@
 A shard checks every answer before it can weigh in a merge:
 
 - its decoded delta is finite (one bad answer is dropped, never the round);
-- its step claim is clamped to ``max_steps_factor × H × (versions since its base + 1)`` and its
-  token claim to ``c_steps × tokens_per_step_bound`` (the run's tokens per inner step: the task's
-  batch × ``inner_grad_accum``, × 2 for batches that vary in size): clamped, not refused, so an
-  honest learner whose rounds stalled still counts, and a lie weighs no more than that;
+- its step claim is clamped to ``max_steps_claim``: the larger of ``max_steps_factor × H ×
+  (versions since its base + 1)`` and the steps the learner could have taken since its base was
+  merged at its observed step time (× ``TIME_SLACK``, + H), so an honest learner that trained on
+  while a shard or the broker was away is never cut; its token claim to ``c_steps ×
+  tokens_per_step_bound`` (the run's tokens per inner step: the task's batch ×
+  ``inner_grad_accum``, × 2 for batches that vary in size): clamped, not refused, and a lie weighs
+  no more than that;
 
 and at the merge, each contributor's outer gradient Δ_m is clipped to ``factor ×`` the median
 norm of the fragment's last ``window`` accepted outer gradients (after ``min_samples``), so a
-finite but huge delta (1e30) moves Θ no more than a few ordinary rounds do.
+finite but huge delta (1e30) moves Θ no more than a few ordinary rounds do. The norm is the one of
+the fragment's *parameters* only: buffers (BatchNorm statistics, integer counters such as
+``num_batches_tracked``) move by their own rule (common.merge) and take no part in the bound, nor
+are they scaled by it. Zero norms (a fragment of buffers only, or a learner that sends nothing)
+are not recorded: they cannot drag the median down.
 
 Rejections and cuts are counted by reason (``REASONS``); the counts go to Redis and the report.
+A claim cut by at most ``CLAMP_TOLERANCE ×`` is reported as ``claims_clamped`` (timing noise of an
+honest member), apart from rejections of hostile input.
 """
 from __future__ import annotations
 
@@ -24,6 +33,29 @@ from dataclasses import dataclass, field
 import torch
 
 REASONS = ("nonfinite_delta", "tokens_claim", "steps_claim", "clipped")
+TIME_SLACK = 1.5
+"""Steps an answer may claim per step time of the learner since its base was merged (a learner's
+step-time EMA lags its current speed; 1.5 leaves room for a 50 % speed-up)."""
+STEP_TIME_FLOOR_OF_MEDIAN = 0.25
+"""The step time a claim is checked against is the learner's own EMA, but never below this × the
+median of the live learners' (what a learner reports about itself cannot buy it more than 4 ×
+the steps of a typical member)."""
+CLAMP_TOLERANCE = 2.0
+"""A claim at most this × its bound is counted as clamped (an honest member's timing), not rejected."""
+
+
+def max_steps_claim(*, versions_since_base: int, sync_every_steps: int, factor: int, elapsed_s: float,
+                    step_s: float) -> int:
+    """The most inner steps an answer on a base ``versions_since_base`` versions old, merged
+    ``elapsed_s`` seconds ago, may weigh as, for a learner stepping every ``step_s`` seconds:
+    ``factor × H × (versions + 1)`` while rounds run, and what that learner could train in the
+    elapsed time when they did not (an outage of a shard or the broker: versions stop, learners
+    go on)."""
+    by_versions = factor * sync_every_steps * (max(versions_since_base, 0) + 1)
+    if not (math.isfinite(elapsed_s) and math.isfinite(step_s) and step_s > 0):
+        return by_versions
+    by_time = math.ceil(TIME_SLACK * max(elapsed_s, 0.0) / step_s) + sync_every_steps
+    return max(by_versions, by_time)
 
 
 def bound_claims(*, steps: int, tokens: int, tokens_per_step_bound: float,
@@ -32,15 +64,19 @@ def bound_claims(*, steps: int, tokens: int, tokens_per_step_bound: float,
 
     Claims are clamped, not refused: a learner that legitimately kept training while its rounds
     stalled (a shard down) still contributes, with the weight of ``max_steps`` steps at most, and
-    a lie buys no more than that."""
+    a lie buys no more than that. A cut of at most ``CLAMP_TOLERANCE ×`` is named
+    ``claims_clamped`` (an honest member's timing), a larger one by the claim it cut."""
     cut = []
+
+    def reason(claimed: float, bound: float, name: str) -> str:   # a mild excess is timing, not a lie
+        return "claims_clamped" if claimed <= CLAMP_TOLERANCE * bound else name
     tokens = max(int(tokens), 0)
     bound = int(steps * tokens_per_step_bound)
     if tokens > bound:                       # more tokens than the steps it claims could hold
-        tokens, cut = bound, cut + ["tokens_claim"]
+        tokens, cut = bound, cut + [reason(tokens, bound, "tokens_claim")]
     if steps > max_steps:                    # more steps than a learner can take in that time:
         tokens = int(tokens * max_steps / steps)   # weigh as max_steps of the same kind
-        steps, cut = max_steps, cut + ["steps_claim"]
+        steps, cut = max_steps, cut + [reason(steps, max_steps, "steps_claim")]
     return steps, tokens, cut
 
 
@@ -72,6 +108,8 @@ class NormClipper:
         bound = self.bound()
         if not math.isfinite(norm):
             return 0.0
+        if norm == 0.0:                              # nothing to scale, and no sample: zeros cannot drag the median
+            return 1.0
         if bound is None:
             if reference is not None and norm > self.ceiling_factor * max(reference, 1.0):
                 return 0.0                           # not recorded: a lie must not shape the median

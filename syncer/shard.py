@@ -34,7 +34,7 @@ from common.links import keep_alive
 from common.security import Security
 from common.log import get_logger
 from common.merge import OuterAccumulator, contribution_weights, outer_step, quantized_update
-from common.robust import NormClipper, bound_claims
+from common.robust import STEP_TIME_FLOOR_OF_MEDIAN, NormClipper, bound_claims, max_steps_claim
 from common.quorum import (Decision, Ema, OpenSchedule, QuorumPolicy, RoundView, decide_round, due_fragments,
                            grace_window_s)
 from tasks.contract import Task, TaskError, bind_task, build_model, count_tokens
@@ -104,6 +104,9 @@ class FragmentState:
     """(epoch, version, frames) of the last full-value reply: requests for one version are encoded once."""
     version: int = 0
     history: dict[int, torch.Tensor] = field(default_factory=dict)
+    merged_unix: dict[int, float] = field(default_factory=dict)
+    """Wall time at which each version of ``history`` was merged (by this shard or a former life of
+    it): the steps an answer on that base may claim follow the time since (common.robust)."""
     round: OpenRound | None = None
     last_opened_at: float | None = None
     next_round: int = 0
@@ -189,6 +192,8 @@ class ShardStats:
     """Seconds from a round's open to its merge, of every merged round of this process."""
     merge_s: metrics.Histogram = field(default_factory=metrics.Histogram)
     """Seconds of merge computation (worker thread) per merged round."""
+    claims_clamped: int = 0
+    """Answers whose claims were cut by at most CLAMP_TOLERANCE (an honest member's timing; apart from rejections)."""
     rounds_behind: int = 0
     """Merges that came later than the schedule allows: effective H > BEHIND_FACTOR × H."""
 
@@ -273,6 +278,11 @@ class Shard:
         self.xi_quorum = Ema(alpha=0.2)  # starts at its first sample (None before: counts as 0)
         self.xi_sync = Ema(alpha=0.2)
         self.live: dict[str, dict[str, str]] = {}
+        self._step_s_seen: dict[str, float] = {}
+        """Learner id -> its last step-time EMA seen in Redis (the claims bound)."""
+        self._since_unknown_unix = time.time()
+        """When a version this shard holds was merged, where it is not known (a recovered copy): the
+        last checkpoint's time, else this process's start."""
         self._ctx: zmq.Context | None = None
         self._last_control = -1e9
         self._redis_ok = True
@@ -340,7 +350,8 @@ class Shard:
             # with μ = 0 the momentum is never read nor written (common.merge.outer_step): a zero view
             # of one value, not a zero copy of the fragment (checkpointed as that one value)
             momentum = torch.zeros_like(theta) if algo.outer_momentum else torch.zeros(1).expand(theta.numel())
-            self.frags[p] = FragmentState(spec=self.plan[p], theta=theta, momentum=momentum, history={0: theta})
+            self.frags[p] = FragmentState(spec=self.plan[p], theta=theta, momentum=momentum, history={0: theta},
+                                          merged_unix={0: time.time()})
         self.run_tokens = 0
         """The run's global token count as last seen in Redis (checkpointed; restored after a restart)."""
         recorded = self._recorded_versions()
@@ -519,7 +530,7 @@ class Shard:
             # references, not copies: a fragment's tensors are replaced by every merge, never
             # written in place (FragmentState), so the snapshot stays at its versions meanwhile
             "fragments": {p: {"theta": f.theta, "momentum": f.momentum, "version": f.version,
-                              "next_round": f.next_round,
+                              "next_round": f.next_round, "merged_unix": f.merged_unix.get(f.version, 0.0),
                               **({} if f.master is None else {"master": f.master})}
                           for p, f in self.frags.items()},
             "merges": self.stats.merges, "saved_at": time.time(), "run_tokens": self.run_tokens,
@@ -581,7 +592,7 @@ class Shard:
         for p, f in self.frags.items():
             if self.options.fresh:
                 f.version = recorded[p] + 1 if recorded[p] else 0
-                f.history = {f.version: f.theta}
+                f.history, f.merged_unix = {f.version: f.theta}, {f.version: time.time()}
                 continue
             behind = recorded[p] > f.version
             if behind or live or loaded:  # a checkpoint may be older than the copies learners hold
@@ -612,7 +623,7 @@ class Shard:
                 version, learner, value = rec.best
                 f.theta, f.master, f.reply = value, None, None
                 f.version = version
-                f.history = {version: f.theta}
+                f.history, f.merged_unix = {version: f.theta}, {version: self._since_unknown_unix}
                 self.log.info("syncer.recovered", fragment=p, from_version=old, version=version, learner=learner,
                               momentum=self._momentum_source)
                 control.add_event(self.redis, self.keys, "recover", shard=self.options.shard, fragment=p,
@@ -664,9 +675,11 @@ class Shard:
             f.theta, f.momentum, f.version = fs["theta"], fs["momentum"], int(fs["version"])
             f.master, f.reply = fs.get("master"), None
             f.history = {f.version: f.theta}  # answers on older bases are refused as stale
+            f.merged_unix = {f.version: float(fs.get("merged_unix", state.get("saved_at", time.time())))}
             f.next_round = int(fs["next_round"])
         self.stats.merges = int(state.get("merges", 0))
         self.run_tokens = int(state.get("run_tokens", 0))
+        self._since_unknown_unix = float(state.get("saved_at", self._since_unknown_unix))
         self.log.info("syncer.resumed", path=str(path), versions={p: f.version for p, f in self.frags.items()})
         return True
 
@@ -799,11 +812,19 @@ class Shard:
         if not bool(torch.isfinite(delta).all()):   # e.g. an int4 scale that decodes to inf: this answer only
             self._reject("nonfinite_delta", msg.sender, f.spec.index)
             return
-        steps, tokens, cut = bound_claims(
-            steps=msg.steps, tokens=msg.tokens, tokens_per_step_bound=self.tokens_per_step_bound,
-            max_steps=self.options.max_steps_factor * self.run.algo.sync_every_steps * (f.version - msg.base + 1))
+        max_steps = max_steps_claim(
+            versions_since_base=f.version - msg.base, sync_every_steps=self.run.algo.sync_every_steps,
+            factor=self.options.max_steps_factor, step_s=self._claim_step_s(msg.sender),
+            elapsed_s=time.time() - f.merged_unix.get(msg.base, self._since_unknown_unix))
+        steps, tokens, cut = bound_claims(steps=msg.steps, tokens=msg.tokens, max_steps=max_steps,
+                                          tokens_per_step_bound=self.tokens_per_step_bound)
         for reason in cut:
-            self._reject(reason, msg.sender, f.spec.index, steps=msg.steps, tokens=msg.tokens)
+            if reason == "claims_clamped":       # within the tolerance of an honest member's timing
+                self.stats.claims_clamped += 1
+                self.log.info("syncer.claims_clamped", learner=msg.sender[:64], fragment=f.spec.index,
+                              steps=msg.steps, tokens=msg.tokens, max_steps=max_steps)
+                continue
+            self._reject(reason, msg.sender, f.spec.index, steps=msg.steps, tokens=msg.tokens, max_steps=max_steps)
         now = self.clock()
         rnd.answers[msg.sender] = Answer(sender=msg.sender, base=msg.base, steps=steps, tokens=tokens,
                                          delta=delta, received_at=now)
@@ -812,6 +833,13 @@ class Shard:
             rnd.quorum_at = now
             if rnd.timed:
                 self.xi_quorum.update(now - rnd.opened_at)
+
+    def _claim_step_s(self, learner: str) -> float:
+        """The step time a learner's claims are checked against: its own step-time EMA (the last
+        one seen: Redis may have restarted), never below a share of the live learners' median."""
+        median = self._xi_step(slowest=False)
+        own = self._step_s_seen.get(learner, median)
+        return max(own, STEP_TIME_FLOOR_OF_MEDIAN * median)
 
     def _reject(self, reason: str, sender: str, fragment: int, **detail: Any) -> None:
         """Count an answer refused, or its claims or outer gradient cut, by the robust-merge rules."""
@@ -919,7 +947,7 @@ class Shard:
 
         def clip(norm: float) -> float:
             if f.clipper.bound() is None and not reference:
-                reference.append(float(torch.linalg.vector_norm(f.theta, dtype=torch.float64)))
+                reference.append(acc.bounded_norm(f.theta))   # its parameters: buffers are not bounded
             return f.clipper.observe(norm, reference[0] if reference else None)
         for a, w in zip(job.answers, job.weights.tolist()):
             # Δ_m = Θ_p − (Θ_p^{base_m} + δ_m) against the replica every learner holds (the learner's
@@ -995,8 +1023,10 @@ class Shard:
         else:
             f.reply = None          # an older version's reply serves no request now, and is as large as the fragment
         f.history[f.version] = f.theta             # never changed in place: a new tensor every merge
+        f.merged_unix[f.version] = time.time()
         for v in sorted(f.history)[:-algo.history_versions]:
             del f.history[v]
+            f.merged_unix.pop(v, None)
         self._publish(res.frames)
         now = self.clock()
         self.stats.merges += 1
@@ -1066,6 +1096,7 @@ class Shard:
                 raise control.LeaseHeld(f"lost the lease of shard {self.options.shard} to "
                                         f"{self.redis.get(self.keys.shard_lease(self.options.shard))!r}")
             self.live = control.live_learners(self.redis, self.keys)
+            self._remember_step_times()
             pipe = self.redis.pipeline(transaction=False)
             control.register_shard(pipe, self.keys, self.options.shard, {
                 "rpc": self.rpc_endpoint, "shards": self.options.shards, "pid": os.getpid(),
@@ -1077,6 +1108,7 @@ class Shard:
                 "stale_base": self.stats.stale_base, "bytes_out": self.stats.bytes_out,
                 "bytes_in": self.stats.bytes_in, "reopens": self.stats.reopens, "heartbeat_at": time.time(),
                 "answers": self.stats.answers, "rounds_behind": self.stats.rounds_behind,
+                "claims_clamped": self.stats.claims_clamped,
                 "merge_s_sum": round(self.stats.merge_s.sum_s, 4), "replies_cached": self.stats.replies_cached,
                 "requests": self.stats.requests, "requests_deduped": self.stats.requests_deduped,
                 "peak_rss_mb": peak_rss_mb(), "cpu_s": round(time.process_time(), 3)})
@@ -1096,6 +1128,18 @@ class Shard:
             self._redis_ok = True
         except redis.RedisError as e:
             self._redis_lost(e)
+
+    def _remember_step_times(self) -> None:
+        """Each live learner's step-time EMA, kept when Redis forgets it (claims are checked against it)."""
+        if len(self._step_s_seen) > 100_000:     # bounded whatever joins
+            self._step_s_seen.clear()
+        for lid, h in self.live.items():
+            try:
+                t = float(h.get("step_ema_s") or 0.0)
+            except (TypeError, ValueError):
+                continue
+            if math.isfinite(t) and 0 < t < 3600:
+                self._step_s_seen[lid] = t
 
     def _redis_lost(self, err: Exception) -> None:
         if self._redis_ok:

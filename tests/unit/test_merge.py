@@ -329,9 +329,10 @@ def test_the_c_accumulation_matches_torch_on_a_fragment_with_gaps_and_every_kind
 
 
 def test_add_answer_is_building_clipping_and_adding_the_outer_gradient(accumulate_impl) -> None:
-    """The shard's per-answer call: Δ_m = Θ − (base + δ_m), scaled by clip(‖Δ_m‖), folded in:
-    the same as building Δ_m by hand, clipping it and ``add``-ing it; a 1e30 delta is clipped to
-    the bound and leaves the result finite."""
+    """The shard's per-answer call: Δ_m = Θ − (base + δ_m), its parameter pieces scaled by
+    clip(‖Δ_m's parameters‖), folded in: the same as building Δ_m by hand, clipping it and
+    ``add``-ing it; a 1e30 delta is clipped to the bound and leaves the result finite; the integer
+    buffer is neither measured nor scaled."""
     from common.merge import OuterAccumulator
     from common.robust import NormClipper
     gen = torch.Generator().manual_seed(11)
@@ -349,8 +350,11 @@ def test_add_answer_is_building_clipping_and_adding_the_outer_gradient(accumulat
         w = 1.0 / (m + 1)
         scales.append(fused.add_answer(theta, base, d, w, clip=clip_fused.observe, buf=torch.empty(numel)))
         outer = theta - (base + d)
-        clipped, _ = clip_hand.clip(outer)
-        by_hand.add(clipped, w)
+        pieces = (outer[:300], outer[300:700], outer[705:1500])         # the norm bound sees parameters only
+        scale = clip_hand.observe(math.sqrt(sum(float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
+                                                for x in pieces)))
+        outer[:1500] *= scale                                          # ... and scales only them
+        by_hand.add(outer, w)
     assert scales[:8] == [1.0] * 8 and scales[-1] < 1e-20               # only the lie was scaled
     got, want = fused.result(), by_hand.result()
     assert bool(torch.isfinite(got).all())
