@@ -127,6 +127,14 @@ class Fragment:
         """Elements of the model's state in this fragment (gaps excluded)."""
         return sum(p.numel for p in self.pieces)
 
+    def describe(self, limit: int = 4) -> str:
+        """Its pieces for a person: ``name`` (whole) or ``name[start:stop]`` (a slice), with the
+        kind of buffers, the first ``limit`` of them and how many more."""
+        names = [(q.name if q.whole else f"{q.name}[{q.start}:{q.stop}]")
+                 + (f" ({q.kind})" if q.kind in BUFFER_KINDS else "") for q in self.pieces]
+        more = len(names) - limit
+        return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")
+
     @property
     def tensors(self) -> tuple[TensorSpec, ...]:
         """The distinct tensors with a piece in this fragment, in piece order."""
@@ -253,6 +261,12 @@ def describe_plan_difference(ours: Sequence[Fragment],
         extra = longer[min(len(mine), len(other))]
         return f"{who} has an extra tensor {extra[0]} {list(extra[1])} ({len(mine)} vs {len(other)} tensors)"
     return "same tensors; the fragment assignment differs (fragment count or alignment)"
+
+
+def plan_from_layout(layout: Sequence[tuple[str, Sequence[int], str]], n_fragments: int) -> tuple[Fragment, ...]:
+    """The run's plan from its recorded layout (``plan_layout``, kept in Redis), without the model."""
+    from common.quant import BLOCK
+    return plan_fragments([TensorSpec(n, tuple(s), k) for n, s, k in layout], n_fragments, align=BLOCK)
 
 
 def plan_layout(fragments: Sequence[Fragment]) -> list[tuple[str, tuple[int, ...], str]]:

@@ -58,6 +58,9 @@ class Monitor:
         self.lives: dict[tuple[str, str], dict[str, str]] = {}
         """The last counters seen of each learner process (id, incarnation): a restarted learner
         overwrites its hash in Redis, its earlier lives stay here."""
+        self.lagging: dict[int, str] = {}
+        """Fragments that stopped merging while the others go on (ddloco.status.lagging_fragments),
+        with the line that names them; a fragment leaves it when it catches up."""
         self._eval_thread: threading.Thread | None = None
         """The periodic evaluation runs here, off ``up``'s control loop: progress lines, restarts
         and the time cap never wait for it (one evaluation took ~90 s under a 32-learner load)."""
@@ -228,7 +231,33 @@ class Monitor:
             self.evaluate_in_background()
         if now - self.last_print >= 5.0:
             self.last_print = now
+            self.check_fragments()
             self.say(self.progress_line())
+
+    def check_fragments(self) -> None:
+        """A loud line when a fragment stops merging while the others go on (what it holds and
+        why), and one when it catches up again."""
+        from ddloco.status import LAG_ROUNDS, lagging_fragments
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            for p in range(len(self.plan)):
+                pipe.hgetall(self.keys.fragment(p))
+            hashes = pipe.execute()
+        except redis.RedisError:
+            return
+        frags = {p: {"version": int(_f(h, "version")), "problem": h.get("problem", ""),
+                     "failed_rounds": int(_f(h, "failed_rounds"))} for p, h in enumerate(hashes)}
+        versions = {p: f["version"] for p, f in frags.items()}
+        now = set(lagging_fragments(versions))
+        for p in sorted(now - set(self.lagging)):
+            f = frags[p]
+            why = f["problem"] or "no round of it merged (no answers reached its shard?)"
+            self.lagging[p] = (f"fragment {p} (holds {self.plan[p].describe()}) is at version {f['version']}, "
+                               f"more than {LAG_ROUNDS} merges behind the others: {why}")
+            self.say(f"WARNING    {self.lagging[p]}")
+        for p in sorted(set(self.lagging) - now):
+            del self.lagging[p]
+            self.say(f"fragment   {p} merges again (version {versions[p]})")
 
     def merges(self) -> int:
         try:
@@ -361,6 +390,8 @@ class Monitor:
             "every_learner_contributed": set(self.learner_ids) <= contributors,
             "fragments_merged": len(fragments_merged),
             "every_fragment_merged": len(fragments_merged) == len(self.plan),
+            "fragments_never_merged": sorted(set(range(len(self.plan))) - fragments_merged),
+            "fragments_lagging": {str(p): line for p, line in self.lagging.items()},
             "learner_stats": self.learners,
             "learner_exit_codes": learner_exit_codes,
             "shard_stats": {str(k): v for k, v in shards.items()},
@@ -371,11 +402,28 @@ class Monitor:
             "merge_timeline": [(round(float(e["t"]) - self.t0, 3), int(e["fragment"])) for e in merges],
         }
 
+    @staticmethod
+    def problems(rep: dict[str, Any]) -> list[str]:
+        """Why a run that ended without a failure still did not work (empty: it did): a fragment
+        that never merged or stopped merging (its values stayed behind), or a final model no
+        better than the initial one."""
+        out = []
+        if rep.get("fragments_never_merged"):
+            out.append(f"fragment(s) {', '.join(map(str, rep['fragments_never_merged']))} never merged "
+                       f"(their values are the initial model's)")
+        out += [line for p, line in rep.get("fragments_lagging", {}).items()
+                if int(p) not in rep.get("fragments_never_merged", [])]
+        ini, fin = rep.get("eval_loss_initial"), rep.get("eval_loss_final")
+        if ini is not None and fin is not None and not fin < ini:
+            out.append(f"the final model's eval loss {fin:.4f} is not below the initial {ini:.4f}")
+        return out
+
     def summary_line(self, rep: dict[str, Any]) -> str:
         ini, fin = rep["eval_loss_initial"], rep["eval_loss_final"]
         ratio = f" ({fin / ini:.2f}x)" if ini and fin else ""
         return (f"done       {rep['wall_s']:.0f}s wall, {rep['steps_total']} steps, {rep['merges']} merges, "
                 f"eval loss {ini if ini is None else round(ini, 3)} -> {fin if fin is None else round(fin, 3)}{ratio}, "
-                f"goodput {rep['goodput']:.2f}, uptime {rep['uptime']:.2f}, "
+                f"goodput {rep['goodput']:.2f} (learner time spent training), uptime {rep['uptime']:.2f} (wall time "
+                f"the global model advanced), "
                 f"every learner contributed: {rep['every_learner_contributed']}, "
                 f"every fragment merged: {rep['every_fragment_merged']}, processes left: {len(rep['processes_left'])}")

@@ -14,6 +14,41 @@ from common import control
 from common.config import Endpoints
 from common.keys import Keys
 
+LAG_ROUNDS = 3
+"""A fragment this many merges (and half) behind the median fragment has stopped merging."""
+
+
+def lagging_fragments(versions: dict[int, int], *, rounds: int = LAG_ROUNDS) -> list[int]:
+    """Fragments that stopped merging while the others go on: their version is more than
+    ``max(rounds, median / 2)`` behind the median fragment's (rounds visit every fragment in
+    turn, so healthy fragments stay within a round or two of each other)."""
+    if not versions:
+        return []
+    median = statistics.median(versions.values())
+    return sorted(p for p, v in versions.items() if v < median - max(rounds, median / 2))
+
+
+def describe_lagging(r: redis.Redis, keys: Keys, frags: dict[int, dict[str, Any]], n_fragments: int) -> dict[int, str]:
+    """Fragment -> one line for a person: what it holds, how far behind, and why (the shard's
+    recorded problem, when a round closed without a merge)."""
+    lagging = lagging_fragments({p: f["version"] for p, f in frags.items()})
+    if not lagging:
+        return {}
+    layout = control.run_layout(r, keys)
+    plan = None
+    if layout:
+        from common.fragments import plan_from_layout
+        plan = plan_from_layout(layout, n_fragments)
+    median = statistics.median(f["version"] for f in frags.values())
+    out = {}
+    for p in lagging:
+        f = frags[p]
+        why = f.get("problem") or "no round of it merged (no answers reached its shard?)"
+        holds = f" (holds {plan[p].describe()})" if plan is not None else ""
+        out[p] = (f"fragment {p}{holds} is at version {f['version']} while the median fragment is at "
+                  f"{median:g}: {why}" + (f"; {f['failed_rounds']} rounds failed" if f.get("failed_rounds") else ""))
+    return out
+
 
 def collect_status(r: redis.Redis, keys: Keys) -> dict:
     cfg = control.fetch_run_config(r, keys)
@@ -34,12 +69,14 @@ def collect_status(r: redis.Redis, keys: Keys) -> dict:
     for p in range(cfg.algo.fragments):
         pipe.hgetall(keys.fragment(p))
     frags = {p: {"version": int(h.get("version", 0)), "shard": int(h.get("shard", -1)),
-                 "round": int(h.get("round", -1)), "contributors": h.get("contributors", "")}
+                 "round": int(h.get("round", -1)), "contributors": h.get("contributors", ""),
+                 "problem": h.get("problem", ""), "failed_rounds": int(h.get("failed_rounds", 0))}
              for p, h in enumerate(pipe.execute())}
     shards = {k: {"status": h.get("status"), "merges": int(h.get("merges", 0)), "dropped": int(h.get("dropped", 0)),
                   "rpc": h.get("rpc")} for k, h in control.shard_table(r, keys).items()}
     return {"run_id": keys.run_id, "config_digest": cfg.digest(), "live_learners": len(live),
-            "learners": members, "fragments": frags, "shards": shards}
+            "learners": members, "fragments": frags, "shards": shards,
+            "lagging_fragments": describe_lagging(r, keys, frags, cfg.algo.fragments)}
 
 
 STATUS_STYLE = {"training": "green", "joining": "cyan", "blocked": "yellow", "flushing": "yellow",
@@ -72,6 +109,8 @@ def render(st: dict | None, *, error: str = "", updated_at: float | None = None)
                               f"{statistics.median(versions):g}, max {max(versions)}, sum {sum(versions)}; "
                               f"{in_flight} round(s) open"))
             parts.append(Text(" ".join(f"{p}:{f['version']}" for p, f in frags.items()), style="dim"))
+        for line in st.get("lagging_fragments", {}).values():
+            parts.append(Text(f"WARNING {line}", style="bold red"))
         shards = Table(title="shards", title_justify="left")
         for name in ("shard", "status", "merges", "dropped", "rpc"):
             shards.add_column(name, justify="right" if name in ("merges", "dropped") else "left")
@@ -143,6 +182,8 @@ def run_status(endpoints: Endpoints, *, as_json: bool, watch_s: float | None = N
         print(f"{lid:<20} {m['status']:<9} {m['steps']:>7} {m['tokens']:>10} {m['step_ema_s']:>7.3f} "
               f"{m['loss_ema']:>6.3f} {m['merged_contributions']:>7} {last:>7}")
     print("fragments (p:version): " + " ".join(f"{p}:{f['version']}" for p, f in st["fragments"].items()))
+    for line in st["lagging_fragments"].values():
+        print(f"WARNING {line}")
     for k, s in st["shards"].items():
         print(f"shard {k}: {s['status']} merges={s['merges']} dropped={s['dropped']} rpc={s['rpc']}")
     return 0

@@ -454,6 +454,9 @@ def _broker_counters(r: Any, keys: Keys) -> dict[str, Any]:
             "broker_refused": json.loads(h.get("refused") or "{}")}
 
 
+EXIT_DID_NOT_TRAIN = 4
+"""`up`'s exit status when every process ended well but the result is not trustworthy: a fragment
+never merged or stopped merging, or the final model is no better than the initial one."""
 STATE_FILE = "state.json"
 """Written into a run's work directory at the end of ``up``: what ``up --resume`` continues from."""
 
@@ -792,6 +795,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             print(f"ddloco up: {c.name} exited with {c.proc.returncode}: {c.log_tail(3)}", file=sys.stderr, flush=True)
         monitor.last_eval = time.time()   # no new periodic evaluation now; one still running ends first
         monitor.tick()
+        monitor.check_fragments()
         monitor.wait_evaluation(60.0)
         if not failure and not interrupted:
             monitor.evaluate(final=True)
@@ -852,7 +856,12 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             return 1
         if interrupted:
             return 130
-        return 0 if not bad else 1
+        if bad:
+            return 1
+        problems = monitor.problems(report)
+        for line in problems:   # loud, and in the exit status: a run that did not work never reads as success
+            print(f"ddloco up: the run did not train as it should: {line}", file=sys.stderr, flush=True)
+        return EXIT_DID_NOT_TRAIN if problems else 0
     finally:
         if sup is not None:
             _stop_all(sup.all(), timeout_s=5.0)

@@ -117,6 +117,8 @@ class FragmentState:
     merging: "_MergeJob | None" = None
     """A closed round whose merge runs on the worker thread (no new round opens meanwhile)."""
     last_merged_at: float | None = None
+    failed_rounds: int = 0
+    """Rounds closed without a merge since the last merge (every answer dropped, not finite, no weight)."""
     effective_h: float = 0.0
     """EMA of the learner steps between two merges of this fragment (schedule check)."""
 
@@ -922,6 +924,7 @@ class Shard:
         weights = contribution_weights([a.tokens for a in answers], [a.steps for a in answers])  # [M]
         f.round = None
         if float(weights.sum()) <= 0.0:
+            self._record_failed_round(f, "every answer weighs 0 (no tokens claimed)")
             return
         job = _MergeJob(fragment=f, rnd=rnd, answers=answers, weights=weights, closed_at=now, reason=reason,
                         grace=grace, version=f.version, epoch=self.epoch)
@@ -1010,11 +1013,16 @@ class Shard:
             if res.every_answer_dropped:              # by the clipper: nothing to merge, Θ as it was
                 self.log.warning("syncer.merge_dropped_every_answer_clipped", fragment=f.spec.index,
                                  round=rnd.round_id, contributors=[a.sender for a in answers])
+                self._record_failed_round(f, "every answer dropped by the norm bound (syncer.merge_dropped_every_answer_clipped)")
                 return
             self.stats.nonfinite_rounds += 1
             self.log.warning("syncer.nonfinite_merge_dropped", fragment=f.spec.index, round=rnd.round_id,
                              contributors=[a.sender for a in answers])
+            self._record_failed_round(f, "the merged value was not finite (syncer.nonfinite_merge_dropped)")
             return
+        if f.failed_rounds:
+            self.log.info("syncer.fragment_merges_again", fragment=f.spec.index, failed_rounds=f.failed_rounds)
+            f.failed_rounds = 0
         algo = self.run.algo
         f.theta, f.master, f.momentum = res.replica, res.master, res.momentum
         f.version += 1
@@ -1043,6 +1051,16 @@ class Shard:
         if self._merges_since_ckpt >= self.options.checkpoint_every_merges:
             self.checkpoint()
 
+    def _record_failed_round(self, f: FragmentState, problem: str) -> None:
+        """A round closed without a merge: counted per fragment, and its reason kept in the
+        fragment's Redis entry (``ddloco status`` and ``up`` name it) until the next merge."""
+        f.failed_rounds += 1
+        try:
+            self.redis.hset(self.keys.fragment(f.spec.index), mapping={"problem": problem,
+                                                                       "failed_rounds": f.failed_rounds})
+        except redis.RedisError as e:
+            self._redis_lost(e)
+
     def _check_schedule(self, f: FragmentState, now: float) -> None:
         """Rounds must come every H learner steps: the steps between two merges of a fragment
         (time between them ÷ the median learner step time) are tracked as an EMA; above
@@ -1069,6 +1087,7 @@ class Shard:
             pipe.hset(self.keys.fragment(f.spec.index), mapping={
                 "version": f.version, "shard": self.options.shard, "merged_at": t,
                 "contributors": ",".join(a.sender for a in answers)})
+            pipe.hdel(self.keys.fragment(f.spec.index), "problem", "failed_rounds")
             for a in answers:
                 pipe.hincrby(self.keys.learner(a.sender), "merged_contributions", 1)
                 pipe.hset(self.keys.learner(a.sender), "last_merged_at", t)

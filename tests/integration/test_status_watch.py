@@ -53,3 +53,48 @@ def test_watch_refreshes_count_times_and_shows_a_lost_redis_instead_of_crashing(
     out = capsys.readouterr().out
     assert "error: Redis at" in out and "(retrying)" in out, out
     assert main(["status", "--insecure", "--redis-url", redis_server.url, "--run-id", "w", "--watch", "--json"]) == 2
+
+
+def test_status_names_a_fragment_that_stopped_merging_what_it_holds_and_why(redis_server, capsys):
+    """Three fragments merged 10 times, one is still at version 0 and its shard recorded why: `ddloco
+    status` prints a WARNING naming the fragment, its tensors (from the run's recorded layout) and
+    the reason; a fragment within a few versions of the others is not named."""
+    from ddloco.cli import main
+    from common.fragments import plan_layout, plan_fragments, TensorSpec
+    r = control.connect(redis_server.url)
+    keys = Keys("lagging")
+    control.publish_run_config(r, keys, RunConfig(algo=AlgoConfig(fragments=4)))
+    specs = [TensorSpec("conv.weight", (64, 8)), TensorSpec("bn.num_batches_tracked", (), "int_buffer"),
+             TensorSpec("fc.weight", (64, 8)), TensorSpec("fc.bias", (8,))]
+    plan = plan_fragments(specs, 4, align=64)
+    control.record_layout(r, keys, plan_layout(plan))
+    stuck = next(f.index for f in plan if any(q.kind == "int_buffer" for q in f.pieces))
+    for p in range(4):
+        r.hset(keys.fragment(p), mapping={"version": 0 if p == stuck else 10 - (p == (stuck + 1) % 4) * 2,
+                                          "shard": 0, "round": -1})
+    r.hset(keys.fragment(stuck), mapping={"problem": "every answer dropped by the norm bound", "failed_rounds": 9})
+    assert main(["status", "--insecure", "--redis-url", redis_server.url, "--run-id", "lagging"]) == 0
+    out = capsys.readouterr().out
+    warnings = [line for line in out.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1, out
+    assert f"fragment {stuck} " in warnings[0] and "bn.num_batches_tracked (int_buffer)" in warnings[0], warnings
+    assert "every answer dropped by the norm bound; 9 rounds failed" in warnings[0], warnings
+
+
+def test_lagging_fragments_are_far_behind_the_median_only():
+    from ddloco.status import lagging_fragments
+    assert lagging_fragments({0: 0, 1: 2, 2: 2, 3: 1}) == []          # early: nobody is behind yet
+    assert lagging_fragments({0: 0, 1: 10, 2: 9, 3: 11}) == [0]
+    assert lagging_fragments({0: 40, 1: 60, 2: 58, 3: 61}) == []       # slower, not stopped
+    assert lagging_fragments({0: 20, 1: 60, 2: 58, 3: 61}) == [0]
+
+
+def test_a_run_that_did_not_train_says_why():
+    from ddloco.monitor import Monitor
+    ok = {"fragments_never_merged": [], "fragments_lagging": {}, "eval_loss_initial": 2.3, "eval_loss_final": 0.2}
+    assert Monitor.problems(ok) == []
+    bad = {**ok, "fragments_never_merged": [12, 13], "eval_loss_final": 2.4,
+           "fragments_lagging": {"12": "fragment 12 ...", "5": "fragment 5 (holds x) is at version 1 ..."}}
+    assert Monitor.problems(bad) == ["fragment(s) 12, 13 never merged (their values are the initial model's)",
+                                     "fragment 5 (holds x) is at version 1 ...",
+                                     "the final model's eval loss 2.4000 is not below the initial 2.3000"]

@@ -43,6 +43,30 @@ def test_up_trains_the_example_cnn_and_its_exported_model_scores_the_reported_lo
     assert abs(loss - rep["eval_loss_final"]) < 1e-4, (loss, rep["eval_loss_final"])
     assert loss <= 0.5 * rep["eval_loss_initial"], (loss, rep["eval_loss_initial"])
     assert rep["every_learner_contributed"] and rep["processes_left"] == []
+    assert rep["every_fragment_merged"] and rep["fragments_never_merged"] == [], rep["fragments_never_merged"]
+
+
+def test_every_fragment_merges_whatever_it_holds_buffers_only_integer_counters_slices_or_tiny_tensors(tmp_path):
+    """P = 24 over a model whose fragments hold slices of one large weight, BatchNorm statistics
+    and its integer counter, an integer buffer that grows by the batch size every step and a float
+    buffer (fragments of buffers only), a bias and a scalar: every fragment merges. (Before, the
+    counters' jumps counted in the outer-gradient norm bound: every answer to those fragments was
+    dropped, they kept their initial values, and `up` reported success.)"""
+    report = tmp_path / "report"
+    res = ddloco("up", "--task", "tests.integration.layout_model:task", "--learners", "2", "--syncers", "2",
+                 "--steps", "120", "--step-time-floor-ms", "25", "--fragments", "24", "--minutes", "3",
+                 "--report", str(report), "--run-id", "layouts", timeout=200)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rep = json.loads((report / "report.json").read_text())
+    assert rep["fragments_never_merged"] == [] and rep["every_fragment_merged"], rep["fragments_never_merged"]
+    assert rep["fragments_lagging"] == {}, rep["fragments_lagging"]
+    assert rep["eval_loss_final"] < 0.3 * rep["eval_loss_initial"], (rep["eval_loss_initial"], rep["eval_loss_final"])
+    from ddloco.export import load_state
+    from tests.integration.layout_model import task
+    model = task().model()
+    model.load_state_dict(load_state(report / "model.safetensors"), strict=True)
+    assert int(model.seen.min()) > 0 and int(model.norm.num_batches_tracked) > 0   # the counters merged too
+    assert float(model.input_mean.abs().sum()) > 0
 
 
 def test_up_resume_continues_from_the_stopped_versions_and_eval_loss(tmp_path):

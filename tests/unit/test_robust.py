@@ -1,6 +1,9 @@
 """Robust merge rules: bounded claims, clipped outer gradients."""
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from common.robust import NormClipper, bound_claims
@@ -48,3 +51,53 @@ def test_before_the_median_exists_a_delta_far_larger_than_the_fragment_is_droppe
     for _ in range(8):
         c.observe(1.0, reference=2.0)
     assert c.bound() is not None and 0.0 < c.observe(3e31, reference=2.0) < 1e-29   # then: clipped to the bound
+
+
+def test_a_step_claim_may_follow_the_time_since_its_base_when_rounds_stalled():
+    from common.robust import max_steps_claim
+    # rounds running: factor × H × (versions since base + 1)
+    assert max_steps_claim(versions_since_base=0, sync_every_steps=12, factor=8, elapsed_s=0.5, step_s=0.01) == 96
+    # a 20 s broker outage at 10 ms steps: 2,000 honest steps on one base; the bound follows the time
+    bound = max_steps_claim(versions_since_base=0, sync_every_steps=12, factor=8, elapsed_s=20.5, step_s=0.01)
+    assert bound >= 2050 and bound == math.ceil(1.5 * 20.5 / 0.01) + 12
+    assert bound_claims(steps=2050, tokens=2050 * 32, tokens_per_step_bound=64, max_steps=bound)[2] == []
+    # no step time known: the versions bound
+    assert max_steps_claim(versions_since_base=2, sync_every_steps=12, factor=8, elapsed_s=20.0, step_s=0.0) == 288
+
+
+def test_a_mild_excess_is_counted_as_clamped_and_a_lie_as_a_rejection():
+    assert bound_claims(steps=150, tokens=150 * 32, tokens_per_step_bound=64, max_steps=96)[2] == ["claims_clamped"]
+    assert bound_claims(steps=24, tokens=24 * 100, tokens_per_step_bound=64, max_steps=96)[2] == ["claims_clamped"]
+    assert bound_claims(steps=193, tokens=193 * 32, tokens_per_step_bound=64, max_steps=96)[2] == ["steps_claim"]
+    assert bound_claims(steps=24, tokens=24 * 129, tokens_per_step_bound=64, max_steps=96)[2] == ["tokens_claim"]
+
+
+def test_zero_norms_are_not_recorded_so_they_cannot_drag_the_bound_down():
+    c = NormClipper(factor=4.0, min_samples=8)
+    for _ in range(8):
+        c.observe(2.0)
+    for _ in range(100):                         # a free rider, or a fragment's buffers-only answers
+        assert c.observe(0.0) == 1.0
+    assert c.bound() == 8.0 and list(c.norms) == [2.0] * 8
+
+
+def test_an_integer_counter_jump_takes_no_part_in_the_first_rounds_bound_and_merges_to_the_largest_value():
+    """A fragment of small conv weights and BatchNorm's num_batches_tracked: the counter jumps by
+    150 before the fragment's first round. Only the weights are measured against the bound, so the
+    answer is merged (not dropped as far larger than the fragment), and the counter merges to the
+    largest learner value, unscaled."""
+    from common.merge import OuterAccumulator
+    spans = [(0, 72, "param"), (128, 129, "int_buffer"), (192, 200, "buffer")]
+    theta = torch.zeros(200)
+    theta[:72] = 0.05                             # ‖weights‖ = 0.42: the warm-up ceiling is 100 × max(0.42, 1)
+    acc = OuterAccumulator(200, spans, "mean")
+    clipper = NormClipper()
+    reference = acc.bounded_norm(theta)
+    assert reference == pytest.approx(0.05 * math.sqrt(72))
+    for counter in (150.0, 151.0):                # two learners' answers: Δ = Θ − (base + δ)
+        delta = torch.zeros(200)
+        delta[:72], delta[128], delta[192:200] = 0.01, counter, 3.0
+        assert acc.add_answer(theta, theta, delta, 0.5, clip=lambda n: clipper.observe(n, reference)) == 1.0
+    new = theta - acc.result()
+    assert new[128] == 151.0 and torch.allclose(new[192:200], torch.full((8,), 3.0))
+    assert list(clipper.norms) == [pytest.approx(0.01 * math.sqrt(72))] * 2   # only the weights were measured
