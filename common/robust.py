@@ -44,6 +44,14 @@ CLAMP_TOLERANCE = 2.0
 """A claim at most this × its bound is counted as clamped (an honest member's timing), not rejected."""
 
 
+def steps_in_time(*, elapsed_s: float, step_s: float, sync_every_steps: int) -> float:
+    """The inner steps a learner stepping every ``step_s`` can take in ``elapsed_s``, with
+    ``TIME_SLACK`` and one period H on top (inf when its step time is unknown)."""
+    if not (math.isfinite(elapsed_s) and math.isfinite(step_s) and step_s > 0):
+        return math.inf
+    return math.ceil(TIME_SLACK * max(elapsed_s, 0.0) / step_s) + sync_every_steps
+
+
 def max_steps_claim(*, versions_since_base: int, sync_every_steps: int, factor: int, elapsed_s: float,
                     step_s: float) -> int:
     """The most inner steps an answer on a base ``versions_since_base`` versions old, merged
@@ -52,10 +60,8 @@ def max_steps_claim(*, versions_since_base: int, sync_every_steps: int, factor: 
     elapsed time when they did not (an outage of a shard or the broker: versions stop, learners
     go on)."""
     by_versions = factor * sync_every_steps * (max(versions_since_base, 0) + 1)
-    if not (math.isfinite(elapsed_s) and math.isfinite(step_s) and step_s > 0):
-        return by_versions
-    by_time = math.ceil(TIME_SLACK * max(elapsed_s, 0.0) / step_s) + sync_every_steps
-    return max(by_versions, by_time)
+    by_time = steps_in_time(elapsed_s=elapsed_s, step_s=step_s, sync_every_steps=sync_every_steps)
+    return by_versions if math.isinf(by_time) else max(by_versions, by_time)
 
 
 def bound_claims(*, steps: int, tokens: int, tokens_per_step_bound: float,
@@ -93,19 +99,31 @@ class NormClipper:
     min_samples: int = 8
     ceiling_factor: float = 100.0
     norms: deque = field(default_factory=lambda: deque(maxlen=32))
+    steps: deque = field(default_factory=lambda: deque(maxlen=32))
+    """The inner steps behind each recorded norm (an answer given ``steps``; else none)."""
 
     def __post_init__(self) -> None:
         self.norms = deque(self.norms, maxlen=self.window)
+        self.steps = deque(self.steps, maxlen=self.window)
 
-    def bound(self) -> float | None:
+    def bound(self, steps: float | None = None) -> float | None:
+        """``factor ×`` the median recent norm; for an answer of ``steps`` inner steps, stretched by
+        ``steps / the median recent steps`` when that is above 1 (a learner that trained on through
+        an outage sends the outer gradient of many steps at once: honest, and not cut). Callers
+        pass the steps the time since the answer's base allows at most (``steps_in_time``), so a
+        claim cannot stretch the bound beyond what the clock does."""
         if len(self.norms) < self.min_samples:
             return None
-        return self.factor * statistics.median(self.norms)
+        base = self.factor * statistics.median(self.norms)
+        if steps is None or not self.steps:
+            return base
+        return base * max(1.0, steps / max(statistics.median(self.steps), 1.0))
 
-    def observe(self, norm: float, reference: float | None = None) -> float:
-        """Record an outer gradient's norm; the factor to scale it by: 1.0 (not clipped), in (0, 1)
-        (clipped to the bound), 0.0 (dropped: above the warm-up ceiling, or not finite)."""
-        bound = self.bound()
+    def observe(self, norm: float, reference: float | None = None, steps: float | None = None) -> float:
+        """Record an outer gradient's norm (of an answer of ``steps`` inner steps, when known); the
+        factor to scale it by: 1.0 (not clipped), in (0, 1) (clipped to the bound), 0.0 (dropped:
+        above the warm-up ceiling, or not finite)."""
+        bound = self.bound(steps)
         if not math.isfinite(norm):
             return 0.0
         if norm == 0.0:                              # nothing to scale, and no sample: zeros cannot drag the median
@@ -114,9 +132,14 @@ class NormClipper:
             if reference is not None and norm > self.ceiling_factor * max(reference, 1.0):
                 return 0.0                           # not recorded: a lie must not shape the median
         elif norm > bound > 0.0:
-            self.norms.append(bound / self.factor)   # recorded as the median: repeated attacks cannot drag it up
+            # recorded as the medians: repeated attacks cannot drag them up
+            self.norms.append(statistics.median(self.norms))
+            if steps is not None and self.steps:
+                self.steps.append(statistics.median(self.steps))
             return bound / norm
         self.norms.append(norm)
+        if steps is not None:
+            self.steps.append(steps)
         return 1.0
 
     def clip(self, outer: torch.Tensor) -> tuple[torch.Tensor, bool]:

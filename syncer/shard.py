@@ -34,7 +34,7 @@ from common.links import keep_alive
 from common.security import Security
 from common.log import get_logger
 from common.merge import OuterAccumulator, contribution_weights, outer_step, quantized_update
-from common.robust import STEP_TIME_FLOOR_OF_MEDIAN, NormClipper, bound_claims, max_steps_claim
+from common.robust import STEP_TIME_FLOOR_OF_MEDIAN, NormClipper, bound_claims, max_steps_claim, steps_in_time
 from common.quorum import (Decision, Ema, OpenSchedule, QuorumPolicy, RoundView, decide_round, due_fragments,
                            grace_window_s)
 from tasks.contract import Task, TaskError, bind_task, build_model, count_tokens
@@ -65,6 +65,8 @@ class Answer:
     tokens: int
     delta: torch.Tensor
     received_at: float
+    clip_steps: float | None = None
+    """Its steps as far as the time since its base allows: what may stretch the norm bound (common.robust)."""
 
 
 @dataclass
@@ -104,9 +106,10 @@ class FragmentState:
     """(epoch, version, frames) of the last full-value reply: requests for one version are encoded once."""
     version: int = 0
     history: dict[int, torch.Tensor] = field(default_factory=dict)
-    merged_unix: dict[int, float] = field(default_factory=dict)
-    """Wall time at which each version of ``history`` was merged (by this shard or a former life of
-    it): the steps an answer on that base may claim follow the time since (common.robust)."""
+    answered_unix: dict[str, float] = field(default_factory=dict)
+    """Learner -> wall time of its last answer to this fragment: the steps its next answer may claim
+    follow the time since (common.robust). (Not the time since its base: a learner that carries its
+    unmerged steps keeps counting them across bases.)"""
     round: OpenRound | None = None
     last_opened_at: float | None = None
     next_round: int = 0
@@ -282,9 +285,11 @@ class Shard:
         self.live: dict[str, dict[str, str]] = {}
         self._step_s_seen: dict[str, float] = {}
         """Learner id -> its last step-time EMA seen in Redis (the claims bound)."""
+        self._first_seen: dict[str, float] = {}
+        """Learner id -> wall time this shard first saw it live (the claims bound of its first answer)."""
         self._since_unknown_unix = time.time()
-        """When a version this shard holds was merged, where it is not known (a recovered copy): the
-        last checkpoint's time, else this process's start."""
+        """What a learner already live when this shard started did since is unknown: from the last
+        checkpoint's time (a restarted shard), else this process's start."""
         self._ctx: zmq.Context | None = None
         self._last_control = -1e9
         self._redis_ok = True
@@ -352,8 +357,7 @@ class Shard:
             # with μ = 0 the momentum is never read nor written (common.merge.outer_step): a zero view
             # of one value, not a zero copy of the fragment (checkpointed as that one value)
             momentum = torch.zeros_like(theta) if algo.outer_momentum else torch.zeros(1).expand(theta.numel())
-            self.frags[p] = FragmentState(spec=self.plan[p], theta=theta, momentum=momentum, history={0: theta},
-                                          merged_unix={0: time.time()})
+            self.frags[p] = FragmentState(spec=self.plan[p], theta=theta, momentum=momentum, history={0: theta})
         self.run_tokens = 0
         """The run's global token count as last seen in Redis (checkpointed; restored after a restart)."""
         recorded = self._recorded_versions()
@@ -532,7 +536,7 @@ class Shard:
             # references, not copies: a fragment's tensors are replaced by every merge, never
             # written in place (FragmentState), so the snapshot stays at its versions meanwhile
             "fragments": {p: {"theta": f.theta, "momentum": f.momentum, "version": f.version,
-                              "next_round": f.next_round, "merged_unix": f.merged_unix.get(f.version, 0.0),
+                              "next_round": f.next_round,
                               **({} if f.master is None else {"master": f.master})}
                           for p, f in self.frags.items()},
             "merges": self.stats.merges, "saved_at": time.time(), "run_tokens": self.run_tokens,
@@ -594,7 +598,7 @@ class Shard:
         for p, f in self.frags.items():
             if self.options.fresh:
                 f.version = recorded[p] + 1 if recorded[p] else 0
-                f.history, f.merged_unix = {f.version: f.theta}, {f.version: time.time()}
+                f.history = {f.version: f.theta}
                 continue
             behind = recorded[p] > f.version
             if behind or live or loaded:  # a checkpoint may be older than the copies learners hold
@@ -625,7 +629,7 @@ class Shard:
                 version, learner, value = rec.best
                 f.theta, f.master, f.reply = value, None, None
                 f.version = version
-                f.history, f.merged_unix = {version: f.theta}, {version: self._since_unknown_unix}
+                f.history = {version: f.theta}
                 self.log.info("syncer.recovered", fragment=p, from_version=old, version=version, learner=learner,
                               momentum=self._momentum_source)
                 control.add_event(self.redis, self.keys, "recover", shard=self.options.shard, fragment=p,
@@ -677,7 +681,6 @@ class Shard:
             f.theta, f.momentum, f.version = fs["theta"], fs["momentum"], int(fs["version"])
             f.master, f.reply = fs.get("master"), None
             f.history = {f.version: f.theta}  # answers on older bases are refused as stale
-            f.merged_unix = {f.version: float(fs.get("merged_unix", state.get("saved_at", time.time())))}
             f.next_round = int(fs["next_round"])
         self.stats.merges = int(state.get("merges", 0))
         self.run_tokens = int(state.get("run_tokens", 0))
@@ -814,10 +817,10 @@ class Shard:
         if not bool(torch.isfinite(delta).all()):   # e.g. an int4 scale that decodes to inf: this answer only
             self._reject("nonfinite_delta", msg.sender, f.spec.index)
             return
-        max_steps = max_steps_claim(
-            versions_since_base=f.version - msg.base, sync_every_steps=self.run.algo.sync_every_steps,
-            factor=self.options.max_steps_factor, step_s=self._claim_step_s(msg.sender),
-            elapsed_s=time.time() - f.merged_unix.get(msg.base, self._since_unknown_unix))
+        H, step_s = self.run.algo.sync_every_steps, self._claim_step_s(msg.sender)
+        elapsed_s = self._time_since_answered(f, msg.sender)
+        max_steps = max_steps_claim(versions_since_base=f.version - msg.base, sync_every_steps=H, step_s=step_s,
+                                    factor=self.options.max_steps_factor, elapsed_s=elapsed_s)
         steps, tokens, cut = bound_claims(steps=msg.steps, tokens=msg.tokens, max_steps=max_steps,
                                           tokens_per_step_bound=self.tokens_per_step_bound)
         for reason in cut:
@@ -826,15 +829,31 @@ class Shard:
                 self.log.info("syncer.claims_clamped", learner=msg.sender[:64], fragment=f.spec.index,
                               steps=msg.steps, tokens=msg.tokens, max_steps=max_steps)
                 continue
-            self._reject(reason, msg.sender, f.spec.index, steps=msg.steps, tokens=msg.tokens, max_steps=max_steps)
+            self._reject(reason, msg.sender, f.spec.index, steps=msg.steps, tokens=msg.tokens, max_steps=max_steps,
+                         base=msg.base, version=f.version, elapsed_s=round(elapsed_s, 3), step_s=round(step_s, 5))
         now = self.clock()
+        clip_steps = min(steps, steps_in_time(elapsed_s=elapsed_s, step_s=step_s, sync_every_steps=H))
         rnd.answers[msg.sender] = Answer(sender=msg.sender, base=msg.base, steps=steps, tokens=tokens,
-                                         delta=delta, received_at=now)
+                                         delta=delta, received_at=now, clip_steps=clip_steps)
         self.stats.answers += 1
         if rnd.quorum_at is None and len(rnd.answers) >= self.policy.quorum:
             rnd.quorum_at = now
             if rnd.timed:
                 self.xi_quorum.update(now - rnd.opened_at)
+
+    def _time_since_answered(self, f: FragmentState, learner: str) -> float:
+        """Seconds since ``learner`` last answered fragment ``f`` (its steps since then are what it
+        claims now), and the time of this answer recorded. A learner never seen answering: since
+        it joined, as this shard saw it (learners live when this shard started: since the last
+        checkpoint, or this process's start; one not yet seen live: now)."""
+        now = time.time()
+        last = f.answered_unix.get(learner)
+        if last is None:
+            last = self._first_seen.setdefault(learner, now)
+        if len(f.answered_unix) > 100_000:       # bounded whatever joins
+            f.answered_unix.clear()
+        f.answered_unix[learner] = now
+        return now - last
 
     def _claim_step_s(self, learner: str) -> float:
         """The step time a learner's claims are checked against: its own step-time EMA (the last
@@ -948,17 +967,18 @@ class Shard:
         clipped = []
         reference: list[float] = []   # the fragment's norm: only the clipper's warm-up needs it
 
-        def clip(norm: float) -> float:
+        def clip(norm: float, steps: float | None) -> float:
             if f.clipper.bound() is None and not reference:
                 reference.append(acc.bounded_norm(f.theta))   # its parameters: buffers are not bounded
-            return f.clipper.observe(norm, reference[0] if reference else None)
+            return f.clipper.observe(norm, reference[0] if reference else None, steps)
         for a, w in zip(job.answers, job.weights.tolist()):
             # Δ_m = Θ_p − (Θ_p^{base_m} + δ_m) against the replica every learner holds (the learner's
             # own value is built on it); the step is taken from the master, so what quantization left
             # out of the replica (master − replica) is carried, never mistaken for a gradient. Robust:
             # the clipper scales a Δ_m down to a few times the recent median norm (or, before there
             # is one, drops a Δ_m far larger than the fragment itself)
-            if acc.add_answer(f.theta, f.history[a.base], a.delta, w, clip=clip, buf=buf) != 1.0:
+            if acc.add_answer(f.theta, f.history[a.base], a.delta, w, buf=buf,
+                              clip=lambda norm, steps=a.clip_steps: clip(norm, steps)) != 1.0:
                 clipped.append(a.sender)
         if acc.count == 0:                                       # every answer dropped: no merge
             return _MergeResult(None, None, None, [], clipped, time.perf_counter() - t0, every_answer_dropped=True)
@@ -1031,10 +1051,8 @@ class Shard:
         else:
             f.reply = None          # an older version's reply serves no request now, and is as large as the fragment
         f.history[f.version] = f.theta             # never changed in place: a new tensor every merge
-        f.merged_unix[f.version] = time.time()
         for v in sorted(f.history)[:-algo.history_versions]:
             del f.history[v]
-            f.merged_unix.pop(v, None)
         self._publish(res.frames)
         now = self.clock()
         self.stats.merges += 1
@@ -1152,7 +1170,11 @@ class Shard:
         """Each live learner's step-time EMA, kept when Redis forgets it (claims are checked against it)."""
         if len(self._step_s_seen) > 100_000:     # bounded whatever joins
             self._step_s_seen.clear()
+        if len(self._first_seen) > 100_000:
+            self._first_seen.clear()
+        first = not self._first_seen
         for lid, h in self.live.items():
+            self._first_seen.setdefault(lid, self._since_unknown_unix if first else time.time())
             try:
                 t = float(h.get("step_ema_s") or 0.0)
             except (TypeError, ValueError):

@@ -374,3 +374,47 @@ def test_fetch_fragments_follows_a_shard_that_comes_back_on_another_endpoint(tmp
         assert control.shard_endpoints(r, keys)[1][0] != before
     finally:
         d.stop_all()
+
+
+def test_a_20s_broker_stall_cuts_no_honest_answer(tmp_path, redis_server):
+    """The broker is frozen (SIGSTOP) for 20 s while two learners train on: every learner's next
+    answers claim the ~1,000 steps it took on one base. They are neither clamped nor clipped:
+    the claims bound follows the time since the base was merged at the learner's step time, and
+    the norm bound stretches with those steps. (Before: 40 answers rejected as steps_claim and
+    clipped after such a stall.)"""
+    import time
+    d = Daemons(tmp_path, redis_server.url)
+    r = control.connect(redis_server.url)
+    keys = Keys("chaos")
+
+    def merges(shard: int) -> int:
+        return int(r.hget(keys.shard(shard), "merges") or 0)
+
+    def steps() -> int:
+        return sum(int(float(h.get("steps", 0))) for h in control.all_learners(r, keys).values())
+
+    def cuts() -> dict[str, int]:
+        return {f"{k}@{s}": int(v) for s in (0, 1) for k, v in r.hgetall(keys.shard(s)).items()
+                if (k.startswith("rejected_") or k == "claims_clamped") and int(v)}
+    try:
+        d.start("broker", "broker", "--xsub", d.xsub, "--xpub", d.xpub)
+        syncer = ["syncer", *d.net, "--config", str(d.cfg), "--checkpoint-dir", str(tmp_path / "ck"), "--shards", "2"]
+        d.start("syncer-0", *syncer, "--shard", "0")
+        d.start("syncer-1", *syncer, "--shard", "1")
+        for name in ("a", "b"):
+            d.learner(name)
+        wait_until(lambda: merges(0) >= 12 and merges(1) >= 12, 120, interval_s=0.1, what="merges on both shards")
+        assert cuts() == {}, cuts()
+        os.kill(d.procs["broker"].pid, signal.SIGSTOP)
+        stopped_at, s0 = time.monotonic(), steps()
+        # the learners train on: 20 s at their 20 ms step floor, ~1,000 steps each on one base
+        wait_until(lambda: time.monotonic() - stopped_at >= 20 and steps() >= s0 + 800, 60, interval_s=0.2,
+                   what="20 s of training while the broker is frozen")
+        os.kill(d.procs["broker"].pid, signal.SIGCONT)
+        m0, m1 = merges(0), merges(1)
+        wait_until(lambda: merges(0) >= m0 + 8 and merges(1) >= m1 + 8, 60, interval_s=0.1,
+                   what="merges on both shards after the stall")
+        assert cuts() == {}, f"honest answers were cut after the stall: {cuts()}"
+        assert all(p.poll() is None for p in d.procs.values()), "a daemon died"
+    finally:
+        d.stop_all()
