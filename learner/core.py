@@ -27,11 +27,11 @@ import numpy as np
 import redis
 import torch
 
-from common import control, metrics
+from common import control, metrics, tokens as run_count
 from common.config import ConfigError, Endpoints, LearnerOptions, RunConfig
 from common.fragments import (Fragment, describe_plan_difference, gather, model_plan, plan_digest,
                               scatter, state_tensors)
-from common.keys import Keys
+from common.keys import Keys, token_share
 from common.merge import Contribution, receive_merged
 from common.lifecycle import peak_rss_mb, process_start_time, rss_mb, tune_allocator
 from common.log import get_logger
@@ -323,7 +323,7 @@ class Learner:
         self.data_position = control.data_position(self.redis, self.keys, self.id)
         self._previous_life = self.redis.hmget(self.keys.learner(self.id), "incarnation", "status", "updated_at")
         self._global_tokens = (int(self.redis.get(self.keys.tokens) or 0), 0)  # (run's count, our tokens then)
-        self._tokens_reported = 0
+        self._count_behind = False
         n = len(self.plan)
         self.base_version = np.full(n, -1, dtype=np.int64)
         self.base_epoch = np.full(n, -1, dtype=np.int64)    # life of the owning shard the base came from
@@ -1198,12 +1198,12 @@ class Learner:
                     for p in range(len(self.base_values)):
                         if self.base_values[p] is not None and self.base_version[p] > 0:
                             pipe.hsetnx(self.keys.fragment(p), "version", int(self.base_version[p]))
-                pipe.incrby(self.keys.tokens, ours - self._tokens_reported)   # the run's global token count
+                # the run's global token count: our own share (cumulative: a re-write after Redis
+                # restarted empty restores it exactly), and the total; our view of it never goes back
+                run_count.record(pipe, self.keys, {token_share(self.id, self.incarnation): ours})
                 res = pipe.execute()
-                total = res[-1]
                 restore = not res[0]
-                self._tokens_reported = ours
-                self._global_tokens = (int(total), ours)
+                self._note_run_count(int(res[-1]), ours)
                 if not redis_ok:
                     self.log.info("learner.redis_back")
                 redis_ok = True
@@ -1212,6 +1212,18 @@ class Learner:
                     self.log.warning("learner.redis_unavailable", error=str(e))
                 redis_ok = False
             self._threads_stop.wait(self.options.heartbeat_interval_s)
+
+    def _note_run_count(self, total: int, ours: int) -> None:
+        """The run's count as read with ``ours`` tokens of our own: our view goes on from what it
+        had counted while the total is below it (Redis restarted empty, the shares not all back:
+        logged when that starts and ends)."""
+        seen = run_count.advance_seen(self._global_tokens, total, ours)
+        behind = total < seen[0]
+        if behind != self._count_behind:
+            self._count_behind = behind
+            (self.log.warning if behind else self.log.info)(
+                "learner.run_count_behind" if behind else "learner.run_count_whole", total=total, counted=seen[0])
+        self._global_tokens = seen
 
     def _counters(self) -> dict[str, Any]:
         s = self.stats
@@ -1241,7 +1253,7 @@ class Learner:
             pipe.hset(self.keys.life(self.id, self.incarnation), mapping=final)
             control.leave(pipe, self.keys, self.id)
             control.add_event(pipe, self.keys, "leave", learner=self.id, steps=self.stats.steps)
-            pipe.incrby(self.keys.tokens, self.stats.tokens - self._tokens_reported)
+            run_count.record(pipe, self.keys, {token_share(self.id, self.incarnation): self.stats.tokens})
             pipe.execute()
         except (redis.RedisError, AttributeError):
             pass
