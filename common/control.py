@@ -300,8 +300,8 @@ _RAISE = "local v = tonumber(redis.call('GET', KEYS[1]) or '0') if v < tonumber(
 
 
 def raise_counter(r: Any, key: str, value: int) -> Any:
-    """Atomically set ``key`` to ``value`` if it holds less (shards restore the run's token count
-    after Redis lost it, never moving it back). Returns the value now held (on a pipeline: its
+    """Atomically set ``key`` to ``value`` if it holds less (the run's epoch counter is put back
+    after Redis lost it, never moved back). Returns the value now held (on a pipeline: its
     entry in ``execute()``)."""
     res = r.eval(_RAISE, 1, key, int(value))
     return int(res) if isinstance(res, (int, str, bytes)) else res

@@ -20,8 +20,11 @@ hash slot). Redis holds coordination state only, never the model.
 | broker                       | hash   | the broker's counters: messages, refused by reason,      |
 |                              |        | auth_failures (written every second when it has a run)   |
 | epochs                       | string | counter: every shard start takes the next epoch          |
-| tokens                       | string | the run's global token count (learners INCRBY; shards    |
-|                              |        | checkpoint it and raise it back after a restart)         |
+| tokens                       | string | the run's global token count: the sum of tokens:by, kept |
+|                              |        | by the script that writes it (common/tokens.py)          |
+| tokens:by                    | hash   | <id>:<incarnation> -> that learner process's own tokens, |
+|                              |        | cumulative, only ever raised; shards checkpoint the hash |
+|                              |        | and write it back after a restart                        |
 """
 from __future__ import annotations
 
@@ -91,3 +94,12 @@ class Keys:
     @property
     def tokens(self) -> str:
         return self.prefix + "tokens"
+
+    @property
+    def token_shares(self) -> str:
+        return self.prefix + "tokens:by"
+
+
+def token_share(learner_id: str, incarnation: str) -> str:
+    """The field of one learner process in ``Keys.token_shares``."""
+    return f"{learner_id}:{incarnation}"

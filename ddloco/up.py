@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from common import control
+from common import control, tokens as run_count
 import json
 
 from common.config import ConfigError, ConfigFile, check_value, dump_toml, endpoint_problem, override
@@ -185,19 +185,30 @@ class ForkedChild(Child):
 
 
 def _write_state(workdir: Path, report: dict[str, Any], monitor: Monitor, syncers: int,
-                 previous: dict[str, Any]) -> None:
-    """What a later ``up --resume`` needs: learners' data positions, tokens, the eval curve."""
+                 previous: dict[str, Any], token_shares: dict[str, int]) -> None:
+    """What a later ``up --resume`` needs: learners' data positions, tokens (the total and every
+    learner process's share of the run's count, common/tokens.py), the eval curve."""
     positions = dict(previous.get("data_positions", {}))
     for lid, h in monitor.learners.items():
         if "data_position" in h:
             positions[lid] = int(float(h["data_position"]))
     versions = monitor.final_versions or {}
     state = {"run_id": report["run_id"], "syncers": syncers, "tokens_total": report["tokens_total"],
-             "data_positions": positions, "versions_total": sum(versions.values()),
+             "token_shares": token_shares, "data_positions": positions, "versions_total": sum(versions.values()),
              "eval_curve": previous.get("eval_curve", []) + report["eval_curve"]}
     tmp = workdir / (STATE_FILE + ".tmp")
     tmp.write_text(json.dumps(state, indent=2))
     tmp.replace(workdir / STATE_FILE)
+
+
+def _final_token_shares(r: Any, keys: Keys, previous: dict[str, Any]) -> dict[str, int]:
+    """Every learner process's final share of the run's token count, earlier parts' included
+    (read when all stopped; the earlier parts' alone if Redis cannot be read)."""
+    import redis as redis_lib
+    try:
+        return run_count.merge_shares({}, r.hgetall(keys.token_shares))
+    except redis_lib.RedisError:
+        return run_count.merge_shares({}, previous.get("token_shares", {}))
 
 
 def _ddloco(*args: str) -> list[str]:
@@ -607,6 +618,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             return 3
         for lid, pos in previous.get("data_positions", {}).items():  # learners resume their data streams
             r.hset(keys.learner(lid), "data_position", int(pos))
+        run_count.record(r, keys, previous.get("token_shares", {}))  # the LR schedule's count goes on
         if resume is not None:
             say(f"resume     {resume}: checkpoints of {up.syncers} shards, versions {previous.get('versions_total')}, "
                 f"{previous.get('tokens_total', 0):,} tokens so far")
@@ -800,6 +812,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         if not failure and not interrupted:
             monitor.evaluate(final=True)
         _stop_all(daemons)
+        token_shares = _final_token_shares(r, keys, previous)
         if not failure and not interrupted:
             # merges of the learners' last answers may land after that evaluation: the shards'
             # checkpoints (written when they stop) hold the run's true final model
@@ -840,7 +853,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             report["eval_curve_before"] = previous.get("eval_curve", [])
         # the state lives next to the checkpoints it describes (a resumed run keeps the first
         # part's directory), so the next --resume finds both, however many parts came before
-        _write_state(resume if resume is not None else workdir, report, monitor, up.syncers, previous)
+        _write_state(resume if resume is not None else workdir, report, monitor, up.syncers, previous, token_shares)
         if up.report_dir:
             write_report(Path(up.report_dir), report, monitor)
             say(f"report     {Path(up.report_dir) / 'report.json'} (+ eval_loss.png, merges.png, timeline.png)")

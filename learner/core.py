@@ -27,18 +27,18 @@ import numpy as np
 import redis
 import torch
 
-from common import control, metrics
+from common import control, metrics, tokens as run_count
 from common.config import ConfigError, Endpoints, LearnerOptions, RunConfig
 from common.fragments import (Fragment, describe_plan_difference, gather, model_plan, plan_digest,
                               scatter, state_tensors)
-from common.keys import Keys
+from common.keys import Keys, token_share
 from common.merge import Contribution, receive_merged
 from common.lifecycle import peak_rss_mb, process_start_time, rss_mb, tune_allocator
 from common.log import get_logger
 from learner.network import (Answer, AskPeer, Fetch, FragmentArrived, Have, NetworkThread, Outbox, PeerState,
                              PeerStateArrived, PeerStateWanted, RoundOpened, StateRequested, optimizer_digest)
 from learner.group import Group, group_from_env, params_digest, rank_stream, resolve_sharding
-from learner.inner import apply_step, load_optimizer_state, make_inner_optimizer
+from learner.inner import apply_step, load_optimizer_state, make_inner_optimizer, schedule_factor
 from learner.staging import HostStaging, staging_for
 from tasks.contract import Task, TaskError, batch_to, bind_task, build_model, check_task, count_tokens, scalar_loss
 
@@ -128,6 +128,10 @@ class LearnerStats:
     """Where this life's state came from: "peer <id>" or "shards"."""
     bootstraps_served: int = 0
     last_contrib_at: float = 0.0
+    schedule_tokens: float = 0.0
+    """The highest run token count the learning-rate schedule used (``Learner._step_run_tokens``)."""
+    schedule_regressions: int = 0
+    """Schedule reads below ``schedule_tokens``: the learning rate went back (must stay 0)."""
 
 
 @dataclass
@@ -221,6 +225,9 @@ class Learner:
         (``_gathered``: p → flat value, updated as merges are applied); None between boundaries."""
         self._deferring = False
         self._trained_rss_mb = 0.0
+        self._schedule_dip: tuple[int, float] | None = None
+        """While the schedule reads a run token count below its highest: (reads so far, lowest
+        ratio of the schedule's factor to the factor at the highest count)."""
 
     # ------------------------------------------------------------------ join
     def _prepare(self, run: RunConfig) -> None:
@@ -316,7 +323,7 @@ class Learner:
         self.data_position = control.data_position(self.redis, self.keys, self.id)
         self._previous_life = self.redis.hmget(self.keys.learner(self.id), "incarnation", "status", "updated_at")
         self._global_tokens = (int(self.redis.get(self.keys.tokens) or 0), 0)  # (run's count, our tokens then)
-        self._tokens_reported = 0
+        self._count_behind = False
         n = len(self.plan)
         self.base_version = np.full(n, -1, dtype=np.int64)
         self.base_epoch = np.full(n, -1, dtype=np.int64)    # life of the owning shard the base came from
@@ -461,6 +468,11 @@ class Learner:
             metrics.gauge("learner_step_seconds", "Inner step time (EMA, 0.9).", s.step_ema_s),
             metrics.gauge("learner_loss", "Training loss (EMA, 0.95).", s.loss_ema),
             metrics.gauge("learner_learning_rate", "Inner learning rate of the last step.", s.lr),
+            metrics.gauge("learner_schedule_tokens", "Highest run token count the learning-rate schedule "
+                          "used.", s.schedule_tokens),
+            metrics.counter("learner_schedule_regressions_total", "Schedule reads of a run token count below "
+                            "the highest used before (the learning rate went back; 0 expected).",
+                            s.schedule_regressions),
             metrics.gauge("learner_boot_seconds", "Process start to joined (0 before).", s.boot_s),
             metrics.gauge("learner_last_contribution_timestamp_seconds", "Unix time of the last answer sent "
                           "(0: none yet).", s.last_contrib_at),
@@ -720,7 +732,30 @@ class Learner:
     def _step_run_tokens(self) -> float:
         """The global token count the learning-rate schedule reads: in a group, rank 0's count
         as of the last step boundary (the same on every rank), else the live one."""
-        return self._group_run_tokens if self.group is not None else self.run_tokens()
+        tokens = self._group_run_tokens if self.group is not None else self.run_tokens()
+        self._note_schedule_tokens(tokens)
+        return tokens
+
+    def _note_schedule_tokens(self, tokens: float) -> None:
+        """Record the count the schedule read (``schedule_tokens``: the highest); a read below it
+        is a regression of the schedule: counted, logged when it starts and when it ends."""
+        s = self.stats
+        if tokens >= s.schedule_tokens:
+            if self._schedule_dip is not None:
+                reads, low = self._schedule_dip
+                self.log.info("learner.schedule_caught_up", run_tokens=int(tokens), reads_behind=reads,
+                              lowest_lr_ratio=round(low, 6))
+                self._schedule_dip = None
+            s.schedule_tokens = tokens
+            return
+        s.schedule_regressions += 1
+        high = schedule_factor(self.algo, s.schedule_tokens)
+        ratio = schedule_factor(self.algo, tokens) / high if high > 0 else 1.0
+        if self._schedule_dip is None:
+            self.log.warning("learner.schedule_went_back", run_tokens=int(tokens), highest=int(s.schedule_tokens),
+                             lr_ratio=round(ratio, 6))
+        reads, low = self._schedule_dip or (0, 1.0)
+        self._schedule_dip = (reads + 1, min(low, ratio))
 
     def _note_loss(self, loss: torch.Tensor) -> None:
         """Loss EMA. On an accelerator the step's loss stays on the device and is read in batches
@@ -1163,12 +1198,12 @@ class Learner:
                     for p in range(len(self.base_values)):
                         if self.base_values[p] is not None and self.base_version[p] > 0:
                             pipe.hsetnx(self.keys.fragment(p), "version", int(self.base_version[p]))
-                pipe.incrby(self.keys.tokens, ours - self._tokens_reported)   # the run's global token count
+                # the run's global token count: our own share (cumulative: a re-write after Redis
+                # restarted empty restores it exactly), and the total; our view of it never goes back
+                run_count.record(pipe, self.keys, {token_share(self.id, self.incarnation): ours})
                 res = pipe.execute()
-                total = res[-1]
                 restore = not res[0]
-                self._tokens_reported = ours
-                self._global_tokens = (int(total), ours)
+                self._note_run_count(int(res[-1]), ours)
                 if not redis_ok:
                     self.log.info("learner.redis_back")
                 redis_ok = True
@@ -1177,6 +1212,18 @@ class Learner:
                     self.log.warning("learner.redis_unavailable", error=str(e))
                 redis_ok = False
             self._threads_stop.wait(self.options.heartbeat_interval_s)
+
+    def _note_run_count(self, total: int, ours: int) -> None:
+        """The run's count as read with ``ours`` tokens of our own: our view goes on from what it
+        had counted while the total is below it (Redis restarted empty, the shares not all back:
+        logged when that starts and ends)."""
+        seen = run_count.advance_seen(self._global_tokens, total, ours)
+        behind = total < seen[0]
+        if behind != self._count_behind:
+            self._count_behind = behind
+            (self.log.warning if behind else self.log.info)(
+                "learner.run_count_behind" if behind else "learner.run_count_whole", total=total, counted=seen[0])
+        self._global_tokens = seen
 
     def _counters(self) -> dict[str, Any]:
         s = self.stats
@@ -1190,7 +1237,8 @@ class Learner:
                 "last_contrib_fragment": s.last_contrib_fragment, "first_answer": s.first_answer,
                 "bootstrap": s.bootstrap, "bootstraps_served": s.bootstraps_served,
                 "peer": "" if self._sharding == "fsdp" else getattr(getattr(self, "net", None), "peer_endpoint", ""),
-                "last_contrib_at": s.last_contrib_at,
+                "last_contrib_at": s.last_contrib_at, "schedule_tokens": int(s.schedule_tokens),
+                "schedule_regressions": s.schedule_regressions,
                 "data_shard": self.options.data_shard, "data_stream": self.stream, "pid": os.getpid(), "host": socket.gethostname(),
                 "data_position": self.data_position + s.batches, "answers_replaced": self._outbox.replaced,
                 "bytes_fetched": s.bytes_fetched, "chunks_fetched": s.chunks_fetched,
@@ -1205,7 +1253,7 @@ class Learner:
             pipe.hset(self.keys.life(self.id, self.incarnation), mapping=final)
             control.leave(pipe, self.keys, self.id)
             control.add_event(pipe, self.keys, "leave", learner=self.id, steps=self.stats.steps)
-            pipe.incrby(self.keys.tokens, self.stats.tokens - self._tokens_reported)
+            run_count.record(pipe, self.keys, {token_share(self.id, self.incarnation): self.stats.tokens})
             pipe.execute()
         except (redis.RedisError, AttributeError):
             pass

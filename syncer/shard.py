@@ -25,7 +25,7 @@ import redis
 import torch
 import zmq
 
-from common import control, metrics, wire
+from common import control, metrics, tokens as run_count, wire
 from common.config import Endpoints, RunConfig, SyncerOptions
 from common.fragments import Fragment, gather, model_plan, owned_fragments, plan_digest, plan_layout, state_tensors
 from common.keys import Keys
@@ -359,12 +359,15 @@ class Shard:
             momentum = torch.zeros_like(theta) if algo.outer_momentum else torch.zeros(1).expand(theta.numel())
             self.frags[p] = FragmentState(spec=self.plan[p], theta=theta, momentum=momentum, history={0: theta})
         self.run_tokens = 0
-        """The run's global token count as last seen in Redis (checkpointed; restored after a restart)."""
+        """The run's global token count as last seen in Redis."""
+        self.token_shares: dict[str, int] = {}
+        """Every learner process's share of that count as last seen (common/tokens.py): checkpointed,
+        written back after Redis restarted empty (a learner that is gone cannot)."""
         recorded = self._recorded_versions()
         loaded = False if self.options.fresh else self._load_checkpoint()
         self._start_recovery(recorded, loaded)
-        if self.run_tokens:  # Redis may have restarted empty: the learners' LR schedule must not go back
-            control.raise_counter(self.redis, self.keys.tokens, self.run_tokens)
+        if self.token_shares:  # Redis may have restarted empty: the learners' LR schedule must not go back
+            self.run_tokens = max(self.run_tokens, run_count.record(self.redis, self.keys, self.token_shares))
         if self.options.merge_threads > 0:
             torch.set_num_threads(self.options.merge_threads)
         self._merger = ThreadPoolExecutor(max_workers=MERGE_WORKERS, thread_name_prefix=f"{self.id}-merge")
@@ -540,6 +543,7 @@ class Shard:
                               **({} if f.master is None else {"master": f.master})}
                           for p, f in self.frags.items()},
             "merges": self.stats.merges, "saved_at": time.time(), "run_tokens": self.run_tokens,
+            "token_shares": dict(self.token_shares),
         }
         self._merges_since_ckpt = 0
         if wait:
@@ -685,6 +689,10 @@ class Shard:
         self.stats.merges = int(state.get("merges", 0))
         self.run_tokens = int(state.get("run_tokens", 0))
         self._since_unknown_unix = float(state.get("saved_at", self._since_unknown_unix))
+        # a checkpoint from before shares existed holds the total only: one share of it
+        self.token_shares = run_count.merge_shares(state.get("token_shares") or {},
+                                                   {} if "token_shares" in state or not self.run_tokens
+                                                   else {run_count.EARLIER: self.run_tokens})
         self.log.info("syncer.resumed", path=str(path), versions={p: f.version for p, f in self.frags.items()})
         return True
 
@@ -1156,10 +1164,13 @@ class Shard:
                                                           "round": -1 if f.round is None else f.round.round_id})
             control.publish_run_config(pipe, self.keys, self.run)  # rebuilds it after an empty restart
             pipe.hsetnx(self.keys.config, "shards", self.options.shards)
-            # the run's token count (the learners' LR schedule): read it, and put it back if Redis lost it
             control.raise_counter(pipe, self.keys.epochs, self.epoch)  # epochs never go back either
-            control.raise_counter(pipe, self.keys.tokens, self.run_tokens)
-            self.run_tokens = max(self.run_tokens, int(pipe.execute()[-1] or 0))
+            # the run's token count (the learners' LR schedule): put back the shares Redis lost, read them
+            run_count.record(pipe, self.keys, self.token_shares)
+            pipe.hgetall(self.keys.token_shares)
+            res = pipe.execute()
+            self.token_shares = run_count.merge_shares(self.token_shares, res[-1])
+            self.run_tokens = max(self.run_tokens, int(res[-2]))
             if not self._redis_ok:
                 self.log.info("syncer.redis_back")
             self._redis_ok = True

@@ -99,7 +99,10 @@ def test_up_resume_continues_from_the_stopped_versions_and_eval_loss(tmp_path):
     # the learners went on with their data streams instead of replaying them
     states = list((tmp_path / "runs").glob("again-*/state.json"))
     assert len(states) == 1, states   # next to the checkpoints: the first part's directory
-    assert json.loads(states[0].read_text())["data_positions"] == {"learner-0": 48, "learner-1": 48}
+    state = json.loads(states[0].read_text())
+    assert state["data_positions"] == {"learner-0": 48, "learner-1": 48}
+    # the run's token count (the LR schedule's) went on across the resume: every process's share
+    assert sum(state["token_shares"].values()) == r2["tokens_total"] == 2 * r1["tokens_total"]
     # (a second resume reads this state.json, which the second part rewrote: 48, not 24)
 
 
