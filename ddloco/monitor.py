@@ -373,7 +373,8 @@ class Monitor:
     def summary_line(self, rep: dict[str, Any]) -> str:
         ini, fin = rep["eval_loss_initial"], rep["eval_loss_final"]
         ratio = f" ({fin / ini:.2f}x)" if ini and fin else ""
-        return (f"done       {rep['wall_s']:.0f}s wall, {rep['steps_total']} steps, {rep['merges']} merges, "
+        return (f"done       run {rep['run_id']}: {rep['wall_s']:.0f}s wall, {rep['steps_total']} steps, "
+                f"{rep['merges']} merges, "
                 f"eval loss {ini if ini is None else round(ini, 3)} -> {fin if fin is None else round(fin, 3)}{ratio}, "
                 f"goodput {rep['goodput']:.2f}, uptime {rep['uptime']:.2f}, "
                 f"every learner contributed: {rep['every_learner_contributed']}, "

@@ -1,0 +1,72 @@
+"""How `ddloco up` ends and starts again, as a user runs it (real processes, real signals): Ctrl-C
+keeps the model, an unwritable --report is refused before anything starts, every run gets its
+own run id, and --resume names exactly one stopped run or refuses, creating nothing."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.timeout(120)
+REPO = Path(__file__).resolve().parents[2]
+CNN = ("--task", "examples.cnn:task", "--learners", "2", "--syncers", "1")
+
+
+def ddloco(*args: str, cwd: Path, timeout: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddloco", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def twin_runs(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """Two stopped, resumable runs with the same run id ``twin`` (the second a copy of the first,
+    as if run again later): the working directory and the two work directories."""
+    cwd = tmp_path_factory.mktemp("twins")
+    first = ddloco("up", *CNN, "--steps", "8", "--run-id", "twin", cwd=cwd)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    one, = (cwd / "runs").glob("twin-*")
+    two = cwd / "runs" / "twin-20990101-000000"
+    shutil.copytree(one, two)
+    return cwd, one, two
+
+
+def test_resume_of_an_ambiguous_missing_or_mismatched_run_is_refused_and_creates_nothing(twin_runs):
+    cwd, one, two = twin_runs
+    before = sorted((cwd / "runs").iterdir())
+    res = ddloco("up", "--resume", "twin", "--steps", "4", cwd=cwd)
+    assert res.returncode == 2, res.stdout[-1500:] + res.stderr[-1500:]
+    head, *candidates = res.stderr.splitlines()
+    assert head == "ddloco up: --resume twin: 2 stopped runs have run id 'twin'; pick one by passing its directory:"
+    state = json.loads((one / "state.json").read_text())
+    assert sorted(c.split("   (")[0] for c in candidates) == [f"  --resume {one.relative_to(cwd)}",
+                                                               f"  --resume {two.relative_to(cwd)}"], candidates
+    assert all(f"versions {state['versions_total']}, {state['tokens_total']:,} tokens" in c for c in candidates)
+    for argv, line in [(("--resume", "nope"), "ddloco up: --resume nope: no stopped run 'nope' with checkpoints "
+                                              "under runs/"),
+                       (("--resume", str(two), "--syncers", "2"), "ddloco up: --resume: the run had 1 syncers")]:
+        res = ddloco("up", *argv, "--steps", "4", cwd=cwd)
+        assert res.returncode == 2 and res.stderr.startswith(line), res.stdout[-1500:] + res.stderr[-1500:]
+        assert res.stderr.count("\n") == 1, res.stderr
+    assert sorted((cwd / "runs").iterdir()) == before, "a refused resume left a directory behind"
+
+
+def test_resume_given_a_run_directory_continues_that_run(twin_runs):
+    cwd, one, two = twin_runs
+    state, other = json.loads((two / "state.json").read_text()), (one / "state.json").read_text()
+    res = ddloco("up", "--resume", str(two.relative_to(cwd)), "--steps", "4", "--report", "r2", cwd=cwd)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rep = json.loads((cwd / "r2" / "report.json").read_text())
+    assert rep["run_id"] == "twin" and rep["resumed_from"] == str(two.relative_to(cwd))
+    assert rep["eval_curve"][0]["versions_total"] == state["versions_total"]
+    assert json.loads((two / "state.json").read_text())["tokens_total"] > state["tokens_total"]
+    assert (one / "state.json").read_text() == other, "the other run of the same id was changed"
