@@ -29,7 +29,7 @@ from common.lifecycle import die_with_parent, pid_alive
 from ddloco.cli import EXIT_REFUSED, EXIT_USAGE
 from common.security import redis_acl_rules
 from ddloco.monitor import Monitor
-from ddloco.report import write_report
+from ddloco.report import check_report_dir, write_report
 
 
 ROLE_ENV: dict[str, dict[str, str]] = {}
@@ -613,6 +613,8 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
     previous: dict[str, Any] = json.loads((resume / STATE_FILE).read_text()) if resume is not None else {}
     if resume is not None:
         check_resume(previous, up.syncers)
+    if up.report_dir:   # the last refusal: it creates the directory
+        check_report_dir(Path(up.report_dir))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     workdir = Path("runs") / f"{cfg.endpoints.run_id}-{stamp}"
     (workdir / "logs").mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,38 @@ def ddloco(*args: str, cwd: Path, timeout: float = 90) -> subprocess.CompletedPr
                           timeout=timeout)
 
 
+def _immutable_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "frozen"
+    d.mkdir()
+    if subprocess.run(["chattr", "+i", str(d)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here (needs CAP_LINUX_IMMUTABLE and ext4/xfs)")
+    return d
+
+
+@pytest.mark.parametrize("where", ["under a regular file", "immutable directory"])
+def test_an_unwritable_report_dir_is_one_line_exit_2_before_anything_starts(tmp_path, where):
+    # root ignores permission bits: a path below a regular file (ENOTDIR), and a directory made
+    # immutable with chattr +i (EPERM), stop root too
+    work = tmp_path / "work"
+    work.mkdir()
+    if where == "under a regular file":
+        (tmp_path / "afile").write_text("")
+        target = tmp_path / "afile" / "report"
+    else:
+        target = _immutable_dir(tmp_path)
+    try:
+        res = ddloco("up", *CNN, "--steps", "5", "--report", str(target), cwd=work)
+    finally:
+        if where == "immutable directory":
+            subprocess.run(["chattr", "-i", str(target)], check=True)
+    assert res.returncode == 2, res.stdout[-1500:] + res.stderr[-1500:]
+    problem = "Not a directory" if where == "under a regular file" else "Operation not permitted"
+    assert res.stderr.startswith(f"ddloco up: --report {target}: cannot write the report there ({problem}")
+    assert res.stderr.count("\n") == 1 and res.stdout == "", res.stdout + res.stderr
+    assert list(work.iterdir()) == [], "a refused run started something"   # no runs/ directory
+    assert not target.exists() or list(target.iterdir()) == []              # the probe file was removed
+
+
 @pytest.fixture(scope="module")
 def twin_runs(tmp_path_factory) -> tuple[Path, Path, Path]:
     """Two stopped, resumable runs with the same run id ``twin`` (the second a copy of the first,
