@@ -676,7 +676,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every-s", type=float, metavar="SECONDS", help="evaluate the global model this often "
                    "(default 8; it fetches every fragment: make it rarer for a large model; 0: every second)")
     p.add_argument("--report", metavar="DIR", help="write DIR/report.json, PNG plots and DIR/model.safetensors "
-                   "(the final global model); DIR is created and checked writable before anything starts")
+                   "(the final global model; on Ctrl-C the freshest one); DIR is created and checked writable "
+                   "before anything starts")
     p.add_argument("--step-time-floor-ms", type=float, default=None,
                    help="emulated accelerator step time of every learner: a step never takes less (ms)")
     p.add_argument("--slowdowns", default=None, help="comma list of per-learner slowdown factors, e.g. 1,1,1.18,1.18")

@@ -3,8 +3,9 @@
 Order of events: embedded Redis (unless --redis-url) -> run config in Redis -> broker ->
 S syncer shards -> M learners -> live progress, periodic evaluation of the global model ->
 learners finish (--steps) or time runs out (--minutes) -> final evaluation -> shards stop
-(checkpoint) -> broker -> Redis -> report. Ctrl-C stops everything it started the same way.
-A refused run leaves no work directory (runs/<run-id>-<time>/) behind.
+(checkpoint) -> broker -> Redis -> report. Ctrl-C stops everything it started the same way, and
+the report's model is then the freshest complete one. A refused run leaves no work directory
+(runs/<run-id>-<time>/) behind.
 """
 from __future__ import annotations
 
@@ -208,6 +209,26 @@ def _refused(workdir: Path, problem: str) -> int:
     print(f"ddloco up: {problem}", file=sys.stderr)
     shutil.rmtree(workdir, ignore_errors=True)
     return EXIT_REFUSED
+
+
+def _adopt_freshest_model(monitor: Monitor, checkpoint_dir: str, run_id: str, task: Any,
+                          say: Callable[[str], None]) -> None:
+    """Ctrl-C: the freshest complete global model becomes the run's final one (the report's last
+    loss, model.safetensors, state.json): the shards' checkpoints, written as they stopped, unless
+    the last live evaluation holds more merges (a shard that did not stop in time)."""
+    from ddloco.export import ExportError, from_checkpoints
+    monitor.wait_evaluation()
+    live = sum(monitor.versions.values())
+    try:
+        model, versions = from_checkpoints(checkpoint_dir, run_id, task=task)
+    except (ExportError, OSError, ValueError) as e:  # ValueError: TaskError, ConfigError
+        model, versions = None, {}
+        say(f"final      checkpoints unreadable ({e})")
+    if model is not None and sum(versions.values()) >= live:
+        monitor.adopt_final(model, versions)
+    else:
+        monitor.final_versions = dict(monitor.versions)
+        say(f"final      the last live evaluation (fragment versions {live}) is the final model")
 
 
 def _ddloco(*args: str) -> list[str]:
@@ -864,6 +885,8 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
                 monitor.adopt_final(*from_checkpoints(syncer.checkpoint_dir, endpoints.run_id, task=task))
             except (ExportError, OSError, ValueError) as e:  # ValueError: TaskError, ConfigError
                 say(f"final      checkpoints unreadable ({e}); the report keeps the live evaluation")
+        if interrupted:
+            _adopt_freshest_model(monitor, syncer.checkpoint_dir, endpoints.run_id, task, say)
         wall_s = time.time() - t_start
         report = monitor.report(wall_s=wall_s, interrupted=interrupted, timed_out=timed_out, failure=failure,
                                 learner_exit_codes={c.name: c.proc.returncode for c in learners})

@@ -27,6 +27,44 @@ def ddloco(*args: str, cwd: Path, timeout: float = 90) -> subprocess.CompletedPr
                           timeout=timeout)
 
 
+def test_ctrl_c_saves_the_freshest_model_loadable_strict_and_exits_130(tmp_path):
+    report = tmp_path / "report"
+    proc = subprocess.Popen([sys.executable, "-m", "ddloco", "up", *CNN, "--steps", "0", "--minutes", "2",
+                             "--step-time-floor-ms", "20", "--report", str(report)],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        wait_until(lambda: any(re.search(r"\| merges [1-9]", ln) for ln in lines), 60,
+                   what="progress showing merges")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130, "".join(lines)[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=10)
+    out = "".join(lines)
+    # no --run-id: a run id of its own, shown at start and in the summary, naming the work directory
+    run_id = re.search(r"^run +(demo-[0-9a-f]{6}): ", out, re.M).group(1)
+    assert re.search(rf"^interrupted run {run_id}: ", out, re.M), out[-1500:]
+    run_dir, = (tmp_path / "runs").glob(f"{run_id}-*")
+    from ddloco.export import from_checkpoints, load_state
+    from examples.cnn import task
+    from tasks.contract import evaluate
+    t = task()
+    model = t.model()
+    model.load_state_dict(load_state(report / "model.safetensors"), strict=True)
+    # the freshest complete model: what the shards checkpointed as they stopped
+    stopped, versions = from_checkpoints(run_dir / "checkpoints", run_id, task=t)
+    assert sum(versions.values()) > 0
+    assert all(torch.equal(v, stopped.state_dict()[k]) for k, v in model.state_dict().items())
+    rep = json.loads((report / "report.json").read_text())
+    assert rep["interrupted"] is True and rep["run_id"] == run_id
+    assert abs(evaluate(t, model) - rep["eval_loss_final"]) < 1e-4   # the report describes this model
+    assert json.loads((run_dir / "state.json").read_text())["versions_total"] == sum(versions.values())
+
+
 def _immutable_dir(tmp_path: Path) -> Path:
     d = tmp_path / "frozen"
     d.mkdir()

@@ -6,6 +6,7 @@ import argparse
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,3 +75,51 @@ def test_up_picks_a_new_run_id_unless_a_flag_or_the_config_file_names_one(tmp_pa
     ids = {new_run_id() for _ in range(20)}
     assert len(ids) == 20 and all(re.fullmatch(r"demo-[0-9a-f]{6}", i) for i in ids)
 
+
+class _Monitor:
+    """What ``_adopt_freshest_model`` reads of the monitor: the model of its last evaluation and
+    that model's fragment versions; records the model it is told to adopt."""
+
+    def __init__(self, versions: dict[int, int]) -> None:
+        self.versions = versions
+        self.final_versions: dict[int, int] | None = None
+        self.adopted: tuple[Any, dict[int, int]] | None = None
+
+    def wait_evaluation(self, timeout_s: float | None = None) -> None:
+        pass
+
+    def adopt_final(self, model: Any, versions: dict[int, int]) -> None:
+        self.adopted = (model, versions)
+        self.final_versions = versions
+
+
+def _checkpoint(d: Path, versions: dict[int, int]) -> Any:
+    """A one-shard checkpoint of run ``r`` (the example CNN, 4 fragments) at ``versions``; the task."""
+    import torch
+    from common.config import AlgoConfig, RunConfig, TaskConfig
+    from common.fragments import gather, model_plan, state_tensors
+    from tasks.contract import bind_task, build_model
+    task, run = bind_task(RunConfig(task=TaskConfig(spec="examples.cnn:task"), algo=AlgoConfig(fragments=4)))
+    model = build_model(task, run.task.seed)
+    plan = model_plan(model, task.embedding_names, 4)
+    d.mkdir(parents=True)
+    torch.save({"run_config": run.to_dict(),
+                "fragments": {p: {"theta": gather(state_tensors(model), f), "version": versions[p]}
+                              for p, f in enumerate(plan)}}, d / "r-shard0of1.pt")
+    return task
+
+
+@pytest.mark.parametrize("case", ["checkpoints fresher", "checkpoints as fresh", "live fresher", "no checkpoints"])
+def test_on_ctrl_c_the_freshest_complete_model_becomes_the_final_one(tmp_path, case):
+    from ddloco.up import _adopt_freshest_model
+    stopped = {0: 5, 1: 5, 2: 4, 3: 4}   # 18 merges in the shards' checkpoints
+    live = {"checkpoints fresher": {0: 4, 1: 4, 2: 4, 3: 4}, "checkpoints as fresh": dict(stopped),
+            "live fresher": {0: 6, 1: 5, 2: 5, 3: 4}, "no checkpoints": {0: 1, 1: 1, 2: 0, 3: 0}}[case]
+    task = None if case == "no checkpoints" else _checkpoint(tmp_path / "ck", stopped)
+    monitor, said = _Monitor(dict(live)), []
+    _adopt_freshest_model(monitor, str(tmp_path / "ck"), "r", task, said.append)
+    if case.startswith("checkpoints"):
+        assert monitor.adopted is not None and monitor.adopted[1] == stopped
+    else:
+        assert monitor.adopted is None and monitor.final_versions == live, said
+        assert said[-1] == f"final      the last live evaluation (fragment versions {sum(live.values())}) is the final model"
