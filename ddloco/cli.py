@@ -39,7 +39,9 @@ def _add_common(p: argparse.ArgumentParser, command: str = "") -> None:
     g.add_argument("--config", metavar="FILE.toml", help="TOML config file (sections task, algo, endpoints, "
                    "learner, syncer, up); flags override it")
     g.add_argument("--run-id", help="with --redis-url: write the broker's counters to this run's entry in Redis"
-                   if command == "broker" else "run identifier (namespaces Redis keys and messages; default demo)")
+                   if command == "broker" else "run identifier (namespaces Redis keys, messages and the work "
+                   "directory runs/RUN_ID-<time>; default: a new one, demo-<6 hex digits>)" if command == "up"
+                   else "run identifier (namespaces Redis keys and messages; default demo)")
     redis_default = {"up": "default: an embedded Redis", "broker": "used with --run-id only"}.get(
         command, "default redis://127.0.0.1:6379/0")
     g.add_argument("--redis-url", help="Redis URL, e.g. redis://host:6379/0, redis://user:password@host:6379/0 or "
@@ -526,8 +528,20 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def _run_id_given(args: argparse.Namespace) -> bool:
+    """``--run-id``, or a config file whose [endpoints] table names the run."""
+    if args.run_id or args.config is None:
+        return bool(args.run_id)
+    import tomllib
+    try:
+        endpoints = tomllib.loads(Path(args.config).read_text()).get("endpoints")
+    except (OSError, tomllib.TOMLDecodeError):
+        return True   # loading the config says what is wrong with it
+    return isinstance(endpoints, dict) and "run_id" in endpoints
+
+
 def cmd_up(args: argparse.Namespace) -> int:
-    from ddloco.up import find_resumable, run_up
+    from ddloco.up import new_run_id, resolve_resume, run_up
     if args.tensorboard:  # an optional package: refuse before anything starts
         from ddloco.tensorboard_log import tensorboard_missing
         missing = tensorboard_missing()
@@ -535,11 +549,15 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(missing, file=sys.stderr)
             return EXIT_USAGE
     resume = None
-    if args.resume:
-        resume = find_resumable(args.resume)
+    if args.resume:   # a refused resume creates nothing: every check before the work directory
+        resume, state = resolve_resume(args.resume)
+        if args.run_id not in (None, state["run_id"]):
+            raise ConfigError(f"--resume {args.resume} continues run {state['run_id']!r}: leave --run-id out")
         if args.config is None:
             args.config = str(resume / "config.toml")  # the stopped run's settings
-        args.run_id = args.resume
+        args.run_id = state["run_id"]
+    elif not _run_id_given(args):
+        args.run_id = new_run_id()   # every run its own work directory, Redis keys and --resume name
     cfg = _resolve(args)
     _setup_logging(args)  # library logs (embedded Redis) to stderr; progress lines go to stdout
     if args.redis_url is not None:   # an external Redis must answer before anything starts
@@ -658,13 +676,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every-s", type=float, metavar="SECONDS", help="evaluate the global model this often "
                    "(default 8; it fetches every fragment: make it rarer for a large model; 0: every second)")
     p.add_argument("--report", metavar="DIR", help="write DIR/report.json, PNG plots and DIR/model.safetensors "
-                   "(the final global model)")
+                   "(the final global model; on Ctrl-C the freshest one); DIR is created and checked writable "
+                   "before anything starts")
     p.add_argument("--step-time-floor-ms", type=float, default=None,
                    help="emulated accelerator step time of every learner: a step never takes less (ms)")
     p.add_argument("--slowdowns", default=None, help="comma list of per-learner slowdown factors, e.g. 1,1,1.18,1.18")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.add_argument("--resume", metavar="RUN_ID", help="continue a stopped run: its config, the shards' checkpoints "
-                   "(fragment versions, momentum) and the learners' data positions from runs/RUN_ID-*/")
+    p.add_argument("--resume", metavar="RUN_ID|DIR", help="continue a stopped run: its config, the shards' "
+                   "checkpoints (fragment versions, momentum) and the learners' data positions, from its work "
+                   "directory DIR (runs/<run-id>-<time>) or the one directory of RUN_ID (several: refused, "
+                   "listing them)")
     p.add_argument("--device", default=None, help="learners' device: auto (default), cpu, cuda, cuda:N")
     p.add_argument("--chaos", metavar="SPEC", help="inject seeded failures and restart what was killed, e.g. "
                    "seed=7,learner_mtbf_s=60,stalls=3,stall_s=20,shard_kills=1,shard_wipes=1,broker_restarts=1,"

@@ -48,6 +48,9 @@ class Monitor:
         self.last_eval = time.time()
         self.final_versions: dict[int, int] | None = None
         """Fragment versions the model holds after a successful final evaluation (None: none)."""
+        self.versions: dict[int, int] = {}
+        """Fragment versions ``self.model`` holds now ({}: the initial model of a new run); written
+        with the model by the evaluating thread, read by the control loop after ``wait_evaluation``."""
         self.events: list[dict[str, Any]] = []
         """Every event of the run, read as it happens (a Redis restart or the capped stream
         would lose them otherwise)."""
@@ -101,6 +104,7 @@ class Monitor:
                 versions[p] = v
             if final:
                 self.final_versions = versions
+        self.versions = versions
         if self.task.eval_batches is None:
             return None  # a task without held-out batches: no evaluation, the model is still exported
         loss = evaluate(self.task, self.model)
@@ -140,6 +144,7 @@ class Monitor:
             return
         self.model.load_state_dict(model.state_dict(), strict=True)
         self.final_versions = versions
+        self.versions = versions
         if self.task.eval_batches is None:
             return
         loss = evaluate(self.task, self.model)
@@ -421,7 +426,9 @@ class Monitor:
     def summary_line(self, rep: dict[str, Any]) -> str:
         ini, fin = rep["eval_loss_initial"], rep["eval_loss_final"]
         ratio = f" ({fin / ini:.2f}x)" if ini and fin else ""
-        return (f"done       {rep['wall_s']:.0f}s wall, {rep['steps_total']} steps, {rep['merges']} merges, "
+        head = "interrupted" if rep.get("interrupted") else "done"
+        return (f"{head:<10} run {rep['run_id']}: {rep['wall_s']:.0f}s wall, {rep['steps_total']} steps, "
+                f"{rep['merges']} merges, "
                 f"eval loss {ini if ini is None else round(ini, 3)} -> {fin if fin is None else round(fin, 3)}{ratio}, "
                 f"goodput {rep['goodput']:.2f} (learner time spent training), uptime {rep['uptime']:.2f} (wall time "
                 f"the global model advanced), "

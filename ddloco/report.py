@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
+from common.config import ConfigError
 from ddloco.plots import eval_loss_plot, merges_plot, timeline_plot
 
 
@@ -27,6 +29,27 @@ MARK_MEANINGS = {"K": "learner killed", "S": "learner stalled", "C": "stalled le
                  "SK": "shard killed", "SW": "shard wiped", "B": "broker restarted", "R": "Redis restarted",
                  "E+": "temporary learners start", "E-": "temporary learners stop"}
 """What each short label means (the legend of timeline.png)."""
+
+
+def check_report_dir(out_dir: Path) -> None:
+    """``--report DIR`` can be written: created if missing, a probe file written and removed.
+    Checked before a run starts (a run must not end with nowhere to put its report and model);
+    ConfigError naming the directory and the problem otherwise."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--report {out_dir}: it is a file, not a directory; give a directory (created if missing)")
+    probe = out_dir / f".ddloco-write-probe-{os.getpid()}"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"ddloco")
+        finally:
+            os.close(fd)
+        probe.unlink()
+    except OSError as e:
+        where = f": {e.filename}" if e.filename and str(e.filename) != str(probe) else ""
+        raise ConfigError(f"--report {out_dir}: cannot write the report there ({e.strerror or e}{where}); "
+                          f"give a writable directory") from None
 
 
 def write_report(out_dir: Path, report: dict[str, Any], monitor: Any) -> None:

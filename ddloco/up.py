@@ -3,7 +3,9 @@
 Order of events: embedded Redis (unless --redis-url) -> run config in Redis -> broker ->
 S syncer shards -> M learners -> live progress, periodic evaluation of the global model ->
 learners finish (--steps) or time runs out (--minutes) -> final evaluation -> shards stop
-(checkpoint) -> broker -> Redis -> report. Ctrl-C stops everything it started the same way.
+(checkpoint) -> broker -> Redis -> report. Ctrl-C stops everything it started the same way, and
+the report's model is then the freshest complete one. A refused run leaves no work directory
+(runs/<run-id>-<time>/) behind.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from common.lifecycle import die_with_parent, pid_alive
 from ddloco.cli import EXIT_REFUSED, EXIT_USAGE
 from common.security import redis_acl_rules
 from ddloco.monitor import Monitor
-from ddloco.report import write_report
+from ddloco.report import check_report_dir, write_report
 
 
 ROLE_ENV: dict[str, dict[str, str]] = {}
@@ -209,6 +211,35 @@ def _final_token_shares(r: Any, keys: Keys, previous: dict[str, Any]) -> dict[st
         return run_count.merge_shares({}, r.hgetall(keys.token_shares))
     except redis_lib.RedisError:
         return run_count.merge_shares({}, previous.get("token_shares", {}))
+
+
+def _refused(workdir: Path, problem: str) -> int:
+    """The run's Redis refused it (before any daemon started): one line, exit 3, and the work
+    directory just made for it removed (a refused run leaves nothing behind)."""
+    import shutil
+    print(f"ddloco up: {problem}", file=sys.stderr)
+    shutil.rmtree(workdir, ignore_errors=True)
+    return EXIT_REFUSED
+
+
+def _adopt_freshest_model(monitor: Monitor, checkpoint_dir: str, run_id: str, task: Any,
+                          say: Callable[[str], None]) -> None:
+    """Ctrl-C: the freshest complete global model becomes the run's final one (the report's last
+    loss, model.safetensors, state.json): the shards' checkpoints, written as they stopped, unless
+    the last live evaluation holds more merges (a shard that did not stop in time)."""
+    from ddloco.export import ExportError, from_checkpoints
+    monitor.wait_evaluation()
+    live = sum(monitor.versions.values())
+    try:
+        model, versions = from_checkpoints(checkpoint_dir, run_id, task=task)
+    except (ExportError, OSError, ValueError) as e:  # ValueError: TaskError, ConfigError
+        model, versions = None, {}
+        say(f"final      checkpoints unreadable ({e})")
+    if model is not None and sum(versions.values()) >= live:
+        monitor.adopt_final(model, versions)
+    else:
+        monitor.final_versions = dict(monitor.versions)
+        say(f"final      the last live evaluation (fragment versions {live}) is the final model")
 
 
 def _ddloco(*args: str) -> list[str]:
@@ -472,14 +503,67 @@ STATE_FILE = "state.json"
 """Written into a run's work directory at the end of ``up``: what ``up --resume`` continues from."""
 
 
-def find_resumable(run_id: str, runs_dir: Path = Path("runs")) -> Path:
-    """The newest work directory of ``run_id`` that has shard checkpoints and a state file."""
-    candidates = sorted((d for d in runs_dir.glob(f"{run_id}-*") if (d / STATE_FILE).exists()
-                         and any((d / "checkpoints").glob(f"{run_id}-shard*of*.pt"))), key=lambda d: d.name)
-    if not candidates:
-        raise ConfigError(f"--resume {run_id}: no stopped run {run_id!r} with checkpoints under {runs_dir}/ "
-                          f"(expected {runs_dir}/{run_id}-<time>/checkpoints and {STATE_FILE})")
-    return candidates[-1]
+DEFAULT_RUN_ID_PREFIX = "demo"
+
+
+def new_run_id(prefix: str = DEFAULT_RUN_ID_PREFIX) -> str:
+    """A run id for a run given none (``demo-1f9a3c``): unique, so that every run's work
+    directory, Redis keys and ``--resume`` name are its own, and short enough to type."""
+    return f"{prefix}-{secrets.token_hex(3)}"
+
+
+def _stopped_run(d: Path) -> tuple[dict[str, Any] | None, str]:
+    """The state of the stopped run in work directory ``d``, or None and why ``--resume`` cannot
+    continue it (no directory, no readable state file, no shard checkpoints of its run id)."""
+    if not d.is_dir():
+        return None, "no such directory"
+    try:
+        state = json.loads((d / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        state = None
+    run_id = state.get("run_id") if isinstance(state, dict) else None
+    if not isinstance(run_id, str):
+        return None, f"no readable {STATE_FILE}: not a stopped `ddloco up` run, or it ended before writing it"
+    if not any((d / "checkpoints").glob(f"{run_id}-shard*of*.pt")):
+        return None, f"no shard checkpoints of run {run_id!r} in {d / 'checkpoints'}"
+    return state, ""
+
+
+def _describe_stopped(d: Path, state: dict[str, Any]) -> str:
+    stopped = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime((d / STATE_FILE).stat().st_mtime))
+    return (f"--resume {d}   (stopped {stopped}, versions {state.get('versions_total', '?')}, "
+            f"{int(state.get('tokens_total') or 0):,} tokens)")
+
+
+def resolve_resume(arg: str, runs_dir: Path = Path("runs")) -> tuple[Path, dict[str, Any]]:
+    """``--resume ARG``: the work directory of a stopped run and its state. ARG is a run id (the
+    one directory under ``runs_dir`` whose state names it) or a work directory (a path, or a
+    directory name under ``runs_dir``). ConfigError, before anything is created, when none or
+    several match (listing them, and how to pick one)."""
+    is_path = "/" in arg or os.sep in arg or Path(arg).is_dir()
+    if is_path or (runs_dir / arg).is_dir():
+        d = Path(arg) if is_path else runs_dir / arg
+        state, why = _stopped_run(d)
+        if state is None:
+            raise ConfigError(f"--resume {arg}: {why}")
+        return d, state
+    found = [(d.parent, state) for d in runs_dir.glob(f"*/{STATE_FILE}")
+             for state in [_stopped_run(d.parent)[0]] if state is not None and state["run_id"] == arg]
+    found.sort(key=lambda ds: ((ds[0] / STATE_FILE).stat().st_mtime, ds[0].name))
+    if not found:
+        raise ConfigError(f"--resume {arg}: no stopped run {arg!r} with checkpoints under {runs_dir}/ "
+                          f"(give its run id or its directory, {runs_dir}/<run-id>-<time>)")
+    if len(found) > 1:
+        raise ConfigError(f"--resume {arg}: {len(found)} stopped runs have run id {arg!r}; pick one by passing "
+                          f"its directory:\n" + "\n".join(f"  {_describe_stopped(d, s)}" for d, s in found))
+    return found[0]
+
+
+def check_resume(previous: dict[str, Any], syncers: int) -> None:
+    """A stopped run resumes only with its shard count (shard ownership is p % S)."""
+    if previous.get("syncers") != syncers:
+        raise ConfigError(f"--resume: the run had {previous.get('syncers')} syncers; shard ownership is "
+                          f"p % S, so resume it with --syncers {previous.get('syncers')}")
 
 
 @dataclass(frozen=True)
@@ -561,6 +645,11 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
     model_plan(model, task.embedding_names, run.algo.fragments)
     check_task(task, model, seed=run.task.seed)
     cfg = replace(cfg, run=run)
+    previous: dict[str, Any] = json.loads((resume / STATE_FILE).read_text()) if resume is not None else {}
+    if resume is not None:
+        check_resume(previous, up.syncers)
+    if up.report_dir:   # the last refusal: it creates the directory
+        check_report_dir(Path(up.report_dir))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     workdir = Path("runs") / f"{cfg.endpoints.run_id}-{stamp}"
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
@@ -594,12 +683,6 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             for role in ("broker", "shard", "learner"):
                 ROLE_ENV[role] = {"DDLOCO_REDIS_URL": redis_url}
         endpoints = override(cfg.endpoints, redis_url=shown_url, broker_pub=broker.pub, broker_sub=broker.sub)
-        previous: dict[str, Any] = {}
-        if resume is not None:
-            previous = json.loads((resume / STATE_FILE).read_text())
-            if previous.get("syncers") != up.syncers:
-                raise ConfigError(f"--resume: the run had {previous.get('syncers')} syncers; shard ownership is "
-                                  f"p % S, so resume it with --syncers {previous.get('syncers')}")
         ckpt_dir = (resume / "checkpoints") if resume is not None else (workdir / "checkpoints")
         syncer = override(cfg.syncer, checkpoint_dir=str(ckpt_dir), shards=up.syncers)
         cfg = replace(cfg, endpoints=endpoints, syncer=syncer)
@@ -608,14 +691,12 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         r = control.connect(redis_url)
         keys = Keys(endpoints.run_id)
         if external_redis and r.exists(keys.config):
-            print(f"ddloco up: run {endpoints.run_id!r} already exists in {control.redact(redis_url)}; choose another --run-id",
-                  file=sys.stderr)
-            return 3
+            return _refused(workdir, f"run {endpoints.run_id!r} already exists in {control.redact(redis_url)}; "
+                                     f"choose another --run-id")
         try:
             control.publish_run_config(r, keys, cfg.run)
         except control.ConfigMismatch as e:
-            print(f"ddloco up: {e}; choose another --run-id", file=sys.stderr)
-            return 3
+            return _refused(workdir, f"{e}; choose another --run-id")
         for lid, pos in previous.get("data_positions", {}).items():  # learners resume their data streams
             r.hset(keys.learner(lid), "data_position", int(pos))
         run_count.record(r, keys, previous.get("token_shares", {}))  # the LR schedule's count goes on
@@ -821,6 +902,8 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
                 monitor.adopt_final(*from_checkpoints(syncer.checkpoint_dir, endpoints.run_id, task=task))
             except (ExportError, OSError, ValueError) as e:  # ValueError: TaskError, ConfigError
                 say(f"final      checkpoints unreadable ({e}); the report keeps the live evaluation")
+        if interrupted:
+            _adopt_freshest_model(monitor, syncer.checkpoint_dir, endpoints.run_id, task, say)
         wall_s = time.time() - t_start
         report = monitor.report(wall_s=wall_s, interrupted=interrupted, timed_out=timed_out, failure=failure,
                                 learner_exit_codes={c.name: c.proc.returncode for c in learners})
@@ -861,7 +944,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
                 from ddloco.export import save_state
                 path = save_state(monitor.model, Path(up.report_dir) / "model.safetensors")
                 say(f"model      {path}: the final global model (load_state_dict into task.model(), strict)")
-        say(f"state      checkpoints in {syncer.checkpoint_dir}: `ddloco up --resume {endpoints.run_id}` continues "
+        say(f"state      checkpoints in {syncer.checkpoint_dir}: `ddloco up --resume {resume or workdir}` continues "
             f"this run, `ddloco export --checkpoint-dir {syncer.checkpoint_dir} --out model.safetensors` exports it")
         say(monitor.summary_line(report))
         if failure:
