@@ -25,6 +25,8 @@ hash slot). Redis holds coordination state only, never the model.
 | tokens:by                    | hash   | <id>:<incarnation> -> that learner process's own tokens, |
 |                              |        | cumulative, only ever raised; shards checkpoint the hash |
 |                              |        | and write it back after a restart                        |
+| eval                         | hash   | the global model's last evaluation by `ddloco up`: loss, |
+|                              |        | tokens, versions_total, at (wall time), initial_loss     |
 """
 from __future__ import annotations
 
@@ -98,6 +100,10 @@ class Keys:
     @property
     def token_shares(self) -> str:
         return self.prefix + "tokens:by"
+
+    @property
+    def eval(self) -> str:
+        return self.prefix + "eval"
 
 
 def token_share(learner_id: str, incarnation: str) -> str:

@@ -113,9 +113,20 @@ class Monitor:
         self.last_eval = time.time()
         if self.on_eval is not None:
             self.on_eval(self.evals[-1]["tokens"], loss)
+        self._publish_eval(self.evals[-1])
         tag = "initial" if initial else "final" if final else "eval"
         self.say(f"{tag:<10} global model eval loss {loss:.4f} at {self.tokens_total():,} tokens")
         return loss
+
+    def _publish_eval(self, entry: dict[str, Any]) -> None:
+        """The last evaluation where ``ddloco status`` reads it (Redis ``eval``); best effort."""
+        first = self.evals[0]["loss"] if self.evals else entry["loss"]
+        try:
+            self.r.hset(self.keys.eval, mapping={"loss": entry["loss"], "tokens": entry["tokens"],
+                                                 "versions_total": entry["versions_total"], "at": time.time(),
+                                                 "initial_loss": first})
+        except redis.RedisError:
+            pass
 
     def evaluate_in_background(self) -> None:
         """Start a periodic evaluation on its own thread unless one is running (then skip)."""
@@ -156,6 +167,7 @@ class Monitor:
             self.evals.append({**entry, "final": True})
         if self.on_eval is not None:
             self.on_eval(entry["tokens"], loss)
+        self._publish_eval(entry)
         self.say(f"{'final':<10} global model eval loss {loss:.4f} at {self.tokens_total():,} tokens "
                  f"(the shards' checkpoints: {entry['versions_total']} merges)")
 

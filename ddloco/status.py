@@ -74,9 +74,22 @@ def collect_status(r: redis.Redis, keys: Keys) -> dict:
              for p, h in enumerate(pipe.execute())}
     shards = {k: {"status": h.get("status"), "merges": int(h.get("merges", 0)), "dropped": int(h.get("dropped", 0)),
                   "rpc": h.get("rpc")} for k, h in control.shard_table(r, keys).items()}
-    return {"run_id": keys.run_id, "config_digest": cfg.digest(), "live_learners": len(live),
+    ev = r.hgetall(keys.eval)
+    evaluation = None
+    if ev.get("loss"):
+        evaluation = {"loss": float(ev["loss"]), "initial_loss": float(ev.get("initial_loss", ev["loss"])),
+                      "tokens": int(float(ev.get("tokens", 0))), "age_s": round(now - float(ev.get("at", now)), 1)}
+    return {"run_id": keys.run_id, "config_digest": cfg.digest(), "live_learners": len(live), "eval": evaluation,
             "learners": members, "fragments": frags, "shards": shards,
             "lagging_fragments": describe_lagging(r, keys, frags, cfg.algo.fragments)}
+
+
+def describe_eval(ev: dict[str, Any] | None) -> str:
+    """The global model's last evaluation, for a person."""
+    if ev is None:
+        return "global model: not evaluated yet (`ddloco up` evaluates it; by hand: `ddloco export`, then your eval)"
+    return (f"global model: eval loss {ev['loss']:.4f} (initial {ev['initial_loss']:.4f}) at {ev['tokens']:,} tokens, "
+            f"{ev['age_s']:.0f}s ago")
 
 
 STATUS_STYLE = {"training": "green", "joining": "cyan", "blocked": "yellow", "flushing": "yellow",
@@ -101,6 +114,7 @@ def render(st: dict | None, *, error: str = "", updated_at: float | None = None)
                       f"{m['tokens']:,}", f"{m['step_ema_s']:.3f}", f"{m['loss_ema']:.3f}",
                       str(m["merged_contributions"]), "-" if age is None else f"{age:.0f}s")
         parts.append(t)
+        parts.append(Text(describe_eval(st.get("eval"))))
         frags = st["fragments"]
         versions = [f["version"] for f in frags.values()]
         if versions:
@@ -138,24 +152,31 @@ def watch_status(endpoints: Endpoints, *, interval_s: float = 1.0, count: int = 
     console = console or Console()
     st: dict | None = None
     error, n = "", 0
+    def refresh() -> Any:
+        nonlocal st, error, n
+        try:
+            st, error = collect_status(r, keys), ""
+        except redis.RedisError as e:
+            error = f"Redis at {control.redact(endpoints.redis_url)} failed: {e}"
+        except (control.RunConfigMissing, ValueError) as e:   # not started yet, or half-written
+            error = str(e)
+        n += 1
+        return render(st, error=error, updated_at=time.time())
     try:
+        if not console.is_terminal:   # a file or a pipe: every view in turn, written as it is drawn
+            while True:
+                console.print(refresh())
+                console.file.flush()
+                if (count and n >= count) or wait.wait(interval_s):
+                    break
+            return 1 if error else 0
         with Live(render(None, error="", updated_at=None), console=console, auto_refresh=False) as live:
             while True:
-                try:
-                    st, error = collect_status(r, keys), ""
-                except redis.RedisError as e:
-                    error = f"Redis at {control.redact(endpoints.redis_url)} failed: {e}"
-                except (control.RunConfigMissing, ValueError) as e:   # not started yet, or half-written
-                    error = str(e)
-                n += 1
-                live.update(render(st, error=error, updated_at=time.time()), refresh=True)
+                live.update(refresh(), refresh=True)
                 if (count and n >= count) or wait.wait(interval_s):
                     break
     except KeyboardInterrupt:
         return 0
-    finally:
-        if not console.is_terminal:
-            console.line()   # a file or pipe got the last view only, without its line end
     return 1 if error else 0
 
 
@@ -176,6 +197,7 @@ def run_status(endpoints: Endpoints, *, as_json: bool, watch_s: float | None = N
         print(json.dumps(st, indent=2, sort_keys=True))
         return 0
     print(f"run {st['run_id']} (config {st['config_digest']}): {st['live_learners']} live learner(s)")
+    print(describe_eval(st["eval"]))
     print(f"{'learner':<20} {'status':<9} {'steps':>7} {'tokens':>10} {'step_s':>7} {'loss':>6} {'merged':>7} {'last':>7}")
     for lid, m in st["learners"].items():
         last = "-" if m["last_contribution_age_s"] is None else f"{m['last_contribution_age_s']:.0f}s"

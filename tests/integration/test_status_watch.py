@@ -56,7 +56,7 @@ def test_watch_refreshes_count_times_and_shows_a_lost_redis_instead_of_crashing(
 
 
 def test_status_names_a_fragment_that_stopped_merging_what_it_holds_and_why(redis_server, capsys):
-    """Three fragments merged 10 times, one is still at version 0 and its shard recorded why: `ddloco
+    """The global model's last evaluation (written by `up`'s monitor), when there is one. Three fragments merged 10 times, one is still at version 0 and its shard recorded why: `ddloco
     status` prints a WARNING naming the fragment, its tensors (from the run's recorded layout) and
     the reason; a fragment within a few versions of the others is not named."""
     from ddloco.cli import main
@@ -74,7 +74,11 @@ def test_status_names_a_fragment_that_stopped_merging_what_it_holds_and_why(redi
                                           "shard": 0, "round": -1})
     r.hset(keys.fragment(stuck), mapping={"problem": "every answer dropped by the norm bound", "failed_rounds": 9})
     assert main(["status", "--insecure", "--redis-url", redis_server.url, "--run-id", "lagging"]) == 0
+    assert "global model: not evaluated yet" in capsys.readouterr().out
+    r.hset(keys.eval, mapping={"loss": 0.5, "initial_loss": 2.3, "tokens": 1234, "at": time.time()})
+    assert main(["status", "--insecure", "--redis-url", redis_server.url, "--run-id", "lagging"]) == 0
     out = capsys.readouterr().out
+    assert "global model: eval loss 0.5000 (initial 2.3000) at 1,234 tokens" in out, out
     warnings = [line for line in out.splitlines() if line.startswith("WARNING")]
     assert len(warnings) == 1, out
     assert f"fragment {stuck} " in warnings[0] and "bn.num_batches_tracked (int_buffer)" in warnings[0], warnings
@@ -98,3 +102,25 @@ def test_a_run_that_did_not_train_says_why():
     assert Monitor.problems(bad) == ["fragment(s) 12, 13 never merged (their values are the initial model's)",
                                      "fragment 5 (holds x) is at version 1 ...",
                                      "the final model's eval loss 2.4000 is not below the initial 2.3000"]
+
+
+def test_watch_into_a_file_writes_every_view_as_it_is_drawn(redis_server, tmp_path):
+    """`ddloco status --watch > file` (no terminal): each refresh is in the file at once, so a
+    view stopped by a signal leaves what it showed (before, the file stayed empty)."""
+    import os
+    import subprocess
+    import sys
+    from tests.conftest import wait_until
+    _a_run_in_redis(redis_server.url, "watched")
+    out = tmp_path / "status.txt"
+    with open(out, "w") as fh:
+        p = subprocess.Popen([sys.executable, "-m", "ddloco", "status", "--insecure", "--redis-url", redis_server.url,
+                              "--run-id", "watched", "--watch", "0.1"], stdout=fh, stderr=subprocess.STDOUT,
+                             env={**os.environ, "COLUMNS": "140"})
+        try:
+            wait_until(lambda: out.read_text().count("alpha-learner") >= 2, 30, interval_s=0.05,
+                       what="two views in the file while the watch runs")
+        finally:
+            p.terminate()
+            p.wait(timeout=10)
+    assert "beta-learner" in out.read_text()
