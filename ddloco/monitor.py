@@ -265,7 +265,7 @@ class Monitor:
         frags = {p: {"version": int(_f(h, "version")), "problem": h.get("problem", ""),
                      "failed_rounds": int(_f(h, "failed_rounds"))} for p, h in enumerate(hashes)}
         versions = {p: f["version"] for p, f in frags.items()}
-        now = set(lagging_fragments(versions))
+        now = set(lagging_fragments(versions, {p: f["failed_rounds"] for p, f in frags.items()}))
         for p in sorted(now - set(self.lagging)):
             f = frags[p]
             why = f["problem"] or "no round of it merged (no answers reached its shard?)"

@@ -18,20 +18,26 @@ LAG_ROUNDS = 3
 """A fragment this many merges (and half) behind the median fragment has stopped merging."""
 
 
-def lagging_fragments(versions: dict[int, int], *, rounds: int = LAG_ROUNDS) -> list[int]:
-    """Fragments that stopped merging while the others go on: their version is more than
-    ``max(rounds, median / 2)`` behind the median fragment's (rounds visit every fragment in
-    turn, so healthy fragments stay within a round or two of each other)."""
+def lagging_fragments(versions: dict[int, int], failed: dict[int, int] | None = None, *,
+                      rounds: int = LAG_ROUNDS) -> list[int]:
+    """Fragments that stopped merging while the others go on: more than ``max(rounds, median / 2)``
+    versions behind the median fragment (rounds visit every fragment in turn), and either never
+    merged, below a quarter of the median, or with rounds that closed without a merge since its
+    last one (``failed``: the shard's count). A fragment merely slower than the others (its shard
+    busier, its last rounds still open at the end of a short run) is not named."""
     if not versions:
         return []
+    failed = failed or {}
     median = statistics.median(versions.values())
-    return sorted(p for p, v in versions.items() if v < median - max(rounds, median / 2))
+    return sorted(p for p, v in versions.items() if v < median - max(rounds, median / 2)
+                  and (v == 0 or v < median / 4 or failed.get(p, 0) > 0))
 
 
 def describe_lagging(r: redis.Redis, keys: Keys, frags: dict[int, dict[str, Any]], n_fragments: int) -> dict[int, str]:
     """Fragment -> one line for a person: what it holds, how far behind, and why (the shard's
     recorded problem, when a round closed without a merge)."""
-    lagging = lagging_fragments({p: f["version"] for p, f in frags.items()})
+    lagging = lagging_fragments({p: f["version"] for p, f in frags.items()},
+                                {p: f["failed_rounds"] for p, f in frags.items()})
     if not lagging:
         return {}
     layout = control.run_layout(r, keys)

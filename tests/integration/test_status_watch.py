@@ -90,7 +90,10 @@ def test_lagging_fragments_are_far_behind_the_median_only():
     assert lagging_fragments({0: 0, 1: 2, 2: 2, 3: 1}) == []          # early: nobody is behind yet
     assert lagging_fragments({0: 0, 1: 10, 2: 9, 3: 11}) == [0]
     assert lagging_fragments({0: 40, 1: 60, 2: 58, 3: 61}) == []       # slower, not stopped
-    assert lagging_fragments({0: 20, 1: 60, 2: 58, 3: 61}) == [0]
+    assert lagging_fragments({0: 20, 1: 60, 2: 58, 3: 61}) == []       # behind, but still merging
+    assert lagging_fragments({0: 20, 1: 60, 2: 58, 3: 61}, {0: 4}) == [0]   # behind, and its rounds fail
+    assert lagging_fragments({0: 10, 1: 60, 2: 58, 3: 61}) == [0]      # below a quarter of the median
+    assert lagging_fragments({0: 3, 1: 7, 2: 8, 3: 7}) == []           # a short run's slower fragment
 
 
 def test_a_run_that_did_not_train_says_why():
