@@ -191,9 +191,14 @@ def _redis_url_source(args: argparse.Namespace) -> str:
 
 
 def _check_redis_answers(args: argparse.Namespace, url: str) -> None:
+    check_redis_answers(url, _redis_url_source(args))
+
+
+def check_redis_answers(url: str, source: str) -> None:
     """Redis must answer before a command starts on it (the client retries a refused connection
-    for ~2 s): else one line naming where the URL came from and the value (exit 2). A Redis lost
-    later is a runtime failure (exit 1, restarted by the supervisor)."""
+    for ~2 s): else one line naming where the URL came from (``source``: a flag, an environment
+    variable, a config field) and the value (exit 2). A Redis lost later is a runtime failure
+    (exit 1, restarted by the supervisor)."""
     import redis
     from common.control import connect
     try:
@@ -201,7 +206,7 @@ def _check_redis_answers(args: argparse.Namespace, url: str) -> None:
         r.ping()
         r.close()
     except (redis.RedisError, OSError, ValueError) as e:
-        raise ConfigError(f"{_redis_url_source(args)} {_redact(url)!r}: Redis does not answer there ({e})") from None
+        raise ConfigError(f"{source} {_redact(url)!r}: Redis does not answer there ({e})") from None
 
 
 def _add_metrics(p: argparse.ArgumentParser) -> None:

@@ -292,3 +292,50 @@ def test_up_refuses_a_broker_port_already_in_use_before_starting_anything(tmp_pa
     assert ep.xpub_bind == ep.sub and ep.sub.startswith("tcp://127.0.0.1:") and ep.sub != ep.pub
     with pytest.raises(ConfigError, match="--broker-sub 'tcp://127.0.0.1:0': give a fixed port"):
         broker_endpoints("", "tcp://127.0.0.1:0")
+
+
+@pytest.fixture
+def redis_with_a_run():
+    """A Redis with a password holding one run, ``real-run``."""
+    from common.config import RunConfig
+    from common.redis_server import EmbeddedRedis
+    with EmbeddedRedis(password="s3cret") as srv:
+        control.publish_run_config(control.connect(srv.url), Keys("real-run"), RunConfig())
+        yield srv
+
+
+def _main_timed(capsys, *argv: str) -> tuple[int, str, float]:
+    import time
+    import structlog
+    from ddloco.cli import main
+    logging = structlog.get_config()
+    t0 = time.monotonic()
+    try:
+        rc = main(list(argv))
+    finally:
+        structlog.configure(**logging)
+    return rc, capsys.readouterr().err, time.monotonic() - t0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command, extra", [("status", ()), ("status", ("--json",)), ("export", ("--out", "m.pt")),
+                                            ("fuzz", ("--count", "1")), ("chaos", ("seed=1", "--minutes", "0.1"))])
+def test_a_run_id_not_in_redis_is_one_line_naming_it_the_redis_and_the_runs_there_exit_2_at_once(
+        command, extra, redis_with_a_run, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, err, took_s = _main_timed(capsys, command, *extra, "--redis-url", redis_with_a_run.url, "--run-id", "wrong")
+    assert err == (f"ddloco {command}: no run config for run id 'wrong' in Redis at redis://:***@127.0.0.1:"
+                   f"{redis_with_a_run.port}/0: is the run id right? runs seen there: real-run; a run is started by "
+                   "`ddloco up` or a syncer (check --run-id and --redis-url)\n"), err
+    assert rc == 2, err
+    assert took_s < 10, f"{command} took {took_s:.1f} s to say the run is not there"   # export waited 31 s
+    assert list(tmp_path.iterdir()) == [], "nothing written"
+
+
+@pytest.mark.timeout(60)
+def test_export_from_a_redis_that_does_not_answer_is_one_line_naming_the_flag_and_exit_2(capsys, tmp_path):
+    url = f"redis://:pw@127.0.0.1:{free_port()}/0"   # nothing listens there
+    rc, err, _ = _main_timed(capsys, "export", "--redis-url", url, "--run-id", "r", "--out", str(tmp_path / "m.pt"))
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith("ddloco export: --redis-url 'redis://:***@127.0.0.1:") and \
+        "Redis does not answer there (" in err and "pw" not in err, err
