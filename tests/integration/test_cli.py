@@ -339,3 +339,56 @@ def test_export_from_a_redis_that_does_not_answer_is_one_line_naming_the_flag_an
     assert rc == 2 and err.count("\n") == 1, err
     assert err.startswith("ddloco export: --redis-url 'redis://:***@127.0.0.1:") and \
         "Redis does not answer there (" in err and "pw" not in err, err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv, line", [
+    (["up", "--learners", "0"], "ddloco up: --learners must be >= 1"),
+    (["up", "--syncers", "0"], "ddloco up: --syncers must be >= 1"),
+    (["up", "--steps", "-1"], "ddloco up: --steps must be >= 0"),
+    (["up", "--fragments", "0"], "ddloco up: --fragments must be >= 1"),
+    (["up", "--quorum", "0"], "ddloco up: --quorum must be >= 1"),
+    (["up", "--sync-every", "0"], "ddloco up: --sync-every must be >= 1"),
+    (["up", "--tau", "0"], "ddloco up: --tau must be >= 1"),
+    (["up", "--seed", "-1"], "ddloco up: --seed must be an int >= 0, got -1"),
+    (["learner", "--steps", "-2"], "ddloco learner: --steps must be >= 0"),
+    (["syncer", "--shards", "0"], "ddloco syncer: --shards must be >= 1"),
+    (["learner", "--lr-schedule", "cosine", "--lr-warmup-tokens", "20", "--lr-decay-tokens", "10"],
+     "ddloco learner: --lr-decay-tokens must exceed --lr-warmup-tokens for a cosine or linear schedule"),
+])
+def test_a_bad_flag_value_is_named_by_its_flag(argv, line, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, err = _main_error(capsys, *argv)
+    assert rc == 2 and err == line + "\n", err
+    assert list(tmp_path.iterdir()) == [], "nothing started"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("toml, argv, line", [
+    ("[up]\nlearners = 0\n", ["--learners", "3"], "ddloco up: up.learners must be >= 1"),   # the file's value
+    ('[algo]\nlr_schedule = "cosine"\nlr_decay_tokens = 100\n', ["--lr-warmup-tokens", "200"],
+     "ddloco up: algo.lr_decay_tokens must exceed --lr-warmup-tokens for a cosine or linear schedule"),
+    ("[algo]\ntau = 0\n", [], "ddloco up: algo.tau must be >= 1"),
+])
+def test_a_bad_value_from_the_toml_file_is_named_by_its_key_and_a_flag_by_its_flag(toml, argv, line, capsys,
+                                                                                     tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.toml").write_text(toml)
+    rc, err = _main_error(capsys, "up", "--config", "c.toml", *argv)
+    assert rc == 2 and err == line + "\n", err
+
+
+def test_every_flag_named_in_errors_sets_the_field_it_names():
+    """The flag <-> field table that names flags in errors: each field exists, and its flag is an
+    option of some command whose dest is the one the table reads."""
+    import dataclasses
+    from common.config import AlgoConfig, Endpoints, LearnerOptions, SyncerOptions, TaskConfig, UpOptions
+    from ddloco.cli import _FLAG_OF_FIELD, build_parser
+    sections = {"algo": AlgoConfig, "task": TaskConfig, "endpoints": Endpoints, "up": UpOptions,
+                "syncer": SyncerOptions, "learner": LearnerOptions}
+    subparsers = next(a for a in build_parser()._actions if a.dest == "command").choices
+    options = {(o, a.dest) for p in subparsers.values() for a in p._actions for o in a.option_strings}
+    for field, (dest, flag) in _FLAG_OF_FIELD.items():
+        section, name = field.split(".")
+        assert name in {f.name for f in dataclasses.fields(sections[section])}, field
+        assert (flag, dest) in options, (field, flag, dest)
