@@ -280,8 +280,9 @@ def _security_check(endpoints: Endpoints, args: argparse.Namespace, who: str, me
     keys, ``member``'s secret and listing are checked before anything else starts."""
     from common.log import get_logger
     if endpoints.keys_dir:
+        from common.security import Security, check_keys_dir
+        check_keys_dir(endpoints.keys_dir)   # SecurityError: exit 2 (a standby's member is known later)
         if member:
-            from common.security import Security
             Security(endpoints.keys_dir, member)  # SecurityError: exit 2 with what is missing
         return
     if not _insecure(args):

@@ -392,3 +392,25 @@ def test_every_flag_named_in_errors_sets_the_field_it_names():
         section, name = field.split(".")
         assert name in {f.name for f in dataclasses.fields(sections[section])}, field
         assert (flag, dest) in options, (field, flag, dest)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv, env", [
+    (["broker", "--keys", "{missing}"], False),
+    (["syncer", "--keys", "{missing}", "--redis-url", "redis://127.0.0.1:1/0"], False),
+    (["learner", "--learner-id", "l0", "--redis-url", "redis://127.0.0.1:1/0"], True),   # DDLOCO_KEYS
+    (["learner", "--standby", "--keys", "{missing}", "--redis-url", "redis://127.0.0.1:1/0"], False),
+    (["export", "--keys", "{missing}", "--run-id", "real-run", "--out", "m.pt"], False),
+])
+def test_a_keys_folder_that_does_not_exist_is_named_as_such_exit_2(argv, env, capsys, tmp_path, monkeypatch,
+                                                                   redis_with_a_run):
+    missing = tmp_path / "no-such-keys"
+    monkeypatch.chdir(tmp_path)
+    if env:
+        monkeypatch.setenv("DDLOCO_KEYS", str(missing))
+    if argv[0] == "export":
+        argv = [*argv, "--redis-url", redis_with_a_run.url]
+    rc, err, _ = _main_timed(capsys, *(a.format(missing=missing) for a in argv))
+    assert err == (f"ddloco {argv[0]}: keys folder {missing} does not exist (make one with `ddloco keys --dir "
+                   f"{missing} ...`; see docs/SECURITY.md)\n"), err
+    assert rc == 2
