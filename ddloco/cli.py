@@ -298,6 +298,15 @@ def _setup_logging(args: argparse.Namespace) -> None:
     configure_logging(json_output=fmt, level=args.log_level)
 
 
+def _setup_up_logging(args: argparse.Namespace) -> None:
+    """``up``'s own process talks to a person: its log lines (the embedded Redis's) are aligned
+    like its progress lines unless --log-format asks otherwise, and --quiet leaves errors only.
+    Its daemons log JSON lines to runs/<run>/logs (they are started with --log-format json)."""
+    from common.log import configure_logging
+    configure_logging(json_output=args.log_format == "json", brief=args.log_format == "auto",
+                      level="error" if args.quiet else args.log_level)
+
+
 # ---------------------------------------------------------------------------- daemons
 def cmd_broker(args: argparse.Namespace) -> int:
     from broker.daemon import BrokerOptions, run_broker
@@ -606,7 +615,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     elif not _run_id_given(args):
         args.run_id = new_run_id()   # every run its own work directory, Redis keys and --resume name
     cfg = _resolve(args)
-    _setup_logging(args)  # library logs (embedded Redis) to stderr; progress lines go to stdout
+    _setup_up_logging(args)  # library logs (embedded Redis) to stderr; progress lines go to stdout
     if args.redis_url is not None:   # an external Redis must answer before anything starts
         _check_redis_answers(args, cfg.endpoints.redis_url)
     steps = args.steps
@@ -728,7 +737,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-time-floor-ms", type=float, default=None,
                    help="emulated accelerator step time of every learner: a step never takes less (ms)")
     p.add_argument("--slowdowns", default=None, help="comma list of per-learner slowdown factors, e.g. 1,1,1.18,1.18")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors (no progress or log lines)")
     p.add_argument("--resume", metavar="RUN_ID|DIR", help="continue a stopped run: its config, the shards' "
                    "checkpoints (fragment versions, momentum) and the learners' data positions, from its work "
                    "directory DIR (runs/<run-id>-<time>) or the one directory of RUN_ID (several: refused, "

@@ -414,3 +414,20 @@ def test_a_keys_folder_that_does_not_exist_is_named_as_such_exit_2(argv, env, ca
     assert err == (f"ddloco {argv[0]}: keys folder {missing} does not exist (make one with `ddloco keys --dir "
                    f"{missing} ...`; see docs/SECURITY.md)\n"), err
     assert rc == 2
+
+
+@pytest.mark.timeout(180)
+def test_up_quiet_prints_nothing_and_up_prints_no_json_while_its_daemons_log_json(tmp_path):
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY)
+    run = ("up", "--config", str(cfg), "--learners", "1", "--syncers", "1", "--steps", "4")
+    quiet = ddloco(*run, "--quiet", cwd=tmp_path, timeout=150)
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert quiet.stdout == "" and quiet.stderr == "", quiet.stdout + quiet.stderr   # the embedded Redis's JSON was
+    loud = ddloco(*run, cwd=tmp_path, timeout=150)
+    assert loud.returncode == 0, loud.stdout[-2000:] + loud.stderr[-2000:]
+    lines = (loud.stdout + loud.stderr).splitlines()
+    assert [line for line in lines if line.lstrip().startswith("{")] == [], lines
+    assert any(line.startswith("log        redis_started port=") for line in loud.stderr.splitlines()), loud.stderr
+    for log in sorted(tmp_path.glob("runs/*/logs/syncer-0.log")):   # the daemons' own logs stay JSON lines
+        assert all(json.loads(line)["event"] for line in log.read_text().splitlines()), log
