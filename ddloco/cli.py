@@ -737,7 +737,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-time-floor-ms", type=float, default=None,
                    help="emulated accelerator step time of every learner: a step never takes less (ms)")
     p.add_argument("--slowdowns", default=None, help="comma list of per-learner slowdown factors, e.g. 1,1,1.18,1.18")
-    p.add_argument("--quiet", action="store_true", help="print nothing but errors (no progress or log lines)")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors (no progress or log lines, no digest of "
+                   "the daemons' warnings)")
     p.add_argument("--resume", metavar="RUN_ID|DIR", help="continue a stopped run: its config, the shards' "
                    "checkpoints (fragment versions, momentum) and the learners' data positions, from its work "
                    "directory DIR (runs/<run-id>-<time>) or the one directory of RUN_ID (several: refused, "
