@@ -18,12 +18,28 @@ class _CurrentStderr:
         sys.stderr.flush()
 
 
-def configure_logging(*, json_output: bool | None = None, level: str = "info", stream=None) -> None:
-    """Configure structlog once per process. ``json_output=None`` picks JSON unless on a TTY."""
+def render_brief(_logger: object, _method: str, event_dict: dict) -> str:
+    """One line aligned like ``ddloco up``'s own (``redis      embedded at ...``): a 10-column head
+    (the level when above info, else the component, else ``log``), the event, its fields; no
+    timestamp (a person reads it as it happens)."""
+    level = event_dict.pop("level", "info")
+    event_dict.pop("timestamp", None)
+    event = event_dict.pop("event", "")
+    head = level if level not in ("info", "debug") else event_dict.pop("component", "log")
+    fields = " ".join(f"{k}={v!r}" if isinstance(v, str) and (" " in v or not v) else f"{k}={v}"
+                      for k, v in event_dict.items())
+    return f"{head:<10} {event}" + (f" {fields}" if fields else "")
+
+
+def configure_logging(*, json_output: bool | None = None, level: str = "info", stream=None,
+                      brief: bool = False) -> None:
+    """Configure structlog once per process. ``json_output=None`` picks JSON unless on a TTY;
+    ``brief``: ``render_brief``'s lines whatever the output (a tool's own process, for a person)."""
     if json_output is None:
         json_output = not (stream or sys.stderr).isatty()
     stream = stream or _CurrentStderr()
-    renderer = structlog.processors.JSONRenderer() if json_output else structlog.dev.ConsoleRenderer(colors=False)
+    renderer = (render_brief if brief else structlog.processors.JSONRenderer() if json_output
+                else structlog.dev.ConsoleRenderer(colors=False))
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

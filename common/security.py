@@ -133,12 +133,23 @@ class AllowList:
             return self.by_name[name]
 
 
+def check_keys_dir(keys_dir: str | os.PathLike) -> Path:
+    """``keys_dir`` as a Path; SecurityError when it is not a folder (a mistyped --keys or
+    DDLOCO_KEYS is told as such, not as one member's missing secret)."""
+    root = Path(keys_dir)
+    if not root.is_dir():
+        what = "is not a folder" if root.exists() else "does not exist"
+        raise SecurityError(f"keys folder {root} {what} (make one with `ddloco keys --dir {root} ...`; "
+                            f"see docs/SECURITY.md)")
+    return root
+
+
 class Security:
     """One member's CURVE identity and the run's allow list; ``server``/``client`` configure
     sockets, ``start_zap`` serves authentication for a context's server sockets."""
 
     def __init__(self, keys_dir: str | os.PathLike, name: str) -> None:
-        self.root = Path(keys_dir)
+        self.root = check_keys_dir(keys_dir)
         self.name = name
         secret_file = self.root / "secret" / f"{name}.key_secret"
         if not secret_file.exists():

@@ -517,9 +517,14 @@ def main(argv: Sequence[str]) -> int:
         r = control.connect(ep.redis_url)
         learners = sorted(control.live_learners(r, keys))
         shards = int(r.hget(keys.config, "shards") or len(control.shard_table(r, keys)) or 1)
+        if not learners:
+            control.fetch_run_config(r, keys, redis_url=ep.redis_url)   # is the run there at all?
     except redis.RedisError as e:
         print(f"ddloco chaos: Redis at {control.redact(ep.redis_url)} failed: {e}", file=sys.stderr)
         return 1
+    except control.RunConfigMissing as e:   # a run id that is not in this Redis: the user's input
+        print(f"ddloco chaos: {e}", file=sys.stderr)
+        return 2
     if not learners:
         print(f"ddloco chaos: run {ep.run_id!r} at {control.redact(ep.redis_url)} has no live learner", file=sys.stderr)
         return 1

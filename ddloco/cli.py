@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import threading
@@ -115,22 +116,62 @@ def _task_from_args(args: argparse.Namespace, task: TaskConfig) -> TaskConfig:
     return override(task, args={**task.args, **extra}) if extra else task
 
 
+_FLAG_OF_FIELD = {
+    "algo.fragments": ("fragments", "--fragments"), "algo.sync_every_steps": ("sync_every", "--sync-every"),
+    "algo.tau": ("tau", "--tau"), "algo.quorum": ("quorum", "--quorum"), "algo.uplink_codec": ("codec", "--codec"),
+    "algo.inner_lr": ("inner_lr", "--inner-lr"), "algo.inner_weight_decay": ("weight_decay", "--weight-decay"),
+    "algo.inner_grad_clip": ("grad_clip", "--grad-clip"), "algo.inner_grad_accum": ("grad_accum", "--grad-accum"),
+    "algo.lr_schedule": ("lr_schedule", "--lr-schedule"),
+    "algo.lr_warmup_tokens": ("lr_warmup_tokens", "--lr-warmup-tokens"),
+    "algo.lr_decay_tokens": ("lr_decay_tokens", "--lr-decay-tokens"), "task.seed": ("seed", "--seed"),
+    "endpoints.run_id": ("run_id", "--run-id"),
+    "up.learners": ("learners", "--learners"), "up.syncers": ("syncers", "--syncers"), "up.steps": ("steps", "--steps"),
+    "up.minutes": ("minutes", "--minutes"), "up.eval_every_s": ("eval_every_s", "--eval-every-s"),
+    "syncer.shard": ("shard", "--shard"), "syncer.shards": ("shards", "--shards"),
+    "syncer.checkpoint_every_merges": ("checkpoint_every", "--checkpoint-every"),
+    "syncer.merge_threads": ("merge_threads", "--merge-threads"),
+    "syncer.metrics_port": ("metrics_port", "--metrics-port"),
+    "learner.max_steps": ("steps", "--steps"), "learner.data_shard": ("data_shard", "--data-shard"),
+    "learner.slowdown": ("slowdown", "--slowdown"), "learner.threads": ("threads", "--threads"),
+    "learner.step_time_floor_ms": ("step_time_floor_ms", "--step-time-floor-ms"),
+    "learner.device": ("device", "--device"), "learner.metrics_port": ("metrics_port", "--metrics-port"),
+}
+"""A config field, as its range check names it, -> (argparse dest, flag) of the flag that sets it."""
+_FIELD_NAMES = re.compile(r"(?<![\w.])(" + "|".join(re.escape(f) for f in sorted(_FLAG_OF_FIELD, key=len, reverse=True))
+                          + r")(?!\w)")
+
+
+def _override_by_flags(args: argparse.Namespace, obj: Any, **changes: Any) -> Any:
+    """``override(obj, **changes)`` where the changes come from flags: a value out of range is
+    named by the flag the user typed (``--learners must be >= 1``), not by the config field that
+    holds it (``up.learners``, which names a value from the TOML file, already checked alone)."""
+    try:
+        return override(obj, **changes)
+    except ConfigError as e:
+        def named(m: re.Match) -> str:
+            dest, flag = _FLAG_OF_FIELD[m.group(1)]
+            given = getattr(args, dest, None)
+            return flag if given is not None and given is not False else m.group(1)   # 0 is a value
+        raise ConfigError(_FIELD_NAMES.sub(named, str(e))) from None
+
+
 def _resolve(args: argparse.Namespace) -> ConfigFile:
     cfg = load_config(args.config)
-    endpoints = override(cfg.endpoints, run_id=args.run_id,
-                         redis_url=args.redis_url or os.environ.get("DDLOCO_REDIS_URL") or None,
-                         broker_pub=args.broker_pub, broker_sub=args.broker_sub,
-                         keys_dir=getattr(args, "keys", None) or os.environ.get("DDLOCO_KEYS") or None)
+    endpoints = _override_by_flags(args, cfg.endpoints, run_id=args.run_id,
+                                   redis_url=args.redis_url or os.environ.get("DDLOCO_REDIS_URL") or None,
+                                   broker_pub=args.broker_pub, broker_sub=args.broker_sub,
+                                   keys_dir=getattr(args, "keys", None) or os.environ.get("DDLOCO_KEYS") or None)
     run = cfg.run
     if hasattr(args, "quorum"):
-        algo = override(run.algo, fragments=args.fragments, sync_every_steps=args.sync_every, tau=args.tau,
-                        quorum=args.quorum, uplink_codec=args.codec,
-                        grace_enabled=False if args.no_grace else None,
-                        lockstep=True if args.lockstep else None, inner_lr=args.inner_lr,
-                        inner_weight_decay=args.weight_decay, inner_grad_clip=args.grad_clip,
-                        inner_grad_accum=args.grad_accum, lr_schedule=args.lr_schedule,
-                        lr_warmup_tokens=args.lr_warmup_tokens, lr_decay_tokens=args.lr_decay_tokens)
-        run = override(run, algo=algo, task=_task_from_args(args, override(run.task, seed=args.seed)))
+        algo = _override_by_flags(args, run.algo, fragments=args.fragments, sync_every_steps=args.sync_every,
+                                  tau=args.tau, quorum=args.quorum, uplink_codec=args.codec,
+                                  grace_enabled=False if args.no_grace else None,
+                                  lockstep=True if args.lockstep else None, inner_lr=args.inner_lr,
+                                  inner_weight_decay=args.weight_decay, inner_grad_clip=args.grad_clip,
+                                  inner_grad_accum=args.grad_accum, lr_schedule=args.lr_schedule,
+                                  lr_warmup_tokens=args.lr_warmup_tokens, lr_decay_tokens=args.lr_decay_tokens)
+        task = _override_by_flags(args, run.task, seed=args.seed)
+        run = override(run, algo=algo, task=_task_from_args(args, task))
     return override(cfg, run=run, endpoints=endpoints)
 
 
@@ -191,9 +232,14 @@ def _redis_url_source(args: argparse.Namespace) -> str:
 
 
 def _check_redis_answers(args: argparse.Namespace, url: str) -> None:
+    check_redis_answers(url, _redis_url_source(args))
+
+
+def check_redis_answers(url: str, source: str) -> None:
     """Redis must answer before a command starts on it (the client retries a refused connection
-    for ~2 s): else one line naming where the URL came from and the value (exit 2). A Redis lost
-    later is a runtime failure (exit 1, restarted by the supervisor)."""
+    for ~2 s): else one line naming where the URL came from (``source``: a flag, an environment
+    variable, a config field) and the value (exit 2). A Redis lost later is a runtime failure
+    (exit 1, restarted by the supervisor)."""
     import redis
     from common.control import connect
     try:
@@ -201,7 +247,7 @@ def _check_redis_answers(args: argparse.Namespace, url: str) -> None:
         r.ping()
         r.close()
     except (redis.RedisError, OSError, ValueError) as e:
-        raise ConfigError(f"{_redis_url_source(args)} {_redact(url)!r}: Redis does not answer there ({e})") from None
+        raise ConfigError(f"{source} {_redact(url)!r}: Redis does not answer there ({e})") from None
 
 
 def _add_metrics(p: argparse.ArgumentParser) -> None:
@@ -234,8 +280,9 @@ def _security_check(endpoints: Endpoints, args: argparse.Namespace, who: str, me
     keys, ``member``'s secret and listing are checked before anything else starts."""
     from common.log import get_logger
     if endpoints.keys_dir:
+        from common.security import Security, check_keys_dir
+        check_keys_dir(endpoints.keys_dir)   # SecurityError: exit 2 (a standby's member is known later)
         if member:
-            from common.security import Security
             Security(endpoints.keys_dir, member)  # SecurityError: exit 2 with what is missing
         return
     if not _insecure(args):
@@ -249,6 +296,15 @@ def _setup_logging(args: argparse.Namespace) -> None:
     from common.log import configure_logging
     fmt = {"auto": None, "json": True, "console": False}[args.log_format]
     configure_logging(json_output=fmt, level=args.log_level)
+
+
+def _setup_up_logging(args: argparse.Namespace) -> None:
+    """``up``'s own process talks to a person: its log lines (the embedded Redis's) are aligned
+    like its progress lines unless --log-format asks otherwise, and --quiet leaves errors only.
+    Its daemons log JSON lines to runs/<run>/logs (they are started with --log-format json)."""
+    from common.log import configure_logging
+    configure_logging(json_output=args.log_format == "json", brief=args.log_format == "auto",
+                      level="error" if args.quiet else args.log_level)
 
 
 # ---------------------------------------------------------------------------- daemons
@@ -280,10 +336,10 @@ def cmd_syncer(args: argparse.Namespace) -> int:
     from syncer.shard import CheckpointMismatch, Shard
     import redis
     cfg = _resolve(args)
-    opts = override(cfg.syncer, shard=args.shard, shards=args.shards, checkpoint_dir=args.checkpoint_dir,
-                    checkpoint_every_merges=args.checkpoint_every, rpc_bind=args.rpc_bind,
-                    advertise_host=_advertise_host(args), fresh=True if args.fresh else None,
-                    merge_threads=args.merge_threads, **_metrics(args))
+    opts = _override_by_flags(args, cfg.syncer, shard=args.shard, shards=args.shards,
+                              checkpoint_dir=args.checkpoint_dir, checkpoint_every_merges=args.checkpoint_every,
+                              rpc_bind=args.rpc_bind, advertise_host=_advertise_host(args),
+                              fresh=True if args.fresh else None, merge_threads=args.merge_threads, **_metrics(args))
     _setup_logging(args)
     _security_check(cfg.endpoints, args, "syncer", f"shard{opts.shard}")
     _check_redis_answers(args, cfg.endpoints.redis_url)
@@ -336,11 +392,11 @@ def _learner(args: argparse.Namespace, ranks: tuple[int, int, int] | None) -> in
     from learner.core import JoinTimeout, LearnerRefused
     import redis
     cfg = _resolve(args)
-    opts = override(cfg.learner, learner_id=args.learner_id, data_shard=args.data_shard, max_steps=args.steps,
-                    slowdown=args.slowdown, step_time_floor_ms=args.step_time_floor_ms, threads=args.threads,
-                    device=args.device, autocast=args.autocast, peer_bind=args.peer_bind,
-                    group_sharding=args.group_sharding,
-                    advertise_host=_advertise_host(args), **_metrics(args))
+    opts = _override_by_flags(args, cfg.learner, learner_id=args.learner_id, data_shard=args.data_shard,
+                              max_steps=args.steps, slowdown=args.slowdown, step_time_floor_ms=args.step_time_floor_ms,
+                              threads=args.threads, device=args.device, autocast=args.autocast,
+                              peer_bind=args.peer_bind, group_sharding=args.group_sharding,
+                              advertise_host=_advertise_host(args), **_metrics(args))
     _setup_logging(args)
     if ranks is None or ranks[0] == 0:   # other ranks of a torchrun learner never reach Redis or the broker
         # a standby's identity (and so its key) is known only when it is told whom to replace
@@ -559,14 +615,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     elif not _run_id_given(args):
         args.run_id = new_run_id()   # every run its own work directory, Redis keys and --resume name
     cfg = _resolve(args)
-    _setup_logging(args)  # library logs (embedded Redis) to stderr; progress lines go to stdout
+    _setup_up_logging(args)  # library logs (embedded Redis) to stderr; progress lines go to stdout
     if args.redis_url is not None:   # an external Redis must answer before anything starts
         _check_redis_answers(args, cfg.endpoints.redis_url)
     steps = args.steps
     if steps is None and args.minutes is not None:
         steps = 0  # --minutes alone: train for that long (no step budget)
-    up = override(cfg.up, learners=args.learners, syncers=args.syncers, steps=steps, minutes=args.minutes,
-                  report_dir=args.report, eval_every_s=args.eval_every_s)
+    up = _override_by_flags(args, cfg.up, learners=args.learners, syncers=args.syncers, steps=steps,
+                            minutes=args.minutes, report_dir=args.report, eval_every_s=args.eval_every_s)
     chaos = None
     if args.chaos:
         from ddloco.chaos import parse_chaos
@@ -586,7 +642,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise ConfigError(f"--slowdowns must be a comma list of numbers >= 1, got {args.slowdowns!r}") from None
         if any(x < 1 for x in slow):
             raise ConfigError("--slowdowns factors must be >= 1")
-    cfg = override(cfg, learner=override(cfg.learner, device=args.device))
+    cfg = override(cfg, learner=_override_by_flags(args, cfg.learner, device=args.device))
     rc = run_up(override(cfg, up=up), external_redis=args.redis_url is not None,
                 step_time_floor_ms=args.step_time_floor_ms, slowdowns=slow, quiet=args.quiet, resume=resume,
                 chaos=chaos, extra=extra, insecure=_insecure(args), tensorboard=args.tensorboard,
@@ -681,7 +737,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-time-floor-ms", type=float, default=None,
                    help="emulated accelerator step time of every learner: a step never takes less (ms)")
     p.add_argument("--slowdowns", default=None, help="comma list of per-learner slowdown factors, e.g. 1,1,1.18,1.18")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors (no progress or log lines, no digest of "
+                   "the daemons' warnings)")
     p.add_argument("--resume", metavar="RUN_ID|DIR", help="continue a stopped run: its config, the shards' "
                    "checkpoints (fragment versions, momentum) and the learners' data positions, from its work "
                    "directory DIR (runs/<run-id>-<time>) or the one directory of RUN_ID (several: refused, "

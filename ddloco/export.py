@@ -47,16 +47,19 @@ def _assemble(run: RunConfig, task: Task | None, values: dict[int, torch.Tensor]
 
 
 def from_live_run(redis_url: str, run_id: str, *, task: Task | None = None, timeout_s: float = 30.0,
-                  keys_dir: str = "") -> tuple[torch.nn.Module, dict[int, int]]:
+                  keys_dir: str = "", run_wait_s: float = 0.0) -> tuple[torch.nn.Module, dict[int, int]]:
     """The global model as the running shards hold it now, and each fragment's version.
-    ``keys_dir``: the run's CURVE keys (this reads as the ``monitor`` member)."""
+    ``keys_dir``: the run's CURVE keys (this reads as the ``monitor`` member). A run id not in
+    Redis raises RunConfigMissing at once, naming the runs that are there; ``run_wait_s`` waits
+    that long for it first (a run this program is starting); ``timeout_s`` bounds the wait for
+    the shards' answers."""
     from common.rpc import fetch_fragments
     from common.security import Security
     security = Security(keys_dir, "monitor") if keys_dir else None
     r = control.connect(redis_url)
     keys = Keys(run_id)
     try:
-        run = control.fetch_run_config(r, keys, wait_s=timeout_s)
+        run = control.fetch_run_config(r, keys, wait_s=run_wait_s, redis_url=redis_url)
         task, run = bind_task(run, task)
         n = run.algo.fragments
         try:
@@ -152,14 +155,16 @@ def load_state(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_global_model(*, redis_url: str | None = None, run_id: str | None = None,
-                      checkpoint_dir: str | Path | None = None, task: Task | None = None) -> torch.nn.Module:
+                      checkpoint_dir: str | Path | None = None, task: Task | None = None,
+                      wait_s: float = 30.0) -> torch.nn.Module:
     """The run's global model as an ``nn.Module`` (``eval()`` mode): from the live shards
-    (``redis_url`` + ``run_id``) or from the shards' checkpoints (``checkpoint_dir``)."""
+    (``redis_url`` + ``run_id``; waits up to ``wait_s`` for the run to appear, as for shards
+    this program has just started) or from the shards' checkpoints (``checkpoint_dir``)."""
     if checkpoint_dir is not None:
         return from_checkpoints(checkpoint_dir, run_id, task=task)[0]
     if redis_url is None or run_id is None:
         raise ExportError("give redis_url and run_id (a live run) or checkpoint_dir (a stopped one)")
-    return from_live_run(redis_url, run_id, task=task)[0]
+    return from_live_run(redis_url, run_id, task=task, run_wait_s=wait_s)[0]
 
 
 def main(argv: Sequence[str]) -> int:
@@ -169,8 +174,7 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--format", choices=FORMATS, default=None,
                     help="safetensors (default; .pt files default to pt) or pt (torch.save of the state dict)")
     src = ap.add_argument_group("source: a live run, or a stopped one's checkpoints")
-    src.add_argument("--redis-url", default=os.environ.get("DDLOCO_REDIS_URL"),
-                     help="the live run's Redis (env DDLOCO_REDIS_URL)")
+    src.add_argument("--redis-url", help="the live run's Redis (env DDLOCO_REDIS_URL)")
     src.add_argument("--run-id", help="the run (required with --redis-url; picks one run in --checkpoint-dir)")
     src.add_argument("--keys", default=os.environ.get("DDLOCO_KEYS", ""), metavar="DIR",
                      help="a live run's CURVE keys (env DDLOCO_KEYS): read as the monitor member")
@@ -182,8 +186,11 @@ def main(argv: Sequence[str]) -> int:
                      "for `ddloco up`)")
     args = ap.parse_args(list(argv))
     fmt = args.format or ("pt" if args.out.endswith(".pt") else "safetensors")
+    url_source = "--redis-url" if args.redis_url else "DDLOCO_REDIS_URL"
+    args.redis_url = args.redis_url or os.environ.get("DDLOCO_REDIS_URL") or None
     import redis
-    from common.config import ConfigError
+    from common.config import ConfigError, check_value, redis_url_problem
+    from ddloco.cli import EXIT_FAILURE, EXIT_USAGE, check_redis_answers
     from tasks.contract import load_task, parse_task_args
     from common.security import SecurityError
     try:
@@ -191,17 +198,22 @@ def main(argv: Sequence[str]) -> int:
         if args.checkpoint_dir:
             model, versions = from_checkpoints(args.checkpoint_dir, args.run_id, task=task)
         elif args.redis_url and args.run_id:
+            check_value(url_source, args.redis_url, redis_url_problem)
+            check_redis_answers(args.redis_url, url_source)   # as status: one line, exit 2
             model, versions = from_live_run(args.redis_url, args.run_id, task=task, keys_dir=args.keys)
         else:
             print("ddloco export: give --checkpoint-dir, or --redis-url and --run-id", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
         path = save_state(model, args.out, fmt)
-    except (ExportError, TaskError, control.RunConfigMissing, SecurityError) as e:
+    except (ConfigError, control.RunConfigMissing, SecurityError) as e:   # the user's URL, run id or keys
         print(f"ddloco export: {e}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
+    except (ExportError, TaskError) as e:
+        print(f"ddloco export: {e}", file=sys.stderr)
+        return EXIT_FAILURE
     except redis.RedisError as e:
         print(f"ddloco export: Redis at {control.redact(args.redis_url)} failed: {e}", file=sys.stderr)
-        return 1
+        return EXIT_FAILURE
     n = sum(t.numel() for t in state_tensors(model).values())
     print(f"exported   {path} ({fmt}): {len(model.state_dict())} tensors, {n:,} values, fragment versions "
           f"{min(versions.values())}-{max(versions.values())} (sum {sum(versions.values())})")

@@ -246,7 +246,7 @@ def run_fuzz(endpoints: Endpoints, *, count: int, seconds: float, seed: int = 0,
     if numels is None:
         from common.fragments import model_plan
         from tasks.contract import bind_task, build_model
-        task, run = bind_task(control.fetch_run_config(r, keys, wait_s=30.0))
+        task, run = bind_task(control.fetch_run_config(r, keys, redis_url=endpoints.redis_url))
         numels = [f.numel for f in model_plan(build_model(task, run.task.seed), task.embedding_names,
                                              run.algo.fragments)]
     sec = None
@@ -401,9 +401,12 @@ def main(argv: Sequence[str]) -> int:
     import redis
     try:
         rep = run_fuzz(cfg.endpoints, count=args.count, seconds=args.seconds, seed=args.seed)
-    except (redis.RedisError, control.RunConfigMissing) as e:
+    except redis.RedisError as e:
         print(f"ddloco fuzz: Redis at {control.redact(cfg.endpoints.redis_url)}: {e}", file=sys.stderr)
         return 1
+    except control.RunConfigMissing as e:   # a run id that is not in this Redis: the user's input
+        print(f"ddloco fuzz: {e}", file=sys.stderr)
+        return 2
     d = rep.to_dict()
     if args.report:
         os.makedirs(args.report, exist_ok=True)

@@ -13,6 +13,7 @@ import redis
 from common import control
 from common.config import Endpoints
 from common.keys import Keys
+from ddloco.cli import EXIT_USAGE
 
 LAG_ROUNDS = 3
 """A fragment this many merges (and half) behind the median fragment has stopped merging."""
@@ -56,8 +57,10 @@ def describe_lagging(r: redis.Redis, keys: Keys, frags: dict[int, dict[str, Any]
     return out
 
 
-def collect_status(r: redis.Redis, keys: Keys) -> dict:
-    cfg = control.fetch_run_config(r, keys)
+def collect_status(r: redis.Redis, keys: Keys, *, redis_url: str = "") -> dict:
+    """The run's state as ``status --json`` prints it; RunConfigMissing (naming the run id,
+    ``redis_url`` and the runs that are there) when the run is not in this Redis."""
+    cfg = control.fetch_run_config(r, keys, redis_url=redis_url)
     live = control.live_learners(r, keys)
     learners = control.all_learners(r, keys)
     now = time.time()
@@ -161,7 +164,7 @@ def watch_status(endpoints: Endpoints, *, interval_s: float = 1.0, count: int = 
     def refresh() -> Any:
         nonlocal st, error, n
         try:
-            st, error = collect_status(r, keys), ""
+            st, error = collect_status(r, keys, redis_url=endpoints.redis_url), ""
         except redis.RedisError as e:
             error = f"Redis at {control.redact(endpoints.redis_url)} failed: {e}"
         except (control.RunConfigMissing, ValueError) as e:   # not started yet, or half-written
@@ -192,13 +195,13 @@ def run_status(endpoints: Endpoints, *, as_json: bool, watch_s: float | None = N
     r = control.connect(endpoints.redis_url)
     keys = Keys(endpoints.run_id)
     try:
-        st = collect_status(r, keys)
+        st = collect_status(r, keys, redis_url=endpoints.redis_url)
     except redis.RedisError as e:
         print(f"ddloco status: Redis at {control.redact(endpoints.redis_url)} failed: {e}", file=sys.stderr)
         return 1
-    except control.RunConfigMissing as e:
+    except control.RunConfigMissing as e:   # a run id that is not in this Redis: the user's input
         print(f"ddloco status: {e}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
     if as_json:
         print(json.dumps(st, indent=2, sort_keys=True))
         return 0

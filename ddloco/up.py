@@ -29,6 +29,7 @@ from common.keys import Keys
 from common.lifecycle import die_with_parent, pid_alive
 from ddloco.cli import EXIT_REFUSED, EXIT_USAGE
 from common.security import redis_acl_rules
+from ddloco.logs import print_digest
 from ddloco.monitor import Monitor
 from ddloco.report import check_report_dir, write_report
 
@@ -947,6 +948,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         say(f"state      checkpoints in {syncer.checkpoint_dir}: `ddloco up --resume {resume or workdir}` continues "
             f"this run, `ddloco export --checkpoint-dir {syncer.checkpoint_dir} --out model.safetensors` exports it")
         say(monitor.summary_line(report))
+        print_digest(workdir / "logs", say)   # the daemons' warnings (and errors, even under --quiet)
         if failure:
             print(f"ddloco up: {failure}", file=sys.stderr)
             return 1

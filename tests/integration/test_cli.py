@@ -292,3 +292,142 @@ def test_up_refuses_a_broker_port_already_in_use_before_starting_anything(tmp_pa
     assert ep.xpub_bind == ep.sub and ep.sub.startswith("tcp://127.0.0.1:") and ep.sub != ep.pub
     with pytest.raises(ConfigError, match="--broker-sub 'tcp://127.0.0.1:0': give a fixed port"):
         broker_endpoints("", "tcp://127.0.0.1:0")
+
+
+@pytest.fixture
+def redis_with_a_run():
+    """A Redis with a password holding one run, ``real-run``."""
+    from common.config import RunConfig
+    from common.redis_server import EmbeddedRedis
+    with EmbeddedRedis(password="s3cret") as srv:
+        control.publish_run_config(control.connect(srv.url), Keys("real-run"), RunConfig())
+        yield srv
+
+
+def _main_timed(capsys, *argv: str) -> tuple[int, str, float]:
+    import time
+    import structlog
+    from ddloco.cli import main
+    logging = structlog.get_config()
+    t0 = time.monotonic()
+    try:
+        rc = main(list(argv))
+    finally:
+        structlog.configure(**logging)
+    return rc, capsys.readouterr().err, time.monotonic() - t0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command, extra", [("status", ()), ("status", ("--json",)), ("export", ("--out", "m.pt")),
+                                            ("fuzz", ("--count", "1")), ("chaos", ("seed=1", "--minutes", "0.1"))])
+def test_a_run_id_not_in_redis_is_one_line_naming_it_the_redis_and_the_runs_there_exit_2_at_once(
+        command, extra, redis_with_a_run, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, err, took_s = _main_timed(capsys, command, *extra, "--redis-url", redis_with_a_run.url, "--run-id", "wrong")
+    assert err == (f"ddloco {command}: no run config for run id 'wrong' in Redis at redis://:***@127.0.0.1:"
+                   f"{redis_with_a_run.port}/0: is the run id right? runs seen there: real-run; a run is started by "
+                   "`ddloco up` or a syncer (check --run-id and --redis-url)\n"), err
+    assert rc == 2, err
+    assert took_s < 10, f"{command} took {took_s:.1f} s to say the run is not there"   # export waited 31 s
+    assert list(tmp_path.iterdir()) == [], "nothing written"
+
+
+@pytest.mark.timeout(60)
+def test_export_from_a_redis_that_does_not_answer_is_one_line_naming_the_flag_and_exit_2(capsys, tmp_path):
+    url = f"redis://:pw@127.0.0.1:{free_port()}/0"   # nothing listens there
+    rc, err, _ = _main_timed(capsys, "export", "--redis-url", url, "--run-id", "r", "--out", str(tmp_path / "m.pt"))
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith("ddloco export: --redis-url 'redis://:***@127.0.0.1:") and \
+        "Redis does not answer there (" in err and "pw" not in err, err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv, line", [
+    (["up", "--learners", "0"], "ddloco up: --learners must be >= 1"),
+    (["up", "--syncers", "0"], "ddloco up: --syncers must be >= 1"),
+    (["up", "--steps", "-1"], "ddloco up: --steps must be >= 0"),
+    (["up", "--fragments", "0"], "ddloco up: --fragments must be >= 1"),
+    (["up", "--quorum", "0"], "ddloco up: --quorum must be >= 1"),
+    (["up", "--sync-every", "0"], "ddloco up: --sync-every must be >= 1"),
+    (["up", "--tau", "0"], "ddloco up: --tau must be >= 1"),
+    (["up", "--seed", "-1"], "ddloco up: --seed must be an int >= 0, got -1"),
+    (["learner", "--steps", "-2"], "ddloco learner: --steps must be >= 0"),
+    (["syncer", "--shards", "0"], "ddloco syncer: --shards must be >= 1"),
+    (["learner", "--lr-schedule", "cosine", "--lr-warmup-tokens", "20", "--lr-decay-tokens", "10"],
+     "ddloco learner: --lr-decay-tokens must exceed --lr-warmup-tokens for a cosine or linear schedule"),
+])
+def test_a_bad_flag_value_is_named_by_its_flag(argv, line, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, err = _main_error(capsys, *argv)
+    assert rc == 2 and err == line + "\n", err
+    assert list(tmp_path.iterdir()) == [], "nothing started"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("toml, argv, line", [
+    ("[up]\nlearners = 0\n", ["--learners", "3"], "ddloco up: up.learners must be >= 1"),   # the file's value
+    ('[algo]\nlr_schedule = "cosine"\nlr_decay_tokens = 100\n', ["--lr-warmup-tokens", "200"],
+     "ddloco up: algo.lr_decay_tokens must exceed --lr-warmup-tokens for a cosine or linear schedule"),
+    ("[algo]\ntau = 0\n", [], "ddloco up: algo.tau must be >= 1"),
+])
+def test_a_bad_value_from_the_toml_file_is_named_by_its_key_and_a_flag_by_its_flag(toml, argv, line, capsys,
+                                                                                     tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.toml").write_text(toml)
+    rc, err = _main_error(capsys, "up", "--config", "c.toml", *argv)
+    assert rc == 2 and err == line + "\n", err
+
+
+def test_every_flag_named_in_errors_sets_the_field_it_names():
+    """The flag <-> field table that names flags in errors: each field exists, and its flag is an
+    option of some command whose dest is the one the table reads."""
+    import dataclasses
+    from common.config import AlgoConfig, Endpoints, LearnerOptions, SyncerOptions, TaskConfig, UpOptions
+    from ddloco.cli import _FLAG_OF_FIELD, build_parser
+    sections = {"algo": AlgoConfig, "task": TaskConfig, "endpoints": Endpoints, "up": UpOptions,
+                "syncer": SyncerOptions, "learner": LearnerOptions}
+    subparsers = next(a for a in build_parser()._actions if a.dest == "command").choices
+    options = {(o, a.dest) for p in subparsers.values() for a in p._actions for o in a.option_strings}
+    for field, (dest, flag) in _FLAG_OF_FIELD.items():
+        section, name = field.split(".")
+        assert name in {f.name for f in dataclasses.fields(sections[section])}, field
+        assert (flag, dest) in options, (field, flag, dest)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv, env", [
+    (["broker", "--keys", "{missing}"], False),
+    (["syncer", "--keys", "{missing}", "--redis-url", "redis://127.0.0.1:1/0"], False),
+    (["learner", "--learner-id", "l0", "--redis-url", "redis://127.0.0.1:1/0"], True),   # DDLOCO_KEYS
+    (["learner", "--standby", "--keys", "{missing}", "--redis-url", "redis://127.0.0.1:1/0"], False),
+    (["export", "--keys", "{missing}", "--run-id", "real-run", "--out", "m.pt"], False),
+])
+def test_a_keys_folder_that_does_not_exist_is_named_as_such_exit_2(argv, env, capsys, tmp_path, monkeypatch,
+                                                                   redis_with_a_run):
+    missing = tmp_path / "no-such-keys"
+    monkeypatch.chdir(tmp_path)
+    if env:
+        monkeypatch.setenv("DDLOCO_KEYS", str(missing))
+    if argv[0] == "export":
+        argv = [*argv, "--redis-url", redis_with_a_run.url]
+    rc, err, _ = _main_timed(capsys, *(a.format(missing=missing) for a in argv))
+    assert err == (f"ddloco {argv[0]}: keys folder {missing} does not exist (make one with `ddloco keys --dir "
+                   f"{missing} ...`; see docs/SECURITY.md)\n"), err
+    assert rc == 2
+
+
+@pytest.mark.timeout(180)
+def test_up_quiet_prints_nothing_and_up_prints_no_json_while_its_daemons_log_json(tmp_path):
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY)
+    run = ("up", "--config", str(cfg), "--learners", "1", "--syncers", "1", "--steps", "4")
+    quiet = ddloco(*run, "--quiet", cwd=tmp_path, timeout=150)
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert quiet.stdout == "" and quiet.stderr == "", quiet.stdout + quiet.stderr   # the embedded Redis's JSON was
+    loud = ddloco(*run, cwd=tmp_path, timeout=150)
+    assert loud.returncode == 0, loud.stdout[-2000:] + loud.stderr[-2000:]
+    lines = (loud.stdout + loud.stderr).splitlines()
+    assert [line for line in lines if line.lstrip().startswith("{")] == [], lines
+    assert any(line.startswith("log        redis_started port=") for line in loud.stderr.splitlines()), loud.stderr
+    for log in sorted(tmp_path.glob("runs/*/logs/syncer-0.log")):   # the daemons' own logs stay JSON lines
+        assert all(json.loads(line)["event"] for line in log.read_text().splitlines()), log
