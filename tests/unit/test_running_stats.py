@@ -1,12 +1,13 @@
 """Re-estimating normalization statistics of a merged model (tasks/running_stats.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tasks.contract import Task, TaskError
+from tasks.contract import Task, TaskError, evaluate
 from tasks.running_stats import RECALIBRATION_STREAM, recalibrate, recalibrate_running_stats, tracked_norm_layers
 
 pytestmark = pytest.mark.timeout(60)
@@ -175,3 +176,46 @@ def test_recalibrate_refuses_no_batches_and_a_negative_count_with_one_line() -> 
         Task(name="x", model=TwoBN, batches=lambda *a: iter(()), loss=_forward, recalibrate_bn_batches=-2)
     with pytest.raises(TaskError, match=r"Task.recalibrate_bn_batches must be an int >= 0, got True"):
         Task(name="x", model=TwoBN, batches=lambda *a: iter(()), loss=_forward, recalibrate_bn_batches=True)
+
+
+# ---------------------------------------------------------------------------- up's final model
+def _monitor(task: Task, lines: list[str]):
+    from common.config import ConfigFile
+    from common.keys import Keys
+    from ddloco.monitor import Monitor
+    monitor = Monitor(ConfigFile(), None, Keys("t"), task, learner_ids=[], say=lines.append)  # no Redis needed here
+    _garbage(monitor.model)
+    monitor.final_versions = {0: 1}
+    return monitor
+
+
+def test_up_reports_the_final_loss_with_recalibrated_statistics_and_keeps_the_merged_one() -> None:
+    held = _batches(2, seed=99)
+    task = dataclasses.replace(_task([]), eval_batches=lambda: iter(held))
+    lines: list[str] = []
+    monitor = _monitor(task, lines)
+    monitor.evals.append({"t": 1.0, "tokens": 10, "loss": 123.0, "versions_total": 1, "final": True})
+    monitor.recalibrate_final()
+    assert monitor.bn_recalibrated_batches == 4
+    assert monitor.eval_loss_bn_recalibrated == evaluate(task, monitor.model)
+    assert torch.isfinite(monitor.model.bn1.running_mean).all()
+    assert lines == [f"final      global model eval loss {monitor.eval_loss_bn_recalibrated:.4f} with normalization "
+                     f"statistics re-estimated on 4 training batches (merged statistics: 123.0000)"]
+    assert monitor.evals[-1]["loss"] == 123.0   # the curve keeps the shards' model
+
+
+def test_up_notes_a_model_without_statistics_and_a_failing_stream_in_one_line_each() -> None:
+    lines: list[str] = []
+    plain = Task(name="plain", model=lambda: nn.Linear(6, 30), batches=lambda *a: iter(_batches(9)),
+                 loss=lambda m, x: m(x).mean(), recalibrate_bn_batches=5)
+    monitor = _monitor(plain, lines)
+    monitor.recalibrate_final()
+    assert lines == ["final      note: no normalization layer tracks running statistics: nothing to recalibrate "
+                     "(Task.recalibrate_bn_batches = 5 has no effect)"]
+    assert monitor.bn_recalibrated_batches == 0 and monitor.eval_loss_bn_recalibrated is None
+    lines.clear()
+    monitor = _monitor(_task([], n_batches=0), lines)
+    monitor.recalibrate_final()
+    assert len(lines) == 1 and lines[0].endswith("it yielded nothing; the merged statistics are kept"), lines
+    assert torch.isnan(monitor.model.bn1.running_mean).all()
+    assert monitor.bn_recalibrated_batches == 0
