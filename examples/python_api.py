@@ -43,10 +43,8 @@ def main(steps: int = 150) -> dict[str, float]:
 
 def _train(my_task: ddloco.Task, ep: Endpoints, run: RunConfig, steps: int, stop: threading.Event,
            redis_url: str) -> dict[str, float]:
-    # the shards' initial model (load_global_model waits for the run to appear in Redis), as it is:
-    # no BatchNorm statistics re-estimated for an untrained model (recalibrate_bn=0)
-    initial = evaluate(my_task, ddloco.load_global_model(redis_url=redis_url, run_id=ep.run_id, task=my_task,
-                                                         recalibrate_bn=0))
+    # the shards' initial model (load_global_model waits for the run to appear in Redis)
+    initial = evaluate(my_task, ddloco.load_global_model(redis_url=redis_url, run_id=ep.run_id, task=my_task))
 
     def learner(name: str, stream: int) -> threading.Thread:
         opts = LearnerOptions(learner_id=name, data_shard=stream, max_steps=steps)

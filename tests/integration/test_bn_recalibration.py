@@ -30,11 +30,22 @@ def _load(task, path: Path) -> torch.nn.Module:
     return model
 
 
-def test_up_and_export_recalibrate_the_example_cnn_to_the_statistics_of_its_merged_weights(tmp_path):
-    from examples.cnn import task
+BN_CNN = """
+import dataclasses
+from examples.cnn import task as example
+
+def task(**kw):
+    return dataclasses.replace(example(**kw), recalibrate_bn_batches=50)
+"""
+"""The example CNN (two BatchNorm layers), with its final model's statistics re-estimated on 50 batches."""
+
+
+def test_up_and_export_recalibrate_the_example_cnn_to_the_statistics_of_its_merged_weights(tmp_path, monkeypatch):
+    (tmp_path / "bncnn.py").write_text(BN_CNN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from bncnn import task
     t = task()
-    assert t.recalibrate_bn_batches == 50   # the example asks for it
-    res = ddloco("up", "--task", "examples.cnn:task", "--learners", "2", "--syncers", "2", "--steps", "40",
+    res = ddloco("up", "--task", "bncnn:task", "--learners", "2", "--syncers", "2", "--steps", "40",
                  "--minutes", "3", "--seed", str(SEED), "--report", "r", "--run-id", "bn-e2e", cwd=tmp_path,
                  timeout=240)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
@@ -42,10 +53,12 @@ def test_up_and_export_recalibrate_the_example_cnn_to_the_statistics_of_its_merg
     ckpt = next((tmp_path / "runs").glob("bn-e2e-*/checkpoints"))
 
     plain, recal = tmp_path / "plain.safetensors", tmp_path / "recal.safetensors"
-    out = ddloco("export", "--checkpoint-dir", str(ckpt), "--out", str(plain), "--recalibrate-bn", "0", timeout=120)
+    out = ddloco("export", "--checkpoint-dir", str(ckpt), "--out", str(plain), "--recalibrate-bn", "0",
+                 cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr[-1500:]
     assert "recalibrated" not in out.stdout
-    out = ddloco("export", "--checkpoint-dir", str(ckpt), "--out", str(recal), "--recalibrate-bn", "50", timeout=120)
+    out = ddloco("export", "--checkpoint-dir", str(ckpt), "--out", str(recal), "--recalibrate-bn", "50",
+                 cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr[-1500:]
     assert (f"recalibrated the running statistics of 2 normalization layer(s) on 50 training batches "
             f"(stream {RECALIBRATION_STREAM}, from batch 0)") in out.stdout, out.stdout
@@ -86,6 +99,6 @@ def test_up_and_export_recalibrate_the_example_cnn_to_the_statistics_of_its_merg
 
     # a negative count: one line, exit 2, nothing written
     bad = ddloco("export", "--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "bad.safetensors"),
-                 "--recalibrate-bn", "-1", timeout=60)
+                 "--recalibrate-bn", "-1", cwd=tmp_path, timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip() == "ddloco export: --recalibrate-bn must be >= 0, got -1"
     assert not (tmp_path / "bad.safetensors").exists()
