@@ -2,6 +2,7 @@
 
     ddloco export --redis-url redis://host:6379/0 --run-id exp1 --out model.safetensors
     ddloco export --checkpoint-dir runs/exp1-20261122-101500/checkpoints --out model.safetensors
+    ddloco export ... --recalibrate-bn 50   # BatchNorm statistics re-estimated on 50 training batches
 
     model = ddloco.load_global_model(redis_url=..., run_id="exp1")       # an nn.Module
     model = ddloco.load_global_model(checkpoint_dir="...")
@@ -9,6 +10,10 @@
 The file holds the model's full ``state_dict`` (parameters and buffers, tied tensors under every
 name), loadable with ``strict=True`` into a fresh ``task.model()``. safetensors is the default
 format (no pickle: safe to load from anyone); ``pt`` is ``torch.save`` of the state dict.
+
+``--recalibrate-bn N`` (default: the task's ``recalibrate_bn_batches``) re-estimates the running
+statistics of the model's normalization layers on N training batches (``tasks/running_stats.py``):
+the merged statistics do not belong to the merged weights.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -25,6 +30,7 @@ from common.config import RunConfig, run_config_from_dict
 from common.fragments import Fragment, model_plan, scatter, state_tensors
 from common.keys import Keys
 from tasks.contract import Task, TaskError, bind_task, build_model
+from tasks.running_stats import recalibrate
 
 FORMATS = ("safetensors", "pt")
 
@@ -33,7 +39,8 @@ class ExportError(RuntimeError):
     """The global model cannot be assembled (no shards, missing checkpoints); says why."""
 
 
-def _assemble(run: RunConfig, task: Task | None, values: dict[int, torch.Tensor]) -> torch.nn.Module:
+def _assemble(run: RunConfig, task: Task | None, values: dict[int, torch.Tensor], *, recalibrate_bn: int | None = 0,
+              say: Callable[[str], None] | None = None) -> torch.nn.Module:
     task, run = bind_task(run, task)
     model = build_model(task, run.task.seed)
     plan: tuple[Fragment, ...] = model_plan(model, task.embedding_names, run.algo.fragments)
@@ -43,16 +50,31 @@ def _assemble(run: RunConfig, task: Task | None, values: dict[int, torch.Tensor]
     tensors = state_tensors(model)
     for p, frag in enumerate(plan):
         scatter(tensors, frag, values[p])
+    _recalibrate(model, task, run.task.seed, recalibrate_bn, say)
     return model.eval()
 
 
+def _recalibrate(model: torch.nn.Module, task: Task, seed: int, batches: int | None,
+                 say: Callable[[str], None] | None) -> None:
+    """``batches`` (None: the task's ``recalibrate_bn_batches``) of recalibration; ``say`` is told what was done."""
+    n = task.recalibrate_bn_batches if batches is None else batches
+    if n < 0:
+        raise ExportError(f"--recalibrate-bn must be >= 0, got {n}")
+    if n > 0:
+        done = recalibrate(task, model, seed=seed, batches=n)
+        if say is not None:
+            say(done.describe() if done.layers else f"note: {done.describe()} (--recalibrate-bn {n} has no effect)")
+
+
 def from_live_run(redis_url: str, run_id: str, *, task: Task | None = None, timeout_s: float = 30.0,
-                  keys_dir: str = "", run_wait_s: float = 0.0) -> tuple[torch.nn.Module, dict[int, int]]:
+                  keys_dir: str = "", run_wait_s: float = 0.0, recalibrate_bn: int | None = 0,
+                  say: Callable[[str], None] | None = None) -> tuple[torch.nn.Module, dict[int, int]]:
     """The global model as the running shards hold it now, and each fragment's version.
     ``keys_dir``: the run's CURVE keys (this reads as the ``monitor`` member). A run id not in
     Redis raises RunConfigMissing at once, naming the runs that are there; ``run_wait_s`` waits
     that long for it first (a run this program is starting); ``timeout_s`` bounds the wait for
-    the shards' answers."""
+    the shards' answers. ``recalibrate_bn``: batches to re-estimate normalization statistics on
+    (None: the task's own setting; 0: none)."""
     from common.rpc import fetch_fragments
     from common.security import Security
     security = Security(keys_dir, "monitor") if keys_dir else None
@@ -68,7 +90,8 @@ def from_live_run(redis_url: str, run_id: str, *, task: Task | None = None, time
             raise ExportError(f"{e} (are the run's syncers up?)") from None
     finally:
         r.close()
-    return _assemble(run, task, {p: v for p, (_, v) in frags.items()}), {p: v for p, (v, _) in frags.items()}
+    return (_assemble(run, task, {p: v for p, (_, v) in frags.items()}, recalibrate_bn=recalibrate_bn, say=say),
+            {p: v for p, (v, _) in frags.items()})
 
 
 def checkpoint_files(checkpoint_dir: str | Path, run_id: str | None = None) -> tuple[str, list[Path]]:
@@ -101,9 +124,11 @@ def checkpoint_files(checkpoint_dir: str | Path, run_id: str | None = None) -> t
     return run, [shards[k][1] for k in range(count)]
 
 
-def from_checkpoints(checkpoint_dir: str | Path, run_id: str | None = None, *,
-                     task: Task | None = None) -> tuple[torch.nn.Module, dict[int, int]]:
-    """The global model as the shards' last checkpoints hold it, and each fragment's version."""
+def from_checkpoints(checkpoint_dir: str | Path, run_id: str | None = None, *, task: Task | None = None,
+                     recalibrate_bn: int | None = 0,
+                     say: Callable[[str], None] | None = None) -> tuple[torch.nn.Module, dict[int, int]]:
+    """The global model as the shards' last checkpoints hold it, and each fragment's version
+    (``recalibrate_bn``, ``say``: as for ``from_live_run``)."""
     _, paths = checkpoint_files(checkpoint_dir, run_id)
     values: dict[int, torch.Tensor] = {}
     versions: dict[int, int] = {}
@@ -124,7 +149,7 @@ def from_checkpoints(checkpoint_dir: str | Path, run_id: str | None = None, *,
             values[int(p)] = fs["theta"]
             versions[int(p)] = int(fs["version"])
     assert run is not None
-    return _assemble(run, task, values), versions
+    return _assemble(run, task, values, recalibrate_bn=recalibrate_bn, say=say), versions
 
 
 def save_state(model: torch.nn.Module, path: str | Path, fmt: str = "safetensors") -> Path:
@@ -156,15 +181,17 @@ def load_state(path: str | Path) -> dict[str, torch.Tensor]:
 
 def load_global_model(*, redis_url: str | None = None, run_id: str | None = None,
                       checkpoint_dir: str | Path | None = None, task: Task | None = None,
-                      wait_s: float = 30.0) -> torch.nn.Module:
+                      wait_s: float = 30.0, recalibrate_bn: int | None = None) -> torch.nn.Module:
     """The run's global model as an ``nn.Module`` (``eval()`` mode): from the live shards
     (``redis_url`` + ``run_id``; waits up to ``wait_s`` for the run to appear, as for shards
-    this program has just started) or from the shards' checkpoints (``checkpoint_dir``)."""
+    this program has just started) or from the shards' checkpoints (``checkpoint_dir``), its
+    normalization statistics re-estimated on ``recalibrate_bn`` training batches (None: the task's
+    ``recalibrate_bn_batches``, as ``ddloco up`` saves it; 0: the merged statistics)."""
     if checkpoint_dir is not None:
-        return from_checkpoints(checkpoint_dir, run_id, task=task)[0]
+        return from_checkpoints(checkpoint_dir, run_id, task=task, recalibrate_bn=recalibrate_bn)[0]
     if redis_url is None or run_id is None:
         raise ExportError("give redis_url and run_id (a live run) or checkpoint_dir (a stopped one)")
-    return from_live_run(redis_url, run_id, task=task, run_wait_s=wait_s)[0]
+    return from_live_run(redis_url, run_id, task=task, run_wait_s=wait_s, recalibrate_bn=recalibrate_bn)[0]
 
 
 def main(argv: Sequence[str]) -> int:
@@ -184,7 +211,15 @@ def main(argv: Sequence[str]) -> int:
     src.add_argument("--task-arg", action="append", default=[], metavar="KEY=VALUE", help="argument of --task")
     src.add_argument("--checkpoint-dir", help="the shards' checkpoint directory (runs/<run>-<time>/checkpoints "
                      "for `ddloco up`)")
+    ap.add_argument("--recalibrate-bn", type=int, default=None, metavar="N",
+                    help="re-estimate the running statistics of BatchNorm (any normalization layer that tracks "
+                    "them) on N training batches of stream 2**31-2 under the run's seed, in train mode without "
+                    "gradients; parameters unchanged. Default: the task's recalibrate_bn_batches; 0: keep the "
+                    "merged statistics")
     args = ap.parse_args(list(argv))
+    if args.recalibrate_bn is not None and args.recalibrate_bn < 0:
+        print(f"ddloco export: --recalibrate-bn must be >= 0, got {args.recalibrate_bn}", file=sys.stderr)
+        return 2
     fmt = args.format or ("pt" if args.out.endswith(".pt") else "safetensors")
     url_source = "--redis-url" if args.redis_url else "DDLOCO_REDIS_URL"
     args.redis_url = args.redis_url or os.environ.get("DDLOCO_REDIS_URL") or None
@@ -196,11 +231,13 @@ def main(argv: Sequence[str]) -> int:
     try:
         task = load_task(args.task, parse_task_args(args.task_arg)) if args.task else None
         if args.checkpoint_dir:
-            model, versions = from_checkpoints(args.checkpoint_dir, args.run_id, task=task)
+            model, versions = from_checkpoints(args.checkpoint_dir, args.run_id, task=task,
+                                               recalibrate_bn=args.recalibrate_bn, say=print)
         elif args.redis_url and args.run_id:
             check_value(url_source, args.redis_url, redis_url_problem)
             check_redis_answers(args.redis_url, url_source)   # as status: one line, exit 2
-            model, versions = from_live_run(args.redis_url, args.run_id, task=task, keys_dir=args.keys)
+            model, versions = from_live_run(args.redis_url, args.run_id, task=task, keys_dir=args.keys,
+                                            recalibrate_bn=args.recalibrate_bn, say=print)
         else:
             print("ddloco export: give --checkpoint-dir, or --redis-url and --run-id", file=sys.stderr)
             return EXIT_USAGE

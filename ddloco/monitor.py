@@ -17,7 +17,8 @@ from common.fragments import model_plan, scatter, state_tensors
 from common.keys import Keys
 from common.rpc import fetch_fragments
 from common.security import Security
-from tasks.contract import Task, build_model, evaluate
+from tasks.contract import Task, TaskError, build_model, evaluate
+from tasks.running_stats import recalibrate
 
 
 def _f(h: dict[str, str], k: str, default: float = 0.0) -> float:
@@ -74,6 +75,10 @@ class Monitor:
     """The shards start from checkpoints: the initial evaluation fetches their fragments."""
     on_eval: Callable[[int, float], None] | None = None
     """Called with (tokens, loss) after each evaluation of the global model (``up --tensorboard``)."""
+    bn_recalibrated_batches: int = 0
+    """Batches the final model's normalization statistics were re-estimated on (0: not re-estimated)."""
+    eval_loss_bn_recalibrated: float | None = None
+    """The final model's eval loss after that (the eval curve keeps the shards' model, merged statistics)."""
 
     def tokens_total(self) -> int:
         """Tokens trained by every learner process of the run (restarted ones included)."""
@@ -170,6 +175,32 @@ class Monitor:
         self._publish_eval(entry)
         self.say(f"{'final':<10} global model eval loss {loss:.4f} at {self.tokens_total():,} tokens "
                  f"(the shards' checkpoints: {entry['versions_total']} merges)")
+
+    def recalibrate_final(self) -> None:
+        """With ``Task.recalibrate_bn_batches`` > 0: re-estimate the final model's normalization
+        statistics (tasks/running_stats.py), so that the report's ``eval_loss_final`` and
+        model.safetensors are of that model; the eval curve stays the shards' model."""
+        n = self.task.recalibrate_bn_batches
+        if n <= 0 or self.final_versions is None:
+            return
+        self.wait_evaluation()
+        try:
+            done = recalibrate(self.task, self.model, seed=self.cfg.run.task.seed, batches=n)
+        except TaskError as e:
+            self.say(f"{'final':<10} {e}; the merged statistics are kept")
+            return
+        if done.layers == 0:
+            self.say(f"{'final':<10} note: {done.describe()} (Task.recalibrate_bn_batches = {n} has no effect)")
+            return
+        self.bn_recalibrated_batches = done.batches
+        if self.task.eval_batches is None:
+            self.say(f"{'final':<10} {done.describe()}")
+            return
+        self.eval_loss_bn_recalibrated = evaluate(self.task, self.model)
+        before = self.evals[-1]["loss"] if self.evals and self.evals[-1].get("final") else None
+        self.say(f"{'final':<10} global model eval loss {self.eval_loss_bn_recalibrated:.4f} with normalization "
+                 f"statistics re-estimated on {done.batches} training batches"
+                 + (f" (merged statistics: {before:.4f})" if before is not None else ""))
 
     def add_learner(self, lid: str) -> None:
         """A learner started during the run (a temporary one, ``--extra-learners``)."""
@@ -382,7 +413,11 @@ class Monitor:
             "tokens_total": self.tokens_total(),
             "steps_total": int(sum(_f(h, "steps") for h in lives)),
             "eval_loss_initial": ev0["loss"] if ev0 else None,
-            "eval_loss_final": evf["loss"] if evf else None,
+            "eval_loss_final": (self.eval_loss_bn_recalibrated if self.eval_loss_bn_recalibrated is not None
+                                else evf["loss"] if evf else None),
+            "eval_loss_final_before_bn_recalibration": (evf["loss"] if evf and self.eval_loss_bn_recalibrated
+                                                        is not None else None),
+            "bn_recalibrated_batches": self.bn_recalibrated_batches,
             "eval_curve": self.evals,
             "merges": max(len(merges), int(sum(_f(h, "merges") for h in shards.values()))),
             "goodput": round(useful / provisioned, 4) if provisioned else 0.0,

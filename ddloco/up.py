@@ -903,6 +903,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
                 monitor.adopt_final(*from_checkpoints(syncer.checkpoint_dir, endpoints.run_id, task=task))
             except (ExportError, OSError, ValueError) as e:  # ValueError: TaskError, ConfigError
                 say(f"final      checkpoints unreadable ({e}); the report keeps the live evaluation")
+            monitor.recalibrate_final()   # Task.recalibrate_bn_batches: the report's final model, re-estimated
         if interrupted:
             _adopt_freshest_model(monitor, syncer.checkpoint_dir, endpoints.run_id, task, say)
         wall_s = time.time() - t_start

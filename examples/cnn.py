@@ -66,7 +66,9 @@ def make_batch(glyphs: np.ndarray, rng: np.random.Generator, n: int, noise: floa
 # Two conv-BatchNorm-ReLU stages, then a linear map to a ``dim``-dimensional feature. The class
 # scores are the dot products of that feature with a learned embedding of each class: the
 # output head *is* ``class_emb.weight`` (tied, like a language model's head and its token
-# embedding). BatchNorm's running mean and variance are buffers: ddloco syncs them too.
+# embedding). BatchNorm's running mean and variance are buffers: ddloco syncs them too (a
+# token-weighted average); ``Task(recalibrate_bn_batches=N)`` would re-estimate them for the final
+# model instead (here the final loss moved by -0.036 to +0.012, better in 8 of 15 runs: README).
 
 class Net(nn.Module):
     def __init__(self, width: int = 16, dim: int = 32) -> None:

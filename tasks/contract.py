@@ -68,6 +68,15 @@ class Task:
     empty: the data is not checked (data generated from the seeds by your code needs none)."""
     data_source: str = ""
     """Where the data came from, for people (a path, a version); named when digests differ, not hashed."""
+    recalibrate_bn_batches: int = 0
+    """Batches of training data on which the final global model's normalization statistics
+    (BatchNorm running mean and variance, any layer that tracks running statistics) are
+    re-estimated before ``ddloco up`` reports and saves it and before ``ddloco export`` writes it
+    (``tasks/running_stats.py``); 0: the merged statistics are kept. The merged statistics (a
+    token-weighted average of the learners' own) belong to the learners' weights, not the merged
+    ones; whether re-estimated ones score better depends on the model (README, "Bring your own
+    model": on the example CNN, -0.036 to +0.012). Not part of the run config: training is the
+    same either way."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -82,6 +91,9 @@ class Task:
             value = getattr(self, attr)
             if value is not None and not callable(value):
                 raise TaskError(f"Task.{attr} must be callable or None, got {type(value).__name__}")
+        n = self.recalibrate_bn_batches
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise TaskError(f"Task.recalibrate_bn_batches must be an int >= 0, got {n!r}")
         if isinstance(self.embedding_names, str):
             raise TaskError("Task.embedding_names must be a collection of names, not one string")
         try:

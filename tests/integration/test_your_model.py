@@ -77,9 +77,12 @@ def test_up_resume_continues_from_the_stopped_versions_and_eval_loss(tmp_path):
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     # the stopped run's checkpoints hold the model its report ended with
     ckpt = next((tmp_path / "runs").glob("again-*/checkpoints"))
+    # (--recalibrate-bn on a model without BatchNorm: a note, and the same file as without it)
     exported = ddloco("export", "--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "offline.safetensors"),
-                      cwd=tmp_path, timeout=60)
+                      "--recalibrate-bn", "3", cwd=tmp_path, timeout=60)
     assert exported.returncode == 0, exported.stderr[-1500:]
+    assert ("note: no normalization layer tracks running statistics: nothing to recalibrate (--recalibrate-bn 3 "
+            "has no effect)") in exported.stdout, exported.stdout
     from ddloco.export import load_state
     offline, final = load_state(tmp_path / "offline.safetensors"), load_state(tmp_path / "r1" / "model.safetensors")
     assert offline.keys() == final.keys() and all(torch.equal(offline[k], final[k]) for k in final)
