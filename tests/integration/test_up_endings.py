@@ -4,6 +4,7 @@ own run id, and --resume names exactly one stopped run or refuses, creating noth
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -20,18 +21,20 @@ from tests.conftest import wait_until
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
 CNN = ("--task", "examples.cnn:task", "--learners", "2", "--syncers", "1")
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+"""These runs work in their own directory (runs/ there); the task module is found on PYTHONPATH."""
 
 
 def ddloco(*args: str, cwd: Path, timeout: float = 90) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ddloco", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=timeout)
+                          timeout=timeout, env=ENV)
 
 
 def test_ctrl_c_saves_the_freshest_model_loadable_strict_and_exits_130(tmp_path):
     report = tmp_path / "report"
     proc = subprocess.Popen([sys.executable, "-m", "ddloco", "up", *CNN, "--steps", "0", "--minutes", "2",
                              "--step-time-floor-ms", "20", "--report", str(report)],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
     reader.start()
