@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +20,13 @@ REPO = Path(__file__).resolve().parents[2]
 SEED = 3
 
 
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+"""Runs in their own directory find the example (which the task module imports) on PYTHONPATH."""
+
+
 def ddloco(*args: str, cwd: Path = REPO, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ddloco", *args], capture_output=True, text=True, cwd=cwd, **kw)
+    return subprocess.run([sys.executable, "-m", "ddloco", *args], capture_output=True, text=True, cwd=cwd,
+                          env=ENV, **kw)
 
 
 def _load(task, path: Path) -> torch.nn.Module:
