@@ -387,7 +387,7 @@ class Monitor:
         # its last heartbeat; a step is counted at most 3x the learner's usual step time, so a
         # frozen process earns nothing).
         lives = self.learner_lives()
-        provisioned = useful = 0.0
+        provisioned = useful = flushing = 0.0
         for lid in self.learner_ids:
             mine = self._lives_of(lid)
             if not mine:
@@ -396,6 +396,7 @@ class Monitor:
             end = max(_f(h, "stopped_at", 0.0) or _f(h, "updated_at", time.time()) for h in mine)
             provisioned += max(0.0, end - start)
             useful += sum(_f(h, "train_s") for h in mine)
+            flushing += sum(_f(h, "flush_s") for h in mine)
         joined = [(_f(h, "started_at") + _f(h, "boot_s")) for h in self.learners.values() if _f(h, "boot_s") > 0]
         train_start = min(joined) if joined else self.t0
         train_end = max([_f(h, "stopped_at", 0.0) for h in self.learners.values()] + [train_start])
@@ -421,6 +422,7 @@ class Monitor:
             "eval_curve": self.evals,
             "merges": max(len(merges), int(sum(_f(h, "merges") for h in shards.values()))),
             "goodput": round(useful / provisioned, 4) if provisioned else 0.0,
+            "flush_share": round(flushing / provisioned, 4) if provisioned else 0.0,
             "uptime": round(1.0 - downtime / span, 4),
             "global_downtime_s": round(downtime, 3),
             "bytes_up": int(sum(_f(h, "bytes_up") for h in lives)),
@@ -477,7 +479,7 @@ class Monitor:
         return (f"{head:<10} run {rep['run_id']}: {rep['wall_s']:.0f}s wall, {rep['steps_total']} steps, "
                 f"{rep['merges']} merges, "
                 f"eval loss {ini if ini is None else round(ini, 3)} -> {fin if fin is None else round(fin, 3)}{ratio}, "
-                f"goodput {rep['goodput']:.2f} (learner time spent training), uptime {rep['uptime']:.2f} (wall time "
-                f"the global model advanced), "
+                f"goodput {rep['goodput']:.2f} (learner time spent training; {rep.get('flush_share', 0):.0%} went to "
+                f"the final flush), uptime {rep['uptime']:.2f} (wall time the global model advanced), "
                 f"every learner contributed: {rep['every_learner_contributed']}, "
                 f"every fragment merged: {rep['every_fragment_merged']}, processes left: {len(rep['processes_left'])}")

@@ -111,6 +111,8 @@ class LearnerStats:
     updates_replayed: int = 0
     """Broadcast updates that arrived before the value they apply to, applied once it was here."""
     train_s: float = 0.0
+    flush_s: float = 0.0
+    """Seconds after the last step spent answering every fragment once more (not training: goodput)."""
     blocked_s: float = 0.0
     boot_s: float = 0.0
     cpu_s_at_joined: float = 0.0
@@ -791,7 +793,8 @@ class Learner:
         # a fragment's next round may be a whole period (H steps of the run) away
         timeout = max(self.options.flush_timeout_s, 3.0 * self.algo.sync_every_steps * self.stats.step_ema_s)
         self.status = "flushing"
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = t0 + timeout
         pending = lambda: int((self.c_steps > 0).sum())  # noqa: E731
         before = pending()
         while pending() and not self.stop.is_set() and time.monotonic() < deadline:
@@ -805,8 +808,9 @@ class Learner:
             self._answer_open_rounds(1)
         self.stats.unflushed = pending()
         self.stats.flushed = before - self.stats.unflushed
+        self.stats.flush_s = time.monotonic() - t0
         log = self.log.info if not self.stats.unflushed else self.log.warning
-        log("learner.flushed", fragments=self.stats.flushed, unflushed=self.stats.unflushed,
+        log("learner.flushed", fragments=self.stats.flushed, unflushed=self.stats.unflushed, flush_s=round(self.stats.flush_s, 3),
             timed_out=bool(self.stats.unflushed) and not self.stop.is_set())
 
     def _wait_blocked(self, min_steps: int) -> None:
@@ -1231,7 +1235,7 @@ class Learner:
                 "loss_ema": round(s.loss_ema, 5), "lr": s.lr, "answers": s.answers, "merges_applied": s.merges_applied,
                 "version_gaps": s.version_gaps, "versions_regressed": s.versions_regressed, "stale_opens": s.stale_opens, "flushed": s.flushed,
                 "unflushed": s.unflushed, "fetches": s.fetches, "malformed": s.malformed,
-                "bytes_up": s.bytes_up, "bytes_down": s.bytes_down, "train_s": round(s.train_s, 3),
+                "bytes_up": s.bytes_up, "bytes_down": s.bytes_down, "train_s": round(s.train_s, 3), "flush_s": round(s.flush_s, 3),
                 "blocked_s": round(s.blocked_s, 3), "boot_s": round(s.boot_s, 3),
                 "started_at": self._process_started_at, "boot_phases": json.dumps(s.boot_phases), "updated_at": time.time(), "incarnation": self.incarnation,
                 "last_contrib_fragment": s.last_contrib_fragment, "first_answer": s.first_answer,
