@@ -208,6 +208,14 @@ class ShardStats:
         return self.malformed + self.late_answers + self.stale_base + self.wrong_run + self.nonfinite_rounds + refused
 
 
+def _finite_or_nan(value: Any) -> float:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return math.nan
+    return x if math.isfinite(x) else math.nan
+
+
 class LatestWriter:
     """One background thread that writes the newest submitted item; an item submitted while
     another is being written replaces any item still waiting (intermediate ones are skipped)."""
@@ -285,6 +293,8 @@ class Shard:
         self.live: dict[str, dict[str, str]] = {}
         self._step_s_seen: dict[str, float] = {}
         """Learner id -> its last step-time EMA seen in Redis (the claims bound)."""
+        self._eval_loss = math.nan
+        """The global model's last eval loss in Redis (`ddloco up` writes it), for /metrics."""
         self._first_seen: dict[str, float] = {}
         """Learner id -> wall time this shard first saw it live (the claims bound of its first answer)."""
         self._since_unknown_unix = time.time()
@@ -433,6 +443,8 @@ class Shard:
                           {str(p): f.version for p, f in frags}, "fragment"),
             metrics.gauge("shard_live_learners", "Learners with a fresh heartbeat, as last read from Redis.",
                           len(self.live)),
+            metrics.gauge("run_global_eval_loss", "The global model's last eval loss, as `ddloco up` evaluated it "
+                          "(read from Redis; NaN when nothing evaluates the run).", self._eval_loss),
         ]
 
     def _open_sockets(self) -> None:
@@ -1168,9 +1180,11 @@ class Shard:
             # the run's token count (the learners' LR schedule): put back the shares Redis lost, read them
             run_count.record(pipe, self.keys, self.token_shares)
             pipe.hgetall(self.keys.token_shares)
+            pipe.hget(self.keys.eval, "loss")       # `up`'s last evaluation of the global model, for /metrics
             res = pipe.execute()
-            self.token_shares = run_count.merge_shares(self.token_shares, res[-1])
-            self.run_tokens = max(self.run_tokens, int(res[-2]))
+            self.token_shares = run_count.merge_shares(self.token_shares, res[-2])
+            self.run_tokens = max(self.run_tokens, int(res[-3]))
+            self._eval_loss = _finite_or_nan(res[-1])
             if not self._redis_ok:
                 self.log.info("syncer.redis_back")
             self._redis_ok = True

@@ -2,12 +2,15 @@
 real ZeroMQ sockets, the broker, a shard and a learner in threads of this process)."""
 from __future__ import annotations
 
+import math
 import urllib.error
 import urllib.request
 
 import pytest
 
+from common import control
 from common.config import AlgoConfig, RunConfig
+from common.keys import Keys
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -59,6 +62,10 @@ def test_broker_shard_and_learner_serve_their_counters_at_metrics(make_cluster):
     assert value(shard_m, "ddloco_shard_grace_window_seconds") >= 0
     assert {s.labels["fragment"] for s in shard_m if s.name == "ddloco_shard_fragment_version"} == {"0", "1", "2", "3"}
     assert value(shard_m, "process_resident_memory_bytes") > 0
+    assert math.isnan(value(shard_m, "ddloco_run_global_eval_loss"))        # nothing evaluated the run yet
+    control.connect(cluster.endpoints.redis_url).hset(Keys("met").eval, mapping={"loss": 1.25})   # as `up` writes it
+    wait_until(lambda: value(scrape(shard_url), "ddloco_run_global_eval_loss") == 1.25, 20,
+               what="the global eval loss on the shard's /metrics")
 
     learner_m = scrape_until(learner_url, "ddloco_learner_steps_total", 0, "learner steps on its /metrics")
     assert value(learner_m, "ddloco_up", run_id="met", role="learner", member="l1") == 1
