@@ -40,6 +40,11 @@ STEP_TIME_FLOOR_OF_MEDIAN = 0.25
 """The step time a claim is checked against is the learner's own EMA, but never below this × the
 median of the live learners' (what a learner reports about itself cannot buy it more than 4 ×
 the steps of a typical member)."""
+STEP_TIME_UNKNOWN_S = 0.001
+"""The step time of a learner whose own is not known yet (before its first heartbeats, the first
+second of a run) when no other learner's is either: 1,000 steps a second, faster than any training
+step worth distributing, so no honest first answer is cut; in that first second a member's claim
+may reach that rate (the fastest step time known takes over as soon as there is one)."""
 CLAMP_TOLERANCE = 2.0
 """A claim at most this × its bound is counted as clamped (an honest member's timing), not rejected."""
 

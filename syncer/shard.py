@@ -34,7 +34,7 @@ from common.links import keep_alive
 from common.security import Security
 from common.log import get_logger
 from common.merge import OuterAccumulator, contribution_weights, outer_step, quantized_update
-from common.robust import STEP_TIME_FLOOR_OF_MEDIAN, NormClipper, bound_claims, max_steps_claim, steps_in_time
+from common.robust import STEP_TIME_FLOOR_OF_MEDIAN, STEP_TIME_UNKNOWN_S, NormClipper, bound_claims, max_steps_claim, steps_in_time
 from common.quorum import (Decision, Ema, OpenSchedule, QuorumPolicy, RoundView, decide_round, due_fragments,
                            grace_window_s)
 from tasks.contract import Task, TaskError, bind_task, build_model, count_tokens
@@ -847,7 +847,8 @@ class Shard:
             if reason == "claims_clamped":       # within the tolerance of an honest member's timing
                 self.stats.claims_clamped += 1
                 self.log.info("syncer.claims_clamped", learner=msg.sender[:64], fragment=f.spec.index,
-                              steps=msg.steps, tokens=msg.tokens, max_steps=max_steps)
+                              steps=msg.steps, tokens=msg.tokens, max_steps=max_steps, round=msg.round,
+                              base=msg.base, version=f.version, elapsed_s=round(elapsed_s, 3), step_s=round(step_s, 5))
                 continue
             self._reject(reason, msg.sender, f.spec.index, steps=msg.steps, tokens=msg.tokens, max_steps=max_steps,
                          base=msg.base, version=f.version, elapsed_s=round(elapsed_s, 3), step_s=round(step_s, 5))
@@ -877,9 +878,12 @@ class Shard:
 
     def _claim_step_s(self, learner: str) -> float:
         """The step time a learner's claims are checked against: its own step-time EMA (the last
-        one seen: Redis may have restarted), never below a share of the live learners' median."""
-        median = self._xi_step(slowest=False)
-        own = self._step_s_seen.get(learner, median)
+        one seen: Redis may have restarted), never below a share of the median of the learners'.
+        Not known yet (its first heartbeats, the first second of a run): the fastest one known, and
+        before any is, STEP_TIME_UNKNOWN_S."""
+        known = [t for lid, t in self._step_s_seen.items() if lid in self.live] or list(self._step_s_seen.values())
+        own = self._step_s_seen.get(learner, min(known) if known else STEP_TIME_UNKNOWN_S)
+        median = statistics.median(known) if known else own
         return max(own, STEP_TIME_FLOOR_OF_MEDIAN * median)
 
     def _reject(self, reason: str, sender: str, fragment: int, **detail: Any) -> None:

@@ -44,6 +44,9 @@ def test_up_trains_the_example_cnn_and_its_exported_model_scores_the_reported_lo
     assert loss <= 0.5 * rep["eval_loss_initial"], (loss, rep["eval_loss_initial"])
     assert rep["every_learner_contributed"] and rep["processes_left"] == []
     assert rep["every_fragment_merged"] and rep["fragments_never_merged"] == [], rep["fragments_never_merged"]
+    # honest learners: no claim cut, not even mildly (the first answers come before any step time is known)
+    assert rep["claims_clamped"] == 0 and not {"steps_claim", "tokens_claim"} & set(rep["rejections"]), \
+        (rep["claims_clamped"], rep["rejections"])
 
 
 def test_every_fragment_merges_whatever_it_holds_buffers_only_integer_counters_slices_or_tiny_tensors(tmp_path):
