@@ -100,6 +100,9 @@ class Message:
     """Of a chunk (a large fragment's reply in pieces): where its ``numel`` values start in the value."""
     of: int = 0
     """Of a chunk: the element count of the whole value (``numel`` for a message that is not a chunk)."""
+    final: bool = False
+    """Of an answer: its sender has taken its last step (it is flushing): shards then open rounds
+    without the schedule's spacing, so its last steps are merged without it idling for a period."""
     decoded: torch.Tensor | None = field(default=None, repr=False, compare=False)
     """The values, already decoded and checked (a value assembled from its chunks, each of which
     was): ``values()`` returns this tensor instead of decoding the payload again."""
@@ -144,11 +147,12 @@ def _crc(frames: Sequence[Any]) -> int:
 def encode(*, kind: str, run: str, sender: str, fragment: int, values: torch.Tensor | None = None,
            codec: str = "fp32", epoch: int = 0, round: int = -1, attempt: int = 0, version: int = -1,
            base: int = -1, steps: int = 0, tokens: int = 0, encoded: tuple[Sequence[Any], int] | None = None,
-           offset: int = 0, of: int = -1) -> list[Any]:
+           offset: int = 0, of: int = -1, final: bool = False) -> list[Any]:
     """Build the frames of one message; ``values`` (flat fp32) is quantized with ``codec``, or
     ``encoded`` = (frames already quantized with ``codec``, element count) is sent as it is.
     ``offset`` / ``of`` (>= 0): the message is a chunk, values [offset, offset + numel) of a
     value of ``of`` elements (the receiver assembles them: ``common.rpc.FragmentClient``).
+    ``final``: an answer sent after the sender's last step (optional header key ``fin``).
 
     ``epoch`` identifies one life of the shard that owns the fragment (a run-wide counter
     incremented at every shard start). Versions never go back across epochs: a restarted shard
@@ -174,6 +178,8 @@ def encode(*, kind: str, run: str, sender: str, fragment: int, values: torch.Ten
     }
     if of >= 0:
         header["off"], header["of"] = int(offset), int(of)
+    if final:
+        header["fin"] = True
     return [topic(run, kind, fragment), msgpack.packb(header, use_bin_type=True), *payload]
 
 
@@ -215,6 +221,9 @@ def decode(frames: Sequence[Any], *, expect_run: str | None = None) -> Message:
         raise HeaderError("topic does not match header")
     if header["frag"] < 0 or header["numel"] < 0 or header["steps"] < 0 or header["tokens"] < 0:
         raise HeaderError("negative fragment, element count or counter")
+    final = header.get("fin", False)
+    if type(final) is not bool or (final and kind != UPDATE):
+        raise HeaderError("fin is not a boolean of an answer")
     offset, of = header.get("off", 0), header.get("of", header["numel"])
     if type(offset) is not int or type(of) is not int or offset < 0 or offset + header["numel"] > of:
         raise HeaderError("chunk offset and size do not fit the value")
@@ -236,7 +245,7 @@ def decode(frames: Sequence[Any], *, expect_run: str | None = None) -> Message:
                    epoch=header["epoch"], round=header["round"], attempt=header["attempt"], version=header["ver"],
                    base=header["base"], steps=header["steps"], tokens=header["tokens"],
                    codec=header["codec"], numel=header["numel"], sent_at=float(header["t"]),
-                   payload=payload, offset=offset, of=of)
+                   payload=payload, offset=offset, of=of, final=final)
 
 
 def message_nbytes(frames: Sequence[Any]) -> int:

@@ -1154,7 +1154,7 @@ class Learner:
             self._outbox.put(Answer(fragment=p, epoch=o.epoch, round=o.round, attempt=o.attempt,
                                     base=int(self.base_version[p]), base_values=self.base_values[p],
                                     snapshot=sent, steps=int(self.c_steps[p]), tokens=int(self.c_tokens[p]),
-                                    ready=ready))
+                                    ready=ready, final=self.status == "flushing"))
             self.stats.answers += 1
             if self.stats.answers == 1:
                 self.stats.boot_phases["first_answer"] = round(time.time() - self._process_started_at, 3)

@@ -79,6 +79,8 @@ class Answer:
     steps: int
     tokens: int
     ready: Any = None   # a CUDA learner's snapshot is complete once this event is (learner/staging.py)
+    final: bool = False
+    """Sent after the learner's last step (its flush): the shards open rounds without spacing meanwhile."""
 
 
 @dataclass(frozen=True)
@@ -439,7 +441,8 @@ class NetworkThread:
         try:
             frames = wire.encode(kind=wire.UPDATE, run=self.endpoints.run_id, sender=self.id,
                                  fragment=a.fragment, values=delta, codec=self.codec, epoch=a.epoch,
-                                 round=a.round, attempt=a.attempt, base=a.base, steps=a.steps, tokens=a.tokens)
+                                 round=a.round, attempt=a.attempt, base=a.base, steps=a.steps, tokens=a.tokens,
+                                 final=a.final)
         except quant.CodecError:                               # NaN/inf: every codec refuses them
             self.stats.nonfinite_answers += 1                  # diverged: never send NaN/inf
             return

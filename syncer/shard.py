@@ -295,6 +295,8 @@ class Shard:
         """Learner id -> its last step-time EMA seen in Redis (the claims bound)."""
         self._eval_loss = math.nan
         """The global model's last eval loss in Redis (`ddloco up` writes it), for /metrics."""
+        self._finished: set[str] = set()
+        """Learners whose last answer was final (sent after their last step, ``wire.Message.final``)."""
         self._first_seen: dict[str, float] = {}
         """Learner id -> wall time this shard first saw it live (the claims bound of its first answer)."""
         self._since_unknown_unix = time.time()
@@ -766,6 +768,11 @@ class Shard:
         in_flight = [p for p, f in self.frags.items() if f.round is not None or f.merging is not None]
         if algo.lockstep:
             period, tau = 0.0, len(self.frags)
+        elif self._finished & self.live.keys():
+            # a learner took its last step and waits for its final answers to merge: no period to
+            # keep (its steps are done), rounds back to back, τ in flight (the end of a run: no
+            # learner idles a whole period of rounds, ~8 % of a 3 s run)
+            period, tau = 0.0, algo.tau
         else:
             period, tau = algo.sync_every_steps * self._xi_step(slowest=False), algo.tau
         last = {p: f.last_opened_at for p, f in self.frags.items() if f.last_opened_at is not None}
@@ -856,6 +863,11 @@ class Shard:
         clip_steps = min(steps, steps_in_time(elapsed_s=elapsed_s, step_s=step_s, sync_every_steps=H))
         rnd.answers[msg.sender] = Answer(sender=msg.sender, base=msg.base, steps=steps, tokens=tokens,
                                          delta=delta, received_at=now, clip_steps=clip_steps)
+        if msg.final:             # past its last step: rounds open without spacing while it is live
+            if len(self._finished) < 100_000:
+                self._finished.add(msg.sender)
+        else:
+            self._finished.discard(msg.sender)
         self.stats.answers += 1
         if rnd.quorum_at is None and len(rnd.answers) >= self.policy.quorum:
             rnd.quorum_at = now

@@ -76,3 +76,20 @@ def test_malformed_messages_raise_typed_errors(mutate, error):
 def test_unknown_kind_cannot_be_encoded():
     with pytest.raises(ValueError):
         wire.encode(kind="nope", run="r", sender="s", fragment=0)
+
+
+def test_an_answer_sent_after_the_last_step_says_so_and_nothing_else_may():
+    """``fin`` (optional: a peer that never sets it speaks the same protocol): an answer's flag that
+    its sender has taken its last step; not a boolean, or on another kind, is malformed."""
+    delta = torch.zeros(64)
+    plain = wire.decode(wire.encode(kind=wire.UPDATE, run="r", sender="l", fragment=1, values=delta, steps=3))
+    assert plain.final is False
+    final = wire.decode(wire.encode(kind=wire.UPDATE, run="r", sender="l", fragment=1, values=delta, steps=3,
+                                    final=True))
+    assert final.final is True and final.steps == 3
+    for kind, value in ((wire.UPDATE, 1), (wire.UPDATE, "yes"), (wire.FRAG, True)):
+        frames = wire.encode(kind=kind, run="r", sender="l", fragment=1, values=delta)
+        header = msgpack.unpackb(frames[1], raw=False)
+        header["fin"] = value
+        with pytest.raises(wire.HeaderError):
+            wire.decode([frames[0], msgpack.packb(header, use_bin_type=True), *frames[2:]])
