@@ -481,6 +481,19 @@ class Shard:
         self.poller = zmq.Poller()
         self.poller.register(self.sub, zmq.POLLIN)
         self.poller.register(self.router, zmq.POLLIN)
+        # a finished merge wakes the loop (its broadcast and the next open do not wait out a poll)
+        self._wake_rx, self._wake_tx = socket.socketpair()
+        for end in (self._wake_rx, self._wake_tx):
+            end.setblocking(False)
+        self.poller.register(self._wake_rx.fileno(), zmq.POLLIN)
+
+    def _wake(self, _future: Any = None) -> None:
+        """From a merge worker: the loop has a result to apply (a byte on the wake pair; if its
+        buffer is full a wake is pending anyway)."""
+        try:
+            self._wake_tx.send(b"!")
+        except OSError:
+            pass
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -507,6 +520,8 @@ class Shard:
                 self.security.stop_zap(self._ctx)
             self._ctx.destroy(linger=0)
             self._ctx = None
+            for end in (self._wake_rx, self._wake_tx):
+                end.close()
         self.log.info("syncer.stopped", merges=self.stats.merges, dropped=self.stats.dropped,
                       versions={p: f.version for p, f in self.frags.items()})
 
@@ -713,6 +728,12 @@ class Shard:
     # ---------------------------------------------------------------- the loop
     def poll_once(self, timeout_ms: int = 20) -> None:
         events = dict(self.poller.poll(timeout_ms))
+        if self._wake_rx.fileno() in events:
+            try:
+                while self._wake_rx.recv(4096):
+                    pass
+            except OSError:   # drained (would block)
+                pass
         if self.sub in events:
             for _ in range(256):
                 try:
@@ -989,6 +1010,7 @@ class Shard:
             self._apply_merge(job)
         else:
             job.future = self._merger.submit(self._compute_merge, job)
+            job.future.add_done_callback(self._wake)
 
     def _compute_merge(self, job: "_MergeJob") -> "_MergeResult":
         """ALGORITHM §5 on the worker thread. Reads the fragment's value, momentum and history,
