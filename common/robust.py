@@ -57,6 +57,20 @@ def steps_in_time(*, elapsed_s: float, step_s: float, sync_every_steps: int) -> 
     return math.ceil(TIME_SLACK * max(elapsed_s, 0.0) / step_s) + sync_every_steps
 
 
+def claims_reference(seen: tuple[int, float, float] | None, round_id: int, now: float,
+                     joined: float) -> tuple[float, tuple[int, float, float]]:
+    """When the steps of a learner's answer to round ``round_id`` of a fragment started counting,
+    and its record afterwards. ``seen`` = (round, reference, last) of its previous answers to that
+    fragment (None: none; then ``joined``, when it was first seen). A new round counts from its
+    last answer (the learner subtracts what it answered once the merge arrives); an answer to the
+    same round again (a re-sent open) from the same point as the first one."""
+    if seen is not None and seen[0] == round_id:
+        reference = seen[1]
+    else:
+        reference = seen[2] if seen is not None else joined
+    return reference, (round_id, reference, now)
+
+
 def max_steps_claim(*, versions_since_base: int, sync_every_steps: int, factor: int, elapsed_s: float,
                     step_s: float) -> int:
     """The most inner steps an answer on a base ``versions_since_base`` versions old, merged

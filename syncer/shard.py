@@ -34,7 +34,8 @@ from common.links import keep_alive
 from common.security import Security
 from common.log import get_logger
 from common.merge import OuterAccumulator, contribution_weights, outer_step, quantized_update
-from common.robust import STEP_TIME_FLOOR_OF_MEDIAN, STEP_TIME_UNKNOWN_S, NormClipper, bound_claims, max_steps_claim, steps_in_time
+from common.robust import (STEP_TIME_FLOOR_OF_MEDIAN, STEP_TIME_UNKNOWN_S, NormClipper, bound_claims, claims_reference,
+                           max_steps_claim, steps_in_time)
 from common.quorum import (Decision, Ema, OpenSchedule, QuorumPolicy, RoundView, decide_round, due_fragments,
                            grace_window_s)
 from tasks.contract import Task, TaskError, bind_task, build_model, count_tokens
@@ -106,10 +107,13 @@ class FragmentState:
     """(epoch, version, frames) of the last full-value reply: requests for one version are encoded once."""
     version: int = 0
     history: dict[int, torch.Tensor] = field(default_factory=dict)
-    answered_unix: dict[str, float] = field(default_factory=dict)
-    """Learner -> wall time of its last answer to this fragment: the steps its next answer may claim
-    follow the time since (common.robust). (Not the time since its base: a learner that carries its
-    unmerged steps keeps counting them across bases.)"""
+    answered_unix: dict[str, tuple[int, float, float]] = field(default_factory=dict)
+    """Learner -> (round, reference, last) of its answers to this fragment: the round it last
+    answered, the wall time its claims in that round count from (its last answer to an earlier
+    round) and the time of its last answer. The steps an answer may claim follow the time since the
+    reference (common.robust); not the time since its base: a learner that carries its unmerged
+    steps keeps counting them across bases, and one that answers a re-sent open again still
+    counts from the same point."""
     round: OpenRound | None = None
     last_opened_at: float | None = None
     next_round: int = 0
@@ -866,7 +870,7 @@ class Shard:
             self._reject("nonfinite_delta", msg.sender, f.spec.index)
             return
         H, step_s = self.run.algo.sync_every_steps, self._claim_step_s(msg.sender)
-        elapsed_s = self._time_since_answered(f, msg.sender)
+        elapsed_s = self._time_since_answered(f, msg.sender, msg.round)
         max_steps = max_steps_claim(versions_since_base=f.version - msg.base, sync_every_steps=H, step_s=step_s,
                                     factor=self.options.max_steps_factor, elapsed_s=elapsed_s)
         steps, tokens, cut = bound_claims(steps=msg.steps, tokens=msg.tokens, max_steps=max_steps,
@@ -895,19 +899,18 @@ class Shard:
             if rnd.timed:
                 self.xi_quorum.update(now - rnd.opened_at)
 
-    def _time_since_answered(self, f: FragmentState, learner: str) -> float:
-        """Seconds since ``learner`` last answered fragment ``f`` (its steps since then are what it
-        claims now), and the time of this answer recorded. A learner never seen answering: since
-        it joined, as this shard saw it (learners live when this shard started: since the last
-        checkpoint, or this process's start; one not yet seen live: now)."""
+    def _time_since_answered(self, f: FragmentState, learner: str, round_id: int) -> float:
+        """Seconds since ``learner`` last answered an earlier round of fragment ``f`` (its steps
+        since then are what it claims now), and this answer recorded. A learner never seen
+        answering: since it joined, as this shard saw it (learners live when this shard started:
+        since the last checkpoint, or this process's start; one not yet seen live: now)."""
         now = time.time()
-        last = f.answered_unix.get(learner)
-        if last is None:
-            last = self._first_seen.setdefault(learner, now)
+        seen = f.answered_unix.get(learner)
+        joined = self._first_seen.setdefault(learner, now) if seen is None else now
+        reference, f.answered_unix[learner] = claims_reference(seen, round_id, now, joined)
         if len(f.answered_unix) > 100_000:       # bounded whatever joins
             f.answered_unix.clear()
-        f.answered_unix[learner] = now
-        return now - last
+        return now - reference
 
     def _claim_step_s(self, learner: str) -> float:
         """The step time a learner's claims are checked against: its own step-time EMA (the last

@@ -101,3 +101,15 @@ def test_an_integer_counter_jump_takes_no_part_in_the_first_rounds_bound_and_mer
     new = theta - acc.result()
     assert new[128] == 151.0 and torch.allclose(new[192:200], torch.full((8,), 3.0))
     assert list(clipper.norms) == [pytest.approx(0.01 * math.sqrt(72))] * 2   # only the weights were measured
+
+
+def test_claims_count_from_the_last_answer_to_an_earlier_round_also_when_a_round_is_answered_twice():
+    from common.robust import claims_reference
+    ref, seen = claims_reference(None, 0, now=10.0, joined=9.0)        # first answer: since it joined
+    assert (ref, seen) == (9.0, (0, 9.0, 10.0))
+    ref, seen = claims_reference(seen, 1, now=10.5, joined=0.0)        # next round: since its last answer
+    assert (ref, seen) == (10.0, (1, 10.0, 10.5))
+    ref, seen = claims_reference(seen, 1, now=10.6, joined=0.0)        # round 1 again (a re-sent open):
+    assert (ref, seen) == (10.0, (1, 10.0, 10.6))                      # same start, not 0.1 s ago
+    ref, seen = claims_reference(seen, 2, now=11.0, joined=0.0)        # then from the latest answer
+    assert ref == 10.6
