@@ -833,7 +833,8 @@ def test_an_update_that_arrives_before_the_full_value_it_applies_to_is_replayed_
                 if msg.version in cls.bases:                       # the update on it came first anyway
                     cls.held = True
                     return super().on_fragment(msg, requested=True)
-                cls.held = msg                                     # the join's reply, held back...
+                # the join's reply, held back (its payload copied out of the receive buffers)...
+                cls.held = dataclasses.replace(msg, payload=tuple(bytes(memoryview(f)) for f in msg.payload))
                 return
             if not requested and cls.held not in (None, True) and msg.base == cls.held.version:
                 super().on_fragment(msg, requested=False)          # ...until the update built on it
