@@ -302,10 +302,13 @@ class Shard:
         self._finished: set[str] = set()
         """Learners whose last answer was final (sent after their last step, ``wire.Message.final``)."""
         self._first_seen: dict[str, float] = {}
-        """Learner id -> wall time this shard first saw it live (the claims bound of its first answer)."""
+        """Learner id -> the earliest it can have joined, as this shard saw it (the claims bound of its
+        first answer): the read of the live learners before the one that first listed it."""
         self._since_unknown_unix = time.time()
         """What a learner already live when this shard started did since is unknown: from the last
         checkpoint's time (a restarted shard), else this process's start."""
+        self._live_read_unix = self._since_unknown_unix
+        """When the live learners were last read from Redis."""
         self._ctx: zmq.Context | None = None
         self._last_control = -1e9
         self._redis_ok = True
@@ -906,7 +909,7 @@ class Shard:
         since the last checkpoint, or this process's start; one not yet seen live: now)."""
         now = time.time()
         seen = f.answered_unix.get(learner)
-        joined = self._first_seen.setdefault(learner, now) if seen is None else now
+        joined = self._first_seen.setdefault(learner, self._live_read_unix) if seen is None else now
         reference, f.answered_unix[learner] = claims_reference(seen, round_id, now, joined)
         if len(f.answered_unix) > 100_000:       # bounded whatever joins
             f.answered_unix.clear()
@@ -1195,6 +1198,7 @@ class Shard:
                                         f"{self.redis.get(self.keys.shard_lease(self.options.shard))!r}")
             self.live = control.live_learners(self.redis, self.keys)
             self._remember_step_times()
+            self._live_read_unix = time.time()
             pipe = self.redis.pipeline(transaction=False)
             control.register_shard(pipe, self.keys, self.options.shard, {
                 "rpc": self.rpc_endpoint, "shards": self.options.shards, "pid": os.getpid(),
@@ -1240,7 +1244,8 @@ class Shard:
             self._first_seen.clear()
         first = not self._first_seen
         for lid, h in self.live.items():
-            self._first_seen.setdefault(lid, self._since_unknown_unix if first else time.time())
+            # it was not live at the previous read: it joined after that, at the earliest
+            self._first_seen.setdefault(lid, self._since_unknown_unix if first else self._live_read_unix)
             try:
                 t = float(h.get("step_ema_s") or 0.0)
             except (TypeError, ValueError):
