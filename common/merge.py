@@ -152,10 +152,11 @@ class OuterAccumulator:
         """‖x‖ over the parameter pieces of the fragment (param, embedding), in float64: the norm a
         bound on outer gradients sees. Buffers (BatchNorm statistics, integer counters) are left
         out: a counter's jump of hundreds is no outer gradient."""
-        if not self._bounded:
-            return 0.0
-        return math.sqrt(sum(float(torch.linalg.vector_norm(x[a:b], dtype=torch.float64)) ** 2   # 1e38s: no overflow
-                             for a, b in self._bounded))
+        return _pieces_norm(x, self._bounded)
+
+    def float_buffer_norm(self, x: torch.Tensor) -> float:
+        """‖x‖ over the floating-point buffer pieces (BatchNorm statistics), in float64."""
+        return _pieces_norm(x, self._floats)
 
     def _scale_params(self, outer: torch.Tensor, scale: float) -> torch.Tensor:
         """Δ_m with its parameter pieces scaled (a clipped answer); buffers and gaps as they are."""
@@ -192,16 +193,21 @@ class OuterAccumulator:
             self.mean[a:b] = block if old is None else torch.minimum(old, block)
 
     def add_answer(self, theta: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, weight: float,
-                   clip: Callable[[float], float] | None = None, buf: torch.Tensor | None = None) -> float:
+                   clip: Callable[[float], float] | None = None, buf: torch.Tensor | None = None,
+                   buffer_ceiling: float | None = None) -> float:
         """Fold in the answer δ_m built on ``base``: Δ_m = Θ − (base + δ_m), scaled by
         ``clip(‖Δ_m‖)`` (e.g. ``NormClipper.observe``; None: 1; 0: the answer is left out, not
         counted). ``clip`` sees the norm of the parameter pieces only and scales only them:
-        buffers always move by their own rule. Returns that scale. With the C
+        buffers always move by their own rule; an answer whose float buffers move by more than
+        ``buffer_ceiling`` (norm) is left out (returns 0: a 1e30 running variance is no statistic).
+        Returns that scale. With the C
         kernels (fp32 on CPU) Δ_m is never stored: two passes over the inputs; otherwise it is
         built in ``buf`` (a scratch [numel] buffer, or a new one) and ``add``-ed."""
         w = float(weight)
         kernels = quant._kernels
         tensors = (theta, base, delta, self.mean)
+        if buffer_ceiling is not None and self._floats and not self._buffers_within(theta, base, delta, buffer_ceiling):
+            return 0.0
         if not (kernels is not None and all(t.device.type == "cpu" and t.dtype == torch.float32
                                             and t.is_contiguous() for t in tensors)):
             outer = torch.add(base, delta, out=buf) if buf is not None else base + delta
@@ -230,6 +236,14 @@ class OuterAccumulator:
         self.count += 1
         return scale
 
+    def _buffers_within(self, theta: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, ceiling: float) -> bool:
+        """The answer's float-buffer pieces of Δ_m = Θ − (base + δ_m) are finite and within ``ceiling``."""
+        sq = 0.0
+        for a, b in self._floats:
+            n = float(torch.linalg.vector_norm(theta[a:b] - (base[a:b] + delta[a:b]), dtype=torch.float64))
+            sq += n * n
+        return math.isfinite(sq) and math.sqrt(sq) <= ceiling
+
     def result(self, eps: float = 1e-6) -> torch.Tensor:
         """Δ [numel]: RDA for param pieces (rule "rda"; the weighted average when the mean
         direction nearly cancels, as ``radial_directional_average``), the weighted average
@@ -247,6 +261,11 @@ class OuterAccumulator:
             if direction_norm >= eps * self.weight_sum and direction_norm > 0:
                 torch.mul(direction, self.radius[i] / direction_norm, out=merged[start:stop])
         return merged
+
+
+def _pieces_norm(x: torch.Tensor, pieces: Sequence[tuple[int, int]]) -> float:
+    """‖x‖ over ``pieces`` ([start, stop) ranges), in float64 (1e38s: no overflow)."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(x[a:b], dtype=torch.float64)) ** 2 for a, b in pieces))
 
 
 def merge_outer_gradients(

@@ -444,7 +444,10 @@ class Monitor:
             "every_learner_contributed": set(self.learner_ids) <= contributors,
             "fragments_merged": len(fragments_merged),
             "every_fragment_merged": len(fragments_merged) == len(self.plan),
-            "fragments_never_merged": sorted(set(range(len(self.plan))) - fragments_merged),
+            # no merge event in this part and, where the final versions are known, still at version 0
+            # (a resumed part, or events a Redis restart lost, must not read as never merged)
+            "fragments_never_merged": sorted(p for p in set(range(len(self.plan))) - fragments_merged
+                                             if self.final_versions is None or not self.final_versions.get(p, 0)),
             "fragments_lagging": {str(p): line for p, line in self.lagging.items()},
             "learner_stats": self.learners,
             "learner_exit_codes": learner_exit_codes,
@@ -468,7 +471,7 @@ class Monitor:
         out += [line for p, line in rep.get("fragments_lagging", {}).items()
                 if int(p) not in rep.get("fragments_never_merged", [])]
         ini, fin = rep.get("eval_loss_initial"), rep.get("eval_loss_final")
-        if ini is not None and fin is not None and not fin < ini:
+        if ini is not None and fin is not None and not fin < ini and not rep.get("resumed_from"):
             out.append(f"the final model's eval loss {fin:.4f} is not below the initial {ini:.4f}")
         return out
 

@@ -173,11 +173,14 @@ def watch_status(endpoints: Endpoints, *, interval_s: float = 1.0, count: int = 
         return render(st, error=error, updated_at=time.time())
     try:
         if not console.is_terminal:   # a file or a pipe: every view in turn, written as it is drawn
-            while True:
-                console.print(refresh())
-                console.file.flush()
-                if (count and n >= count) or wait.wait(interval_s):
-                    break
+            try:
+                while True:
+                    console.print(refresh())
+                    console.file.flush()
+                    if (count and n >= count) or wait.wait(interval_s):
+                        break
+            except BrokenPipeError:   # the reader left (`| head`): done
+                return 0
             return 1 if error else 0
         with Live(render(None, error="", updated_at=None), console=console, auto_refresh=False) as live:
             while True:

@@ -309,6 +309,8 @@ class Shard:
         checkpoint's time (a restarted shard), else this process's start."""
         self._live_read_unix = self._since_unknown_unix
         """When the live learners were last read from Redis."""
+        self._live_reads = 0
+        """Reads of the live learners so far (the first one's learners joined before this shard)."""
         self._ctx: zmq.Context | None = None
         self._last_control = -1e9
         self._redis_ok = True
@@ -906,7 +908,8 @@ class Shard:
         """Seconds since ``learner`` last answered an earlier round of fragment ``f`` (its steps
         since then are what it claims now), and this answer recorded. A learner never seen
         answering: since it joined, as this shard saw it (learners live when this shard started:
-        since the last checkpoint, or this process's start; one not yet seen live: now)."""
+        since the last checkpoint, or this process's start; one not yet seen live: since the last
+        read of the live learners)."""
         now = time.time()
         seen = f.answered_unix.get(learner)
         joined = self._first_seen.setdefault(learner, self._live_read_unix) if seen is None else now
@@ -1035,13 +1038,16 @@ class Shard:
             if f.clipper.bound() is None and not reference:
                 reference.append(acc.bounded_norm(f.theta))   # its parameters: buffers are not bounded
             return f.clipper.observe(norm, reference[0] if reference else None, steps)
+        # float buffers (BatchNorm statistics) move by their own rule, not the norm bound; an answer
+        # moving them by more than the warm-up ceiling × their norm is left out (a 1e30 variance)
+        buffer_ceiling = f.clipper.ceiling_factor * max(acc.float_buffer_norm(f.theta), 1.0)
         for a, w in zip(job.answers, job.weights.tolist()):
             # Δ_m = Θ_p − (Θ_p^{base_m} + δ_m) against the replica every learner holds (the learner's
             # own value is built on it); the step is taken from the master, so what quantization left
             # out of the replica (master − replica) is carried, never mistaken for a gradient. Robust:
             # the clipper scales a Δ_m down to a few times the recent median norm (or, before there
             # is one, drops a Δ_m far larger than the fragment itself)
-            if acc.add_answer(f.theta, f.history[a.base], a.delta, w, buf=buf,
+            if acc.add_answer(f.theta, f.history[a.base], a.delta, w, buf=buf, buffer_ceiling=buffer_ceiling,
                               clip=lambda norm, steps=a.clip_steps: clip(norm, steps)) != 1.0:
                 clipped.append(a.sender)
         if acc.count == 0:                                       # every answer dropped: no merge
@@ -1242,7 +1248,8 @@ class Shard:
             self._step_s_seen.clear()
         if len(self._first_seen) > 100_000:
             self._first_seen.clear()
-        first = not self._first_seen
+        first = self._live_reads == 0   # learners live at this shard's very first read: since it started
+        self._live_reads += 1
         for lid, h in self.live.items():
             # it was not live at the previous read: it joined after that, at the earliest
             self._first_seen.setdefault(lid, self._since_unknown_unix if first else self._live_read_unix)

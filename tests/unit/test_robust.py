@@ -113,3 +113,20 @@ def test_claims_count_from_the_last_answer_to_an_earlier_round_also_when_a_round
     assert (ref, seen) == (10.0, (1, 10.0, 10.6))                      # same start, not 0.1 s ago
     ref, seen = claims_reference(seen, 2, now=11.0, joined=0.0)        # then from the latest answer
     assert ref == 10.6
+
+
+def test_an_answer_that_moves_float_buffers_absurdly_is_left_out_and_honest_statistics_merge():
+    """Buffers take no part in the norm bound, but a 1e30 running variance is no statistic: an
+    answer whose float buffers move by more than the ceiling is left out; an honest one merges."""
+    from common.merge import OuterAccumulator
+    spans = [(0, 64, "param"), (64, 72, "buffer")]
+    theta = torch.zeros(72)
+    theta[64:72] = 1.0                                  # running_var initialised to ones
+    acc = OuterAccumulator(72, spans, "mean")
+    ceiling = 100.0 * max(acc.float_buffer_norm(theta), 1.0)
+    honest, lie = torch.zeros(72), torch.zeros(72)
+    honest[:64], honest[64:72] = 0.01, 2.5              # a real variance of 3.5
+    lie[:64], lie[64:72] = 0.01, 1e30
+    assert acc.add_answer(theta, theta, lie, 1.0, buffer_ceiling=ceiling) == 0.0 and acc.count == 0
+    assert acc.add_answer(theta, theta, honest, 1.0, buffer_ceiling=ceiling) == 1.0 and acc.count == 1
+    assert torch.allclose((theta - acc.result())[64:72], torch.full((8,), 3.5))
