@@ -285,27 +285,17 @@ class Monitor:
     def check_fragments(self) -> None:
         """A loud line when a fragment stops merging while the others go on (what it holds and
         why), and one when it catches up again."""
-        from ddloco.status import LAG_ROUNDS, lagging_fragments
+        from ddloco.status import fragment_states, lagging_lines
         try:
-            pipe = self.r.pipeline(transaction=False)
-            for p in range(len(self.plan)):
-                pipe.hgetall(self.keys.fragment(p))
-            hashes = pipe.execute()
+            frags = fragment_states(self.r, self.keys, len(self.plan))
         except redis.RedisError:
             return
-        frags = {p: {"version": int(_f(h, "version")), "problem": h.get("problem", ""),
-                     "failed_rounds": int(_f(h, "failed_rounds"))} for p, h in enumerate(hashes)}
-        versions = {p: f["version"] for p, f in frags.items()}
-        now = set(lagging_fragments(versions, {p: f["failed_rounds"] for p, f in frags.items()}))
-        for p in sorted(now - set(self.lagging)):
-            f = frags[p]
-            why = f["problem"] or "no round of it merged (no answers reached its shard?)"
-            self.lagging[p] = (f"fragment {p} (holds {self.plan[p].describe()}) is at version {f['version']}, "
-                               f"more than {LAG_ROUNDS} merges behind the others: {why}")
-            self.say(f"WARNING    {self.lagging[p]}")
-        for p in sorted(set(self.lagging) - now):
-            del self.lagging[p]
-            self.say(f"fragment   {p} merges again (version {versions[p]})")
+        lines = lagging_lines(frags, self.plan)
+        for p in sorted(set(lines) - set(self.lagging)):
+            self.say(f"WARNING    {lines[p]}")
+        for p in sorted(set(self.lagging) - set(lines)):
+            self.say(f"fragment   {p} merges again (version {frags[p]['version']})")
+        self.lagging = lines
 
     def merges(self) -> int:
         try:

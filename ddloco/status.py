@@ -34,18 +34,25 @@ def lagging_fragments(versions: dict[int, int], failed: dict[int, int] | None = 
                   and (v == 0 or v < median / 4 or failed.get(p, 0) > 0))
 
 
-def describe_lagging(r: redis.Redis, keys: Keys, frags: dict[int, dict[str, Any]], n_fragments: int) -> dict[int, str]:
-    """Fragment -> one line for a person: what it holds, how far behind, and why (the shard's
-    recorded problem, when a round closed without a merge)."""
+def fragment_states(r: redis.Redis, keys: Keys, n_fragments: int) -> dict[int, dict[str, Any]]:
+    """Each fragment's entry in Redis: version, owning shard, open round, last contributors, and the
+    problem its shard recorded when a round closed without a merge (one pipelined read)."""
+    pipe = r.pipeline(transaction=False)
+    for p in range(n_fragments):
+        pipe.hgetall(keys.fragment(p))
+    return {p: {"version": int(h.get("version", 0)), "shard": int(h.get("shard", -1)),
+                "round": int(h.get("round", -1)), "contributors": h.get("contributors", ""),
+                "problem": h.get("problem", ""), "failed_rounds": int(h.get("failed_rounds", 0))}
+            for p, h in enumerate(pipe.execute())}
+
+
+def lagging_lines(frags: dict[int, dict[str, Any]], plan: Any = None) -> dict[int, str]:
+    """Fragment -> one line for a person for each lagging one: what it holds (``plan``: the run's
+    fragments, when known), how far behind, and why (the shard's recorded problem)."""
     lagging = lagging_fragments({p: f["version"] for p, f in frags.items()},
                                 {p: f["failed_rounds"] for p, f in frags.items()})
     if not lagging:
         return {}
-    layout = control.run_layout(r, keys)
-    plan = None
-    if layout:
-        from common.fragments import plan_from_layout
-        plan = plan_from_layout(layout, n_fragments)
     median = statistics.median(f["version"] for f in frags.values())
     out = {}
     for p in lagging:
@@ -55,6 +62,19 @@ def describe_lagging(r: redis.Redis, keys: Keys, frags: dict[int, dict[str, Any]
         out[p] = (f"fragment {p}{holds} is at version {f['version']} while the median fragment is at "
                   f"{median:g}: {why}" + (f"; {f['failed_rounds']} rounds failed" if f.get("failed_rounds") else ""))
     return out
+
+
+def describe_lagging(r: redis.Redis, keys: Keys, frags: dict[int, dict[str, Any]], n_fragments: int) -> dict[int, str]:
+    """``lagging_lines`` with the run's plan rebuilt from the layout it recorded in Redis."""
+    if not lagging_fragments({p: f["version"] for p, f in frags.items()},
+                             {p: f["failed_rounds"] for p, f in frags.items()}):
+        return {}
+    layout = control.run_layout(r, keys)
+    plan = None
+    if layout:
+        from common.fragments import plan_from_layout
+        plan = plan_from_layout(layout, n_fragments)
+    return lagging_lines(frags, plan)
 
 
 def collect_status(r: redis.Redis, keys: Keys, *, redis_url: str = "") -> dict:
@@ -74,13 +94,7 @@ def collect_status(r: redis.Redis, keys: Keys, *, redis_url: str = "") -> dict:
             "merged_contributions": int(h.get("merged_contributions", 0)),
             "last_contribution_age_s": round(now - last, 2) if last else None,
         }
-    pipe = r.pipeline(transaction=False)
-    for p in range(cfg.algo.fragments):
-        pipe.hgetall(keys.fragment(p))
-    frags = {p: {"version": int(h.get("version", 0)), "shard": int(h.get("shard", -1)),
-                 "round": int(h.get("round", -1)), "contributors": h.get("contributors", ""),
-                 "problem": h.get("problem", ""), "failed_rounds": int(h.get("failed_rounds", 0))}
-             for p, h in enumerate(pipe.execute())}
+    frags = fragment_states(r, keys, cfg.algo.fragments)
     shards = {k: {"status": h.get("status"), "merges": int(h.get("merges", 0)), "dropped": int(h.get("dropped", 0)),
                   "rpc": h.get("rpc")} for k, h in control.shard_table(r, keys).items()}
     ev = r.hgetall(keys.eval)

@@ -212,6 +212,15 @@ class ShardStats:
         return self.malformed + self.late_answers + self.stale_base + self.wrong_run + self.nonfinite_rounds + refused
 
 
+def _step_time_of(learner: dict[str, str]) -> float | None:
+    """A learner's step-time EMA from its Redis entry, when it is a plausible number of seconds."""
+    try:
+        t = float(learner.get("step_ema_s") or 0.0)
+    except (TypeError, ValueError):
+        return None
+    return t if math.isfinite(t) and 0 < t < 3600 else None
+
+
 def _finite_or_nan(value: Any) -> float:
     try:
         x = float(value)
@@ -764,14 +773,7 @@ class Shard:
         self._advance_rounds(now)
 
     def _xi_step(self, *, slowest: bool) -> float:
-        times = []
-        for h in self.live.values():
-            try:
-                t = float(h.get("step_ema_s") or 0.0)
-            except (TypeError, ValueError):
-                continue
-            if math.isfinite(t) and 0 < t < 3600:
-                times.append(t)
+        times = [t for t in map(_step_time_of, self.live.values()) if t is not None]
         if not times:
             return self.options.initial_step_time_s
         return max(times) if slowest else statistics.median(times)
@@ -1253,11 +1255,8 @@ class Shard:
         for lid, h in self.live.items():
             # it was not live at the previous read: it joined after that, at the earliest
             self._first_seen.setdefault(lid, self._since_unknown_unix if first else self._live_read_unix)
-            try:
-                t = float(h.get("step_ema_s") or 0.0)
-            except (TypeError, ValueError):
-                continue
-            if math.isfinite(t) and 0 < t < 3600:
+            t = _step_time_of(h)
+            if t is not None:
                 self._step_s_seen[lid] = t
 
     def _redis_lost(self, err: Exception) -> None:
