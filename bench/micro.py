@@ -17,7 +17,7 @@ import torch
 from common import quant, wire
 from common.config import AlgoConfig
 from common.merge import OuterAccumulator, contribution_weights, outer_step
-from common.robust import NormClipper
+from common.robust import NormClipper, fair_weights, fold_round
 
 
 def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
@@ -98,10 +98,12 @@ def bench_wire(numel: int, repeats: int) -> list[dict[str, Any]]:
 
 def bench_merge(numel: int, repeats: int, learners: Sequence[int] = (2, 4, 8)) -> list[dict[str, Any]]:
     """The shard's merge path of one fragment (24 tensors) with M answers, as ``Shard._compute_merge``
-    runs it: each Δ_m = Θ − (Θ^base + δ_m) built, norm-clipped and folded into the accumulator one
-    at a time (RDA per tensor; ``OuterAccumulator.add_answer``, with the C kernels where built),
-    then the outer step; and its speed relative to a memcpy of its fp32 inputs (M deltas)
-    measured in the same process."""
+    runs it: the round's fair weights, each Δ_m = Θ − (Θ^base + δ_m) measured, bounded by its
+    learner's history and the round's weighted median, folded into the accumulator
+    (``common.robust.fold_round``; RDA per tensor, with the C kernels where built), then the outer
+    step; its speed relative to a memcpy of its fp32 inputs (M deltas) measured in the same
+    process; and the same merge without the robust rules (token weights, every answer folded as
+    sent: ``plain_ms``), so ``robust_cost`` = merge_ms / plain_ms − 1 is what the rules cost."""
     per = numel // 24
     spans = tuple((i * per, (i + 1) * per, i == 0) for i in range(24))
     n = per * 24
@@ -112,19 +114,29 @@ def bench_merge(numel: int, repeats: int, learners: Sequence[int] = (2, 4, 8)) -
         deltas = [torch.randn(n, generator=gen) for _ in range(m)]
         theta, base, mom = torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.zeros(n)
         scratch = (torch.empty(n), torch.empty(n), torch.empty(n))   # the shard reuses them per fragment
-
+        tokens, steps = [1024.0 * 24 * (1 + 0.1 * i) for i in range(m)], [24] * m
         clipper = NormClipper()
+        answers = [(f"l{i}", base, d, 24.0) for i, d in enumerate(deltas)]
 
         def merge() -> None:
-            w = contribution_weights([1024.0 * 24] * m, [24] * m).tolist()
+            w, _ = fair_weights(tokens, steps)
+            acc = OuterAccumulator(n, spans, "rda", scratch=scratch[:2])
+            fold_round(acc, theta, answers, w.tolist(), clipper, buf=scratch[2])
+            outer_step(theta, mom, acc.result(), spans, algo)
+
+        def plain() -> None:
+            w = contribution_weights(tokens, steps).tolist()
             acc = OuterAccumulator(n, spans, "rda", scratch=scratch[:2])
             for d, wm in zip(deltas, w):
-                acc.add_answer(theta, base, d, wm, clip=clipper.observe, buf=scratch[2])
+                acc.add_answer(theta, base, d, wm, buf=scratch[2])
             outer_step(theta, mom, acc.result(), spans, algo)
-        ms = _median_ms(merge, repeats)
+        pairs = [(_median_ms(merge, repeats), _median_ms(plain, repeats)) for _ in range(3)]
+        ms, plain_ms = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
         copy = memcpy_ms(m * n, repeats)
-        rows.append({"learners": m, "numel": n, "merge_ms": ms, "memcpy_inputs_ms": copy,
-                     "merge_vs_memcpy": copy / ms})
+        rows.append({"learners": m, "numel": n, "merge_ms": ms, "plain_ms": plain_ms,
+                     "robust_cost": ms / plain_ms - 1,
+                     "robust_cost_range": [min(a / b - 1 for a, b in pairs), max(a / b - 1 for a, b in pairs)],
+                     "memcpy_inputs_ms": copy, "merge_vs_memcpy": copy / ms})
     return rows
 
 

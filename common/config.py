@@ -441,6 +441,12 @@ class SyncerOptions:
     first batch × inner_grad_accum)."""
     max_steps_factor: int = 8
     """Robust merge: an answer weighs as at most this × H × (versions since its base + 1) steps."""
+    min_answers: int = 3
+    """Robust merge: a round merges only once min(this, learners answering) members answered (for
+    up to ``min_answers_wait_periods`` round periods; then the quorum K), so no one member fills
+    a quorum. 1: the quorum K alone."""
+    min_answers_wait_periods: float = 2.0
+    """How long (× H × the slowest learner's step time) a round waits for ``min_answers``."""
     downtime_gap_s: float = 5.0
     """(reporting) a gap between merges longer than this counts as global downtime."""
     metrics_port: int = -1
@@ -465,6 +471,8 @@ class SyncerOptions:
         _check(self.checkpoint_every_merges >= 1, "syncer.checkpoint_every_merges must be >= 1")
         _check(self.tokens_per_step_max >= 0, "syncer.tokens_per_step_max must be >= 0")
         _check(self.max_steps_factor >= 1, "syncer.max_steps_factor must be >= 1")
+        _check(self.min_answers >= 1, "syncer.min_answers must be >= 1")
+        _check(self.min_answers_wait_periods > 0, "syncer.min_answers_wait_periods must be > 0")
         _check(self.initial_step_time_s > 0, "syncer.initial_step_time_s must be > 0")
 
 

@@ -100,6 +100,16 @@ def _span_kind(kind: str | bool) -> str:
     return kind
 
 
+@dataclass(frozen=True)
+class Measured:
+    """An answer's first pass (``OuterAccumulator.measure``)."""
+
+    norm: float
+    """‖Δ_m‖ over the fragment's parameter pieces (float64 sums)."""
+    segment_sq: Any
+    """The C kernels' per-segment sums of squares (numpy float64), or None (no kernels)."""
+
+
 class OuterAccumulator:
     """The merged outer gradient Δ of one fragment, one contributor at a time.
 
@@ -200,32 +210,48 @@ class OuterAccumulator:
         counted). ``clip`` sees the norm of the parameter pieces only and scales only them:
         buffers always move by their own rule; an answer whose float buffers move by more than
         ``buffer_ceiling`` (norm) is left out (returns 0: a 1e30 running variance is no statistic).
-        Returns that scale. With the C
-        kernels (fp32 on CPU) Δ_m is never stored: two passes over the inputs; otherwise it is
-        built in ``buf`` (a scratch [numel] buffer, or a new one) and ``add``-ed."""
-        w = float(weight)
-        kernels = quant._kernels
-        tensors = (theta, base, delta, self.mean)
-        if buffer_ceiling is not None and self._floats and not self._buffers_within(theta, base, delta, buffer_ceiling):
+        Returns that scale. ``measure`` then ``fold``: with the C kernels (fp32 on CPU) Δ_m is
+        never stored (two passes over the inputs); otherwise it is built in ``buf`` (a scratch
+        [numel] buffer, or a new one)."""
+        if buffer_ceiling is not None and self._floats and not self.buffers_within(theta, base, delta, buffer_ceiling):
             return 0.0
-        if not (kernels is not None and all(t.device.type == "cpu" and t.dtype == torch.float32
-                                            and t.is_contiguous() for t in tensors)):
+        measured = self.measure(theta, base, delta, buf=buf)
+        scale = clip(measured.norm) if clip is not None else 1.0
+        if scale != 0.0:
+            self.fold(theta, base, delta, weight, scale, measured, buf=buf)
+        return scale
+
+    def _kernel_inputs(self, theta: torch.Tensor, base: torch.Tensor, delta: torch.Tensor) -> bool:
+        return quant._kernels is not None and all(t.device.type == "cpu" and t.dtype == torch.float32
+                                                  and t.is_contiguous() for t in (theta, base, delta, self.mean))
+
+    def measure(self, theta: torch.Tensor, base: torch.Tensor, delta: torch.Tensor,
+                buf: torch.Tensor | None = None) -> "Measured":
+        """First pass over an answer: ‖Δ_m‖ over the parameter pieces (what a bound sees), and
+        what ``fold`` reuses (the C kernels' per-segment sums of squares)."""
+        if self._kernel_inputs(theta, base, delta):
+            sq = np.zeros(len(self._segments), dtype=np.float64)
+            quant._kernels.outer_sq_sums(*(t.detach().numpy() for t in (theta, base, delta)), self._segments, sq)
+            return Measured(math.sqrt(float(sq[self._bounded_segments].sum())), sq)
+        outer = torch.add(base, delta, out=buf) if buf is not None else base + delta
+        return Measured(self.bounded_norm(torch.sub(theta, outer, out=outer)), None)
+
+    def fold(self, theta: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, weight: float, scale: float,
+             measured: "Measured", buf: torch.Tensor | None = None) -> None:
+        """Second pass: fold Δ_m = Θ − (base + δ_m), its parameter pieces scaled by ``scale``, in
+        with weight ŵ_m (``measured``: what ``measure`` returned for the same inputs)."""
+        w = float(weight)
+        if measured.segment_sq is None or not self._kernel_inputs(theta, base, delta):
             outer = torch.add(base, delta, out=buf) if buf is not None else base + delta
             outer = torch.sub(theta, outer, out=outer)
-            scale = clip(self.bounded_norm(outer)) if clip is not None else 1.0
-            if scale != 0.0:
-                self.add(outer if scale == 1.0 else self._scale_params(outer, scale), w)
-            return scale
+            self.add(outer if scale == 1.0 else self._scale_params(outer, scale), w)
+            return
         th, ba, de = (t.detach().numpy() for t in (theta, base, delta))
-        kernels.outer_sq_sums(th, ba, de, self._segments, self._norms)
-        scale = clip(math.sqrt(float(self._norms[self._bounded_segments].sum()))) if clip is not None else 1.0
-        if scale == 0.0:
-            return scale
         kept = self._ints_so_far()
-        np.sqrt(self._norms, out=self._norms)       # the pieces' norms before scaling: the unit
-        kernels.accumulate_outer(th, ba, de, scale, w, self.mean.numpy(),   # vectors do not see it
-                                 None if self.direction is None else self.direction.numpy(),
-                                 self._segments, self._norms)
+        np.sqrt(measured.segment_sq, out=self._norms)   # the pieces' norms before scaling: the unit
+        quant._kernels.accumulate_outer(th, ba, de, scale, w, self.mean.numpy(),   # vectors do not see it
+                                        None if self.direction is None else self.direction.numpy(),
+                                        self._segments, self._norms)
         for i, k in self._rda_segment:
             self.radius[i] += w * scale * float(self._norms[k])
         if scale != 1.0:   # the kernel scaled every piece: float buffers take their whole Δ_m back
@@ -234,9 +260,8 @@ class OuterAccumulator:
         self._fold_ints(kept, [theta[a:b] - (base[a:b] + delta[a:b]) for a, b in self._ints])
         self.weight_sum += abs(w)
         self.count += 1
-        return scale
 
-    def _buffers_within(self, theta: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, ceiling: float) -> bool:
+    def buffers_within(self, theta: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, ceiling: float) -> bool:
         """The answer's float-buffer pieces of Δ_m = Θ − (base + δ_m) are finite and within ``ceiling``."""
         sq = 0.0
         for a, b in self._floats:

@@ -40,6 +40,9 @@ class RoundView:
     """When the answer count first reached K; None if not yet recorded."""
     live_learners: int
     """Learners with a fresh heartbeat."""
+    answering: int | None = None
+    """Live learners past their join (training, blocked at a barrier, flushing): those that answer
+    rounds (None: ``live_learners``)."""
 
     def __post_init__(self) -> None:
         if self.answers < 0 or self.live_learners < 0:
@@ -63,6 +66,13 @@ class QuorumPolicy:
     """Off: merge as soon as the quorum is reached."""
     all_live: bool = False
     """Lock-step: a round waits for every live learner (K = M, at least ``quorum``)."""
+    min_answers: int = 1
+    """Robust floor: a round merges only with answers from at least min(this, answering learners)
+    members, so that no one member fills a quorum (with 3, a hostile answer is never the round's
+    median, nor half its weight, while at least 3 learners answer)."""
+    min_answers_wait_s: float = math.inf
+    """How long a round waits for that floor; then the plain quorum K applies (honest learners
+    that cannot answer, not a member's choice, are what keeps a round below it)."""
 
     def __post_init__(self) -> None:
         if self.quorum < 1:
@@ -71,6 +81,8 @@ class QuorumPolicy:
             raise ValueError(f"tau must be >= 1, got {self.tau}")
         if not 0.0 <= self.grace_gamma <= 1.0:
             raise ValueError(f"grace_gamma must be in [0, 1], got {self.grace_gamma}")
+        if self.min_answers < 1:
+            raise ValueError(f"min_answers must be >= 1, got {self.min_answers}")
 
 
 def _check_duration(name: str, value: float) -> None:
@@ -96,13 +108,17 @@ def decide_round(
 ) -> tuple[Decision, str]:
     """Decide whether an open round merges now; returns ``(decision, reason)``.
 
-    In order: fewer than K answers waits; every live learner answered merges at once; with the
+    K is raised to min(``min_answers``, answering learners) for the first ``min_answers_wait_s``
+    of a round (the robust floor). In order: fewer than K answers waits; every live learner answered merges at once; with the
     grace window disabled the quorum merges at once; otherwise merge once ``grace_s`` has passed
     since the quorum was reached (a round whose quorum time is not recorded yet counts as
     reaching it at ``now_s``).
     """
     _check_duration("grace_s", grace_s)
     k = max(policy.quorum, rnd.live_learners) if policy.all_live else policy.quorum
+    if policy.min_answers > 1 and now_s - rnd.opened_at_s < policy.min_answers_wait_s:
+        answering = rnd.live_learners if rnd.answering is None else rnd.answering
+        k = max(k, min(policy.min_answers, answering))
     if rnd.answers < k:
         return (
             Decision.WAIT_QUORUM,

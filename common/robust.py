@@ -29,6 +29,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 
@@ -105,63 +106,176 @@ def bound_claims(*, steps: int, tokens: int, tokens_per_step_bound: float,
     return steps, tokens, cut
 
 
+LEARNER_SAMPLES = 8
+"""Recent outer-gradient norms kept per learner and fragment (``NormClipper``)."""
+LEARNERS_TRACKED = 1024
+"""Learners a fragment's clipper keeps samples of (the least recently seen are forgotten first)."""
+ROUND_FACTOR = 2.0
+"""In a round of at least ``ROUND_MIN_ANSWERS`` answers, each outer gradient is clipped to this ×
+the round's weighted median norm (the norm of an honest answer while fewer than half the weight
+is hostile)."""
+ROUND_MIN_ANSWERS = 3
+
+
 @dataclass
 class NormClipper:
-    """Per fragment: clip outer-gradient norms to ``factor ×`` the median of recent ones. Until
-    ``min_samples`` norms are known there is no median: an outer gradient larger than
-    ``ceiling_factor ×`` the fragment's own norm (``reference``, at least 1) is then dropped
-    (scale 0) rather than merged; an honest one is at most a few times that norm even in the first
-    rounds."""
+    """Per fragment: clip outer-gradient norms to ``factor ×`` a reference norm that a minority of
+    members cannot drag: the median, over the learners that answered the fragment, of each one's
+    median of its last ``LEARNER_SAMPLES`` norms. A hostile learner's norms, however it picks
+    them, are one value in that median: fewer than half the learners cannot move it beyond the
+    honest ones' range (a pool of everyone's last norms drifted 4 × per window once half the
+    answers were hostile). Until ``min_samples`` norms are known there is no reference: an outer
+    gradient larger than ``ceiling_factor ×`` the fragment's own norm (``reference``, at least 1)
+    is then dropped (scale 0) rather than merged, and the round's own weighted median bounds the
+    others (``round_bound``)."""
 
     factor: float = 4.0
-    window: int = 32
+    window: int = LEARNER_SAMPLES
+    """Norms kept per learner."""
     min_samples: int = 8
     ceiling_factor: float = 100.0
-    norms: deque = field(default_factory=lambda: deque(maxlen=32))
-    steps: deque = field(default_factory=lambda: deque(maxlen=32))
-    """The inner steps behind each recorded norm (an answer given ``steps``; else none)."""
+    by_learner: dict = field(default_factory=dict)
+    """learner -> deque of (norm, steps) of its recent answers (insertion order: least recently
+    seen first)."""
 
-    def __post_init__(self) -> None:
-        self.norms = deque(self.norms, maxlen=self.window)
-        self.steps = deque(self.steps, maxlen=self.window)
+    @property
+    def norms(self) -> list[float]:
+        """Every recorded norm (oldest learner first)."""
+        return [n for d in self.by_learner.values() for n, _ in d]
+
+    def _samples(self) -> int:
+        return sum(len(d) for d in self.by_learner.values())
+
+    def reference(self) -> float | None:
+        """The median over learners of their median recent norm (None before ``min_samples``)."""
+        if self._samples() < self.min_samples:
+            return None
+        return statistics.median(statistics.median(n for n, _ in d) for d in self.by_learner.values() if d)
+
+    def _steps_reference(self) -> float | None:
+        meds = [statistics.median(s for _, s in d if s is not None) for d in self.by_learner.values()
+                if any(s is not None for _, s in d)]
+        return statistics.median(meds) if meds else None
 
     def bound(self, steps: float | None = None) -> float | None:
-        """``factor ×`` the median recent norm; for an answer of ``steps`` inner steps, stretched by
-        ``steps / the median recent steps`` when that is above 1 (a learner that trained on through
+        """``factor ×`` the reference norm; for an answer of ``steps`` inner steps, stretched by
+        ``steps / the reference steps`` when that is above 1 (a learner that trained on through
         an outage sends the outer gradient of many steps at once: honest, and not cut). Callers
         pass the steps the time since the answer's base allows at most (``steps_in_time``), so a
         claim cannot stretch the bound beyond what the clock does."""
-        if len(self.norms) < self.min_samples:
+        ref = self.reference()
+        if ref is None:
             return None
-        base = self.factor * statistics.median(self.norms)
-        if steps is None or not self.steps:
+        base = self.factor * ref
+        ref_steps = self._steps_reference() if steps is not None else None
+        if ref_steps is None:
             return base
-        return base * max(1.0, steps / max(statistics.median(self.steps), 1.0))
+        return base * max(1.0, steps / max(ref_steps, 1.0))
 
-    def observe(self, norm: float, reference: float | None = None, steps: float | None = None) -> float:
-        """Record an outer gradient's norm (of an answer of ``steps`` inner steps, when known); the
-        factor to scale it by: 1.0 (not clipped), in (0, 1) (clipped to the bound), 0.0 (dropped:
-        above the warm-up ceiling, or not finite)."""
+    def _record(self, learner: str, norm: float, steps: float | None) -> None:
+        d = self.by_learner.pop(learner, None)
+        if d is None:
+            d = deque(maxlen=self.window)
+            while len(self.by_learner) >= LEARNERS_TRACKED:
+                self.by_learner.pop(next(iter(self.by_learner)))
+        d.append((norm, steps))
+        self.by_learner[learner] = d        # re-inserted: most recently seen last
+
+    def observe(self, norm: float, reference: float | None = None, steps: float | None = None,
+                learner: str = "", limit: float | None = None) -> float:
+        """Record an outer gradient's norm (of an answer of ``steps`` inner steps, when known, from
+        ``learner``); the factor to scale it by: 1.0 (not clipped), in (0, 1) (clipped to the
+        bound, or to ``limit`` when that is lower: the round's own bound), 0.0 (dropped: above the
+        warm-up ceiling, or not finite)."""
         bound = self.bound(steps)
         if not math.isfinite(norm):
             return 0.0
         if norm == 0.0:                              # nothing to scale, and no sample: zeros cannot drag the median
             return 1.0
-        if bound is None:
-            if reference is not None and norm > self.ceiling_factor * max(reference, 1.0):
-                return 0.0                           # not recorded: a lie must not shape the median
-        elif norm > bound > 0.0:
-            # recorded as the medians: repeated attacks cannot drag them up
-            self.norms.append(statistics.median(self.norms))
-            if steps is not None and self.steps:
-                self.steps.append(statistics.median(self.steps))
-            return bound / norm
-        self.norms.append(norm)
-        if steps is not None:
-            self.steps.append(steps)
+        if bound is None and reference is not None and norm > self.ceiling_factor * max(reference, 1.0):
+            return 0.0                               # not recorded: a lie must not shape the median
+        cap = min(b for b in (bound, limit) if b is not None) if (bound, limit) != (None, None) else None
+        if cap is not None and norm > cap > 0.0:
+            # recorded as the reference (or, before there is one, as the cap): a learner's repeated
+            # attacks cannot drag its own median up, let alone the fragment's
+            ref = self.reference()
+            self._record(learner, limit / ROUND_FACTOR if ref is None else ref, steps)
+            return cap / norm
+        self._record(learner, norm, steps)
         return 1.0
 
-    def clip(self, outer: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def clip(self, outer: torch.Tensor, learner: str = "") -> tuple[torch.Tensor, bool]:
         """(the outer gradient, scaled down to the bound if above it; whether it was)."""
-        scale = self.observe(float(torch.linalg.vector_norm(outer, dtype=torch.float64)))   # 1e30s: no overflow
+        scale = self.observe(float(torch.linalg.vector_norm(outer, dtype=torch.float64)), learner=learner)   # 1e30s: no overflow
         return (outer, False) if scale == 1.0 else (outer * scale, True)
+
+
+def weighted_median(values: list[float], weights: list[float]) -> float:
+    """The lower weighted median: the smallest value at which the weight of the values at or
+    below it reaches half the total."""
+    pairs = sorted(zip(values, weights))
+    total = sum(w for _, w in pairs)
+    acc = 0.0
+    for v, w in pairs:
+        acc += w
+        if acc >= total / 2:
+            return v
+    return pairs[-1][0]
+
+
+def round_bound(norms: list[float], weights: list[float]) -> float | None:
+    """The norm no outer gradient of a round may exceed, from the round itself: ``ROUND_FACTOR ×``
+    the weighted median of its answers' (finite, non-zero) norms, once it has at least
+    ``ROUND_MIN_ANSWERS`` of them (None otherwise). With fewer than half the weight hostile the
+    median is an honest answer's norm: bounded from the first round, before any history."""
+    kept = [(n, w) for n, w in zip(norms, weights) if math.isfinite(n) and n > 0.0 and w > 0.0]
+    if len(kept) < ROUND_MIN_ANSWERS:
+        return None
+    return ROUND_FACTOR * weighted_median([n for n, _ in kept], [w for _, w in kept])
+
+
+def fair_weights(c_tokens: list[float], c_steps: list[float]) -> tuple[torch.Tensor, list[int]]:
+    """The round's contribution weights (``common.merge.contribution_weights``: tokens² / steps,
+    normalised) with no answer above a fair share: each raw weight is capped at the lower median
+    of the round's positive raw weights, so no member, whatever it claims, weighs more than a
+    typical one (with M answers of which f < M / 2 hostile, together at most f / M' of the
+    round, M' the answers at or above the median). Returns (ŵ [M] float32, the indices capped)."""
+    from common.merge import contribution_weights
+    raw = contribution_weights(c_tokens, c_steps).to(torch.float64)       # proportional to tokens² / steps
+    positive = sorted(float(w) for w in raw if w > 0)
+    if len(positive) < 2:
+        return raw.to(torch.float32), []
+    cap = positive[(len(positive) - 1) // 2]                              # the lower median
+    capped = [i for i, w in enumerate(raw.tolist()) if w > cap]
+    raw = raw.clamp(max=cap)
+    return (raw / raw.sum()).to(torch.float32), capped
+
+
+def fold_round(acc: Any, theta: torch.Tensor, answers: Sequence[tuple[str, torch.Tensor, torch.Tensor, float | None]],
+               weights: Sequence[float], clipper: NormClipper, *, buf: torch.Tensor | None = None,
+               buffer_ceiling: float | None = None) -> list[float]:
+    """The robust merge of one round into ``acc`` (a ``common.merge.OuterAccumulator``).
+    ``answers``: (learner, its base value, its δ_m, the steps that may stretch its bound) with
+    ŵ ``weights``. Two passes over the answers, as many as a plain merge makes: first every
+    Δ_m = Θ − (base + δ_m) is measured (its norm over the parameter pieces); then each is scaled
+    to the lower of the clipper's bound (history) and the round's own (``round_bound``) and
+    folded in. An answer moving float buffers beyond ``buffer_ceiling`` is left out. Returns
+    each answer's scale (1: as sent; 0: left out)."""
+    measured = []
+    for _, base, delta, _ in answers:
+        ok = buffer_ceiling is None or acc.buffers_within(theta, base, delta, buffer_ceiling)
+        measured.append(acc.measure(theta, base, delta, buf=buf) if ok else None)
+    limit = round_bound([m.norm if m is not None else math.nan for m in measured], list(weights))
+    reference: list[float] = []   # the fragment's own norm: only the clipper's warm-up needs it
+    scales = []
+    for (sender, base, delta, steps), w, m in zip(answers, weights, measured):
+        if m is None:
+            scales.append(0.0)
+            continue
+        if clipper.reference() is None and not reference:
+            reference.append(acc.bounded_norm(theta))
+        scale = clipper.observe(m.norm, reference[0] if reference else None, steps, learner=sender, limit=limit)
+        if scale != 0.0:
+            acc.fold(theta, base, delta, float(w), scale, m, buf=buf)
+        scales.append(scale)
+    return scales

@@ -17,6 +17,7 @@ import statistics
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -33,9 +34,9 @@ from common.lifecycle import peak_rss_mb
 from common.links import keep_alive
 from common.security import Security
 from common.log import get_logger
-from common.merge import OuterAccumulator, contribution_weights, outer_step, quantized_update
+from common.merge import OuterAccumulator, outer_step, quantized_update
 from common.robust import (STEP_TIME_FLOOR_OF_MEDIAN, STEP_TIME_UNKNOWN_S, NormClipper, bound_claims, claims_reference,
-                           max_steps_claim, steps_in_time)
+                           fair_weights, fold_round, max_steps_claim, steps_in_time)
 from common.quorum import (Decision, Ema, OpenSchedule, QuorumPolicy, RoundView, decide_round, due_fragments,
                            grace_window_s)
 from tasks.contract import Task, TaskError, bind_task, build_model, count_tokens
@@ -204,6 +205,8 @@ class ShardStats:
     claims_clamped: int = 0
     """Answers whose claims were cut by at most CLAMP_TOLERANCE (an honest member's timing; apart from rejections)."""
     rounds_behind: int = 0
+    weights_capped: int = 0
+    """Answers whose weight was cut to the round's median weight (common.robust.fair_weights)."""
     """Merges that came later than the schedule allows: effective H > BEHIND_FACTOR × H."""
 
     @property
@@ -379,7 +382,8 @@ class Shard:
                               ttl_s=self.options.lease_ttl_s, wait_s=self.options.lease_wait_s)
         algo = self.run.algo
         self.policy = QuorumPolicy(quorum=algo.quorum, tau=algo.tau, grace_gamma=algo.grace_gamma,
-                                   grace_enabled=algo.grace_enabled, all_live=algo.lockstep)
+                                   grace_enabled=algo.grace_enabled, all_live=algo.lockstep,
+                                   min_answers=self.options.min_answers)
         params = state_tensors(model)
         owned = owned_fragments(self.options.shard, self.options.shards, algo.fragments)
         for p in owned:
@@ -784,13 +788,16 @@ class Shard:
         grace = grace_window_s(xi_step_s=xi_step, xi_quorum_s=self.xi_quorum.value or 0.0,
                                xi_sync_s=self.xi_sync.value or 0.0, tau=algo.tau, gamma=algo.grace_gamma)
         self.grace_s = grace
+        answering = sum(1 for h in self.live.values() if h.get("status") in HOLDING)
+        policy = dataclasses.replace(self.policy, min_answers_wait_s=self.options.min_answers_wait_periods
+                                     * algo.sync_every_steps * xi_step)
         for p, f in self.frags.items():
             rnd = f.round
             if rnd is None:
                 continue
-            view = RoundView(opened_at_s=rnd.opened_at, answers=len(rnd.answers),
-                             quorum_reached_at_s=rnd.quorum_at, live_learners=len(self.live))
-            decision, reason = decide_round(now, view, self.policy, grace_s=grace)
+            view = RoundView(opened_at_s=rnd.opened_at, answers=len(rnd.answers), quorum_reached_at_s=rnd.quorum_at,
+                             live_learners=len(self.live), answering=answering)
+            decision, reason = decide_round(now, view, policy, grace_s=grace)
             if decision is Decision.MERGE:
                 self._merge(f, now, reason, grace)
             elif decision is Decision.WAIT_QUORUM and now - rnd.last_sent_at >= self._reopen_after_s(rnd, xi_step):
@@ -1008,7 +1015,8 @@ class Shard:
         The fragment opens no round until then."""
         rnd = f.round
         answers = list(rnd.answers.values())
-        weights = contribution_weights([a.tokens for a in answers], [a.steps for a in answers])  # [M]
+        weights, capped = fair_weights([a.tokens for a in answers], [a.steps for a in answers])  # [M]
+        self.stats.weights_capped += len(capped)
         f.round = None
         if float(weights.sum()) <= 0.0:
             self._record_failed_round(f, "every answer weighs 0 (no tokens claimed)")
@@ -1032,26 +1040,17 @@ class Shard:
         master = f.theta if f.master is None else f.master      # the exact fp32 master
         scratch = self._merge_scratch(f.spec.numel)
         acc = OuterAccumulator(f.spec.numel, f.spec.spans, algo.merge_rule, scratch=scratch[:2])
-        buf = scratch[2]
-        clipped = []
-        reference: list[float] = []   # the fragment's norm: only the clipper's warm-up needs it
-
-        def clip(norm: float, steps: float | None) -> float:
-            if f.clipper.bound() is None and not reference:
-                reference.append(acc.bounded_norm(f.theta))   # its parameters: buffers are not bounded
-            return f.clipper.observe(norm, reference[0] if reference else None, steps)
         # float buffers (BatchNorm statistics) move by their own rule, not the norm bound; an answer
         # moving them by more than the warm-up ceiling × their norm is left out (a 1e30 variance)
         buffer_ceiling = f.clipper.ceiling_factor * max(acc.float_buffer_norm(f.theta), 1.0)
-        for a, w in zip(job.answers, job.weights.tolist()):
-            # Δ_m = Θ_p − (Θ_p^{base_m} + δ_m) against the replica every learner holds (the learner's
-            # own value is built on it); the step is taken from the master, so what quantization left
-            # out of the replica (master − replica) is carried, never mistaken for a gradient. Robust:
-            # the clipper scales a Δ_m down to a few times the recent median norm (or, before there
-            # is one, drops a Δ_m far larger than the fragment itself)
-            if acc.add_answer(f.theta, f.history[a.base], a.delta, w, buf=buf, buffer_ceiling=buffer_ceiling,
-                              clip=lambda norm, steps=a.clip_steps: clip(norm, steps)) != 1.0:
-                clipped.append(a.sender)
+        # Δ_m = Θ_p − (Θ_p^{base_m} + δ_m) against the replica every learner holds (the learner's own
+        # value is built on it); the step is taken from the master, so what quantization left out of
+        # the replica (master − replica) is carried, never mistaken for a gradient. Robust: each Δ_m
+        # is scaled down to the lower of a few times its learners' median norm and twice the round's
+        # weighted median (or, before either exists, dropped when far larger than the fragment)
+        scales = fold_round(acc, f.theta, [(a.sender, f.history[a.base], a.delta, a.clip_steps) for a in job.answers],
+                            job.weights.tolist(), f.clipper, buf=scratch[2], buffer_ceiling=buffer_ceiling)
+        clipped = [a.sender for a, scale in zip(job.answers, scales) if scale != 1.0]
         if acc.count == 0:                                       # every answer dropped: no merge
             return _MergeResult(None, None, None, [], clipped, time.perf_counter() - t0, every_answer_dropped=True)
         theta, momentum = outer_step(master, f.momentum, acc.result(), f.spec.spans, algo, merges_done=job.version)

@@ -1,0 +1,124 @@
+"""Byzantine-bounded merge (issue: a compromised learner does no more than one learner's share):
+fair weights, a norm reference a minority cannot drag, the round's own bound from the first round,
+and a robust floor of answers per round. Pure functions at fixed inputs."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from common.merge import OuterAccumulator, contribution_weights
+from common.quorum import Decision, QuorumPolicy, RoundView, decide_round
+from common.robust import NormClipper, fair_weights, fold_round, round_bound
+
+
+def test_a_maximum_claim_weighs_no_more_than_the_median_answer():
+    # 4 honest answers of 24 steps x 1,024 tokens, one claiming 8 H steps at the per-step bound
+    tokens = [24 * 1024.0] * 4 + [96 * 2048.0]
+    steps = [24.0] * 4 + [96.0]
+    plain = contribution_weights(tokens, steps)
+    assert float(plain[-1]) > 0.75                     # before: the liar takes 80 % of the round
+    fair, capped = fair_weights(tokens, steps)
+    assert capped == [4]
+    assert float(fair[-1]) == pytest.approx(0.2) and float(fair.sum()) == pytest.approx(1.0)
+    # honest answers keep their relative weights below the median
+    fair, capped = fair_weights([100.0, 200.0, 300.0], [1.0, 1.0, 1.0])
+    assert capped == [2] and fair.tolist() == pytest.approx([1 / 9, 4 / 9, 4 / 9])
+    # one answer: nothing to compare with
+    assert fair_weights([5.0], [1.0])[0].tolist() == [1.0]
+
+
+def _honest(rng: torch.Generator) -> float:
+    return float(1.0 + 0.2 * torch.rand(1, generator=rng))
+
+
+@pytest.mark.parametrize("hostile", [1, 2])
+def test_the_norm_reference_is_not_dragged_by_a_minority_answering_just_under_the_bound(hostile):
+    """3 honest learners with norms ~1, ``hostile`` learners always answering at 0.99 x the current
+    bound, 200 rounds: the bound stays a few times the honest norm (a pool of everyone's last
+    norms went from 4 to 13,770 with half the answers hostile)."""
+    rng = torch.Generator().manual_seed(0)
+    c = NormClipper()
+    for _ in range(200):
+        for h in range(3):
+            c.observe(_honest(rng), learner=f"honest{h}")
+        for a in range(hostile):
+            b = c.bound()
+            assert c.observe(0.99 * b if b else 50.0, reference=1.0, learner=f"evil{a}") == 1.0
+    assert c.bound() <= 4.0 * 1.2 + 1e-9
+
+
+def test_zero_and_tiny_answers_of_a_free_rider_do_not_drag_the_bound_down():
+    rng = torch.Generator().manual_seed(1)
+    c = NormClipper()
+    for _ in range(100):
+        for h in range(3):
+            c.observe(_honest(rng), learner=f"honest{h}")
+        c.observe(0.0, learner="rider")
+        c.observe(1e-12, learner="rider2")
+    assert c.bound() >= 4.0
+
+
+def test_the_round_bounds_an_answer_from_the_first_round_before_any_history():
+    # 3 honest norms ~1 and one 99 x the fragment's norm: no history yet, the round's median bounds it
+    assert round_bound([1.0, 1.1, 0.9, 99.0], [0.25] * 4) == pytest.approx(2.0)
+    assert round_bound([1.0, 99.0], [0.5, 0.5]) is None           # two answers: no majority to trust
+    c = NormClipper()
+    assert c.observe(99.0, reference=2.0, learner="evil", limit=2.0) == pytest.approx(2.0 / 99.0)
+
+
+def _round(theta: torch.Tensor, honest_dir: torch.Tensor, rng: torch.Generator, attack: torch.Tensor | None,
+           clipper: NormClipper, rule: str) -> torch.Tensor:
+    """One merged outer gradient Δ of 4 honest answers (around ``honest_dir``) and an attacker's."""
+    n = theta.numel()
+    answers, tokens, steps = [], [], []
+    for h in range(4):
+        outer = honest_dir + 0.5 * torch.randn(n, generator=rng) / math.sqrt(n)   # Δ_m, norm ~1.1
+        answers.append((f"h{h}", theta, -outer, 24.0))                   # base Θ, δ_m = −Δ_m
+        tokens.append(24 * 1024.0)
+        steps.append(24.0)
+    if attack is not None:
+        answers.append(("evil", theta, -attack, 24.0))
+        tokens.append(96 * 2048.0)
+        steps.append(96.0)
+    w, _ = fair_weights(tokens, steps)
+    acc = OuterAccumulator(n, [(0, n, "param")], rule)
+    fold_round(acc, theta, answers, w.tolist(), clipper)
+    return acc.result().clone()
+
+
+@pytest.mark.parametrize("rule", ["rda", "mean"])
+@pytest.mark.parametrize("scale", [-8.0, -1e6])
+def test_a_sign_flipped_answer_among_four_honest_ones_does_not_turn_the_merge_backwards(rule, scale):
+    n = 512
+    rng = torch.Generator().manual_seed(2)
+    theta = torch.randn(n, generator=rng)
+    honest_dir = torch.randn(n, generator=rng)
+    honest_dir /= torch.linalg.vector_norm(honest_dir)
+    clipper = NormClipper()
+    for _ in range(20):                                   # history: a few clean rounds
+        _round(theta, honest_dir, rng, None, clipper, rule)
+    for _ in range(20):
+        merged = _round(theta, honest_dir, rng, scale * honest_dir, clipper, rule)
+        along = float(merged @ honest_dir)
+        # an honest round moves ~1.0 along it. RDA: the flipped unit vector weighs 1/5 of the
+        # direction, its norm (clipped to 2 x the round's median) only lengthens the step; mean: the
+        # flipped answer subtracts at most 1/5 x 2 x an honest norm
+        assert along > (0.9 if rule == "rda" else 0.25)
+        assert float(torch.linalg.vector_norm(merged)) < 1.2 * (1 + 0.2 * 2.0)
+
+
+def test_a_round_waits_for_three_answers_while_three_learners_answer_then_falls_back_to_k():
+    robust = QuorumPolicy(quorum=1, tau=2, grace_gamma=0.8, min_answers=3, min_answers_wait_s=10.0)
+    two = RoundView(opened_at_s=0.0, answers=2, quorum_reached_at_s=0.0, live_learners=5, answering=5)
+    assert decide_round(1.0, two, robust, grace_s=0.0)[0] is Decision.WAIT_QUORUM
+    three = RoundView(opened_at_s=0.0, answers=3, quorum_reached_at_s=0.0, live_learners=5, answering=5)
+    assert decide_round(1.0, three, robust, grace_s=0.0)[0] is Decision.MERGE
+    # two learners answering: two answers do
+    pair = RoundView(opened_at_s=0.0, answers=2, quorum_reached_at_s=0.0, live_learners=3, answering=2)
+    assert decide_round(1.0, pair, robust, grace_s=0.0)[0] is Decision.MERGE
+    # honest learners that cannot answer: after the wait the plain quorum K applies
+    assert decide_round(10.5, two, robust, grace_s=0.0)[0] is Decision.MERGE
+    one = RoundView(opened_at_s=0.0, answers=1, quorum_reached_at_s=0.0, live_learners=5, answering=5)
+    assert decide_round(1.0, one, QuorumPolicy(quorum=1, tau=2, grace_gamma=0.8), grace_s=0.0)[0] is Decision.MERGE
