@@ -422,6 +422,7 @@ class Monitor:
             "rejections": {k.removeprefix("rejected_"): int(sum(_f(h, k) for h in shards.values()))
                            for k in sorted({k for h in shards.values() for k in h if k.startswith("rejected_")})},
             "claims_clamped": int(sum(_f(h, "claims_clamped") for h in shards.values())),
+            "weights_capped": int(sum(_f(h, "weights_capped") for h in shards.values())),
             "failures_injected": {},
             "versions_regressed": int(sum(_f(h, "versions_regressed") for h in lives)),
             "learner_processes": len({(lid, h.get("incarnation")) for (lid, _), h in self.lives.items()}

@@ -1218,6 +1218,7 @@ class Shard:
                 "bytes_in": self.stats.bytes_in, "reopens": self.stats.reopens, "heartbeat_at": time.time(),
                 "answers": self.stats.answers, "rounds_behind": self.stats.rounds_behind,
                 "claims_clamped": self.stats.claims_clamped,
+                "weights_capped": self.stats.weights_capped,
                 "merge_s_sum": round(self.stats.merge_s.sum_s, 4), "replies_cached": self.stats.replies_cached,
                 "requests": self.stats.requests, "requests_deduped": self.stats.requests_deduped,
                 "peak_rss_mb": peak_rss_mb(), "cpu_s": round(time.process_time(), 3)})
