@@ -29,7 +29,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -279,3 +279,29 @@ def fold_round(acc: Any, theta: torch.Tensor, answers: Sequence[tuple[str, torch
             acc.fold(theta, base, delta, float(w), scale, m, buf=buf)
         scales.append(scale)
     return scales
+
+
+def choose_copy(copies: dict[str, tuple[int, int]], *, own_version: int, lone_limit: float,
+                distance: Callable[[tuple[int, int]], float] | None = None) -> tuple[int, int] | None:
+    """The (version, digest) of the learners' copies of a fragment a recovering shard adopts, or
+    None (keep its own). ``copies``: learner -> (version, digest of the values) of each one's copy.
+    Honest replicas of one version are bit-identical, so agreement is exact. A version newer
+    than the shard's is adopted when at least two learners hold the same copy of it (the newest
+    such, the most held on a tie). When no two agree on a newer copy, a copy only one learner holds
+    is adopted only if its version is at most ``lone_limit`` (the run's record, written by shards,
+    never by learners; or what the merges since the shard's checkpoint allow); of several such at
+    one version, the nearest to the shard's own value (``distance``): a lone member cannot put an
+    invented version, nor outvote a replica, into the global model."""
+    groups: dict[tuple[int, int], int] = {}
+    for version, digest in copies.values():
+        if version > own_version:
+            groups[(version, digest)] = groups.get((version, digest), 0) + 1
+    agreed = [(key[0], n, key) for key, n in groups.items() if n >= 2]
+    if agreed:
+        return max(agreed)[2]
+    alone = [key for key in groups if key[0] <= lone_limit]
+    if not alone:
+        return None
+    best = max(v for v, _ in alone)
+    tied = [key for key in alone if key[0] == best]
+    return min(tied, key=distance) if distance is not None and len(tied) > 1 else tied[0]

@@ -16,12 +16,14 @@ import socket
 import statistics
 import threading
 import time
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import redis
 import torch
 import zmq
@@ -36,7 +38,7 @@ from common.security import Security
 from common.log import get_logger
 from common.merge import OuterAccumulator, outer_step, quantized_update
 from common.robust import (STEP_TIME_FLOOR_OF_MEDIAN, STEP_TIME_UNKNOWN_S, NormClipper, bound_claims, claims_reference,
-                           fair_weights, fold_round, max_steps_claim, steps_in_time)
+                           choose_copy, fair_weights, fold_round, max_steps_claim, steps_in_time)
 from common.quorum import (Decision, Ema, OpenSchedule, QuorumPolicy, RoundView, decide_round, due_fragments,
                            grace_window_s)
 from tasks.contract import Task, TaskError, bind_task, build_model, count_tokens
@@ -51,6 +53,8 @@ MERGE_WORKERS = 2
 BEHIND_FACTOR = 1.2
 """A fragment whose merges come more than this many times H learner steps apart is behind schedule."""
 RECOVERY_QUIET_S = 3.0
+RECOVERY_COPIES = 64
+"""Distinct copies (and learners) a recovering fragment keeps: bounded whatever members send."""
 """A restarted shard that is not behind the run's record starts merging when no learner holding
 copies has been live for this long (after a Redis restart, learners come back within a heartbeat)."""
 HOLDING = ("training", "blocked", "flushing")
@@ -169,8 +173,14 @@ class Recovery:
     """Not behind the record: if no learner holding copies is live by then, there is none to ask."""
     asked_at: float = -1e9
     answered: set[str] = field(default_factory=set)
-    best: tuple[int, str, torch.Tensor] | None = None
-    """(version, learner, value) of the freshest copy so far."""
+    copies: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """learner -> (version, CRC-32 of the values) of its copy (common.robust.choose_copy)."""
+    values: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    """(version, CRC-32) -> the values: one tensor per distinct copy, at most RECOVERY_COPIES."""
+    lone_limit: float = math.inf
+    """The newest version a copy only one learner holds may have (common.robust.choose_copy): the
+    run's record, or the checkpoint's version + the merges between two checkpoints; no limit when
+    the shard has neither (a wiped shard and an empty Redis: the freshest copy)."""
 
 
 @dataclass
@@ -657,8 +667,10 @@ class Shard:
                 continue
             behind = recorded[p] > f.version
             if behind or live or loaded:  # a checkpoint may be older than the copies learners hold
+                lone = max(recorded[p], f.version + self.options.checkpoint_every_merges) if loaded else \
+                    (recorded[p] or math.inf)
                 f.recovery = Recovery(recorded=recorded[p], deadline=now + self.options.recovery_timeout_s,
-                                      quiet_until=0.0 if behind else now + RECOVERY_QUIET_S)
+                                      quiet_until=0.0 if behind else now + RECOVERY_QUIET_S, lone_limit=lone)
         if self.options.fresh:
             self.log.warning("syncer.fresh_start", versions={p: f.version for p, f in self.frags.items()})
         self._momentum_source = "checkpoint" if loaded else "zero"
@@ -680,16 +692,25 @@ class Shard:
                 continue
             f.recovery = None
             old = f.version
-            if rec.best is not None and rec.best[0] > f.version:
-                version, learner, value = rec.best
-                f.theta, f.master, f.reply = value, None, None
+            own = f.theta
+            chosen = choose_copy(rec.copies, own_version=f.version, lone_limit=rec.lone_limit,
+                                 distance=lambda key: float(torch.linalg.vector_norm(rec.values[key] - own)))
+            if chosen is not None:
+                version = chosen[0]
+                learners = sorted(lid for lid, c in rec.copies.items() if c == chosen)
+                f.theta, f.master, f.reply = rec.values[chosen], None, None
                 f.version = version
                 f.history = {version: f.theta}
-                self.log.info("syncer.recovered", fragment=p, from_version=old, version=version, learner=learner,
+                self.log.info("syncer.recovered", fragment=p, from_version=old, version=version, learners=learners,
                               momentum=self._momentum_source)
                 control.add_event(self.redis, self.keys, "recover", shard=self.options.shard, fragment=p,
-                                  from_version=old, version=version, learner=learner, momentum=self._momentum_source)
+                                  from_version=old, version=version, learner=learners[0], agreeing=len(learners),
+                                  momentum=self._momentum_source)
                 self._publish(self._frag_frames(f))
+            refused = {lid: c for lid, c in rec.copies.items() if c[0] > f.version}
+            if refused:
+                self.log.warning("syncer.recovery_copies_refused", fragment=p, version=f.version,
+                                 copies={lid[:64]: v for lid, (v, _) in list(refused.items())[:10]})
             if f.version < rec.recorded:
                 self.stats.versions_behind += 1
                 self.log.warning("syncer.recovery_incomplete", fragment=p, version=f.version, recorded=rec.recorded,
@@ -707,9 +728,16 @@ class Shard:
         except wire.WireError as e:
             self._count_malformed(e)
             return
+        if len(rec.answered) >= RECOVERY_COPIES and msg.sender not in rec.answered:
+            return
         rec.answered.add(msg.sender)
-        if bool(torch.isfinite(value).all()) and (rec.best is None or msg.version > rec.best[0]):
-            rec.best = (msg.version, msg.sender, value)
+        if not bool(torch.isfinite(value).all()):
+            return
+        key = (int(msg.version), zlib.crc32(value.contiguous().numpy().view(np.uint8)))
+        if key not in rec.values and len(rec.values) >= RECOVERY_COPIES:
+            return
+        rec.values.setdefault(key, value)
+        rec.copies[msg.sender] = key
 
     def _checkpoint_epoch(self) -> int:
         """The epoch recorded in this shard's checkpoint (0: none, or unreadable)."""

@@ -122,3 +122,23 @@ def test_a_round_waits_for_three_answers_while_three_learners_answer_then_falls_
     assert decide_round(10.5, two, robust, grace_s=0.0)[0] is Decision.MERGE
     one = RoundView(opened_at_s=0.0, answers=1, quorum_reached_at_s=0.0, live_learners=5, answering=5)
     assert decide_round(1.0, one, QuorumPolicy(quorum=1, tau=2, grace_gamma=0.8), grace_s=0.0)[0] is Decision.MERGE
+
+
+def test_a_recovering_shard_adopts_a_copy_two_learners_agree_on_not_a_lone_members_invention():
+    from common.robust import choose_copy
+    honest = {"a": (10, 111), "b": (10, 111), "c": (9, 222)}
+    # a member claiming a far newer version with its own values: outvoted by two identical replicas
+    assert choose_copy({**honest, "evil": (10**6, 999)}, own_version=5, lone_limit=10) == (10, 111)
+    # the same version as the replicas but other values: the replicas agree, the lone copy does not
+    assert choose_copy({**honest, "evil": (10, 999)}, own_version=5, lone_limit=10) == (10, 111)
+    # one honest learner and the member: no agreement; the lone copy within the run's record wins,
+    # one beyond it is refused
+    assert choose_copy({"a": (10, 111), "evil": (10**6, 999)}, own_version=5, lone_limit=10) == (10, 111)
+    # a tie at one version: the copy nearest the shard's own value
+    near = {(10, 111): 0.5, (10, 999): 1e9}
+    assert choose_copy({"a": (10, 111), "evil": (10, 999)}, own_version=5, lone_limit=10,
+                       distance=near.__getitem__) == (10, 111)
+    # nothing newer than the shard's own: keep it
+    assert choose_copy({"a": (4, 1), "b": (4, 1)}, own_version=5, lone_limit=10) is None
+    # one learner, one copy within the limit: adopted (the only source there is)
+    assert choose_copy({"a": (8, 3)}, own_version=5, lone_limit=10) == (8, 3)
