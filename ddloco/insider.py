@@ -61,7 +61,9 @@ they may leave the run broken)."""
 GROUPS = {"all": ORDER, "wire": WIRE, "memory": MEMORY, "redis": REDIS}
 MAX_STEPS_FACTOR = 8          # the shards' default syncer.max_steps_factor
 CLIP_FACTOR = 4.0             # the shards' NormClipper.factor
-GROWTH_BOUND_MIB = 64.0       # a member's traffic may grow no process by more than this
+GROWTH_BOUND_MIB = {"subscriptions": 8.0, "bigframe": 64.0, "slowpeer": 64.0}
+"""MiB a member's traffic may grow any one process by, per attack (a cap of subscriptions per
+subscriber, a maximum message size, replies never queued for a client that does not read)."""
 SAMPLE_EVERY_S = 2.0
 
 
@@ -289,6 +291,7 @@ def attack_flood(ins: Insider, seconds: float) -> dict[str, Any]:
     sub, pub, rep = _subscriber(ins), ins.socket(zmq.PUB, ins.endpoints.broker_pub, "broker"), Replica()
     frames: dict[int, list[Any]] = {}
     sent = dropped = 0
+    received0 = _shards_received(ins)
     t0 = time.monotonic()
     try:
         while (now := time.monotonic()) < t0 + seconds:
@@ -310,7 +313,18 @@ def attack_flood(ins: Insider, seconds: float) -> dict[str, Any]:
     finally:
         sub.close(linger=0)
         pub.close(linger=0)
-    return {"answers_sent": sent, "dropped_at_send": dropped, "rate_per_s": round(sent / max(seconds, 1e-9))}
+    _hold(ins, 1.5)            # the shards' counters reach Redis every second
+    return {"answers_sent": sent, "dropped_at_send": dropped, "rate_per_s": round(sent / max(seconds, 1e-9)),
+            "shards_received": _shards_received(ins) - received0}
+
+
+def _shards_received(ins: Insider) -> int:
+    """Answers the shards have taken in (into a round, or counted late or on a stale base)."""
+    try:
+        return sum(int(float(h.get(k) or 0)) for h in control.shard_table(ins.r, ins.keys).values()
+                   for k in ("answers", "late_answers", "stale_base"))
+    except (redis.RedisError, ValueError):
+        return 0
 
 
 # ----------------------------------------------------------------------------- memory
@@ -383,6 +397,7 @@ def attack_slowpeer(ins: Insider, seconds: float) -> dict[str, Any]:
         s.connect(ep)
         socks[lid] = s
     asked = [0]
+    served0 = _states_served(ins)
 
     def ask() -> None:
         for s in socks.values():
@@ -396,7 +411,18 @@ def attack_slowpeer(ins: Insider, seconds: float) -> dict[str, Any]:
     finally:
         for s in socks.values():
             s.close(linger=0)
-    return {"peers": sorted(peers), "requests": asked[0]}
+    served = _states_served(ins)
+    return {"peers": sorted(peers), "requests": asked[0],
+            "states_served": {lid: served.get(lid, 0) - served0.get(lid, 0) for lid in peers}}
+
+
+def _states_served(ins: Insider) -> dict[str, int]:
+    """States each learner has served to joining peers (its ``bootstraps_served``)."""
+    try:
+        return {lid: int(float(h.get("bootstraps_served") or 0))
+                for lid, h in control.live_learners(ins.r, ins.keys).items()}
+    except (redis.RedisError, ValueError):
+        return {}
 
 
 # ----------------------------------------------------------------------------- Redis writes
@@ -439,14 +465,15 @@ return 1
 
 def attack_eval_busy(ins: Insider, seconds: float) -> dict[str, Any]:
     """A script that spins ``busy_s`` seconds; how long another client's PING waited meanwhile."""
-    kw = dict(ins.r.connection_pool.connection_kwargs)
-    kw.update(socket_timeout=ins.busy_s + 10, socket_connect_timeout=5)
-    attacker = redis.Redis(**kw)
+    def conn() -> Any:
+        return redis.Redis.from_url(ins.endpoints.redis_url, socket_timeout=ins.busy_s + 10, socket_connect_timeout=5,
+                                    decode_responses=True)
+    attacker = conn()
     result: dict[str, Any] = {}
     t = threading.Thread(target=lambda: result.update(_try(lambda: attacker.eval(_BUSY, 0, ins.busy_s))), daemon=True)
     t.start()
     threading.Event().wait(0.2)
-    other = redis.Redis(**kw)
+    other = conn()
     t0 = time.monotonic()
     while True:
         try:
@@ -515,10 +542,11 @@ def attack_scan(ins: Insider, seconds: float) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- the task spec
-def attack_spec(ins: Insider, seconds: float, trigger: Callable[[], None] | None = None) -> dict[str, Any]:
+def attack_spec(ins: Insider, seconds: float,
+                trigger: Callable[[Path], dict[str, Any] | None] | None = None) -> dict[str, Any]:
     """The run's stored task spec names ``subprocess:getoutput`` with ``touch MARKER``; watch for
-    the marker for ``seconds`` (``trigger``: start a victim, e.g. a process joining without
-    --task); the original config is written back afterwards."""
+    the marker for ``seconds`` (``trigger(marker)``: run victims, e.g. a process joining without
+    --task, and say what they did); the original config is written back afterwards."""
     marker = (ins.marker_dir / f"insider-spec-marker-{ins.endpoints.run_id}").absolute()
     marker.unlink(missing_ok=True)
     original = ins.r.hget(ins.keys.config, "blob")
@@ -528,12 +556,12 @@ def attack_spec(ins: Insider, seconds: float, trigger: Callable[[], None] | None
     out = _try(lambda: ins.r.hset(ins.keys.config, "blob", json.dumps(blob, sort_keys=True)))
     try:
         if trigger is not None:
-            trigger()
+            out.update(trigger(marker) or {})
         _hold(ins, seconds, None)
     finally:
         if out["allowed"]:
             _try(lambda: ins.r.hset(ins.keys.config, "blob", original))
-    return {**out, "marker": str(marker), "marker_appeared": marker.exists()}
+    return {**out, "marker": str(marker), "marker_appeared": marker.exists() or bool(out.get("ran_it"))}
 
 
 ATTACKS: dict[str, Callable[[Insider, float], dict[str, Any]]] = {

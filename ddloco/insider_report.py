@@ -9,6 +9,7 @@ the outcome is the one issue 26's fixes aim for (``verdict``, a pure function of
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -21,6 +22,8 @@ from ddloco import insider as atk
 MERGE_RATE_KEPT = 0.5      # under a flood, merges go on at least at this share of the rate before
 EVAL_WORSE_BOUND = 1.10    # the eval loss after a model attack at most this x the one before
 FAIR_WEIGHT = 0.5          # no attacker answer above half of a round's weight
+FLOOD_PASSED = 0.1         # at most this share of a flood reaches the shards (a per-member rate limit)
+SLOW_PEER_STATES = 2       # states a learner serves to a peer that never reads
 
 
 def redis_state(r: Any, keys: Keys) -> dict[str, Any]:
@@ -43,23 +46,26 @@ def redis_state(r: Any, keys: Keys) -> dict[str, Any]:
         return {"unreadable": f"{type(e).__name__}: {e}"}
 
 
-def state_problems(st: dict[str, Any]) -> list[str]:
-    """What in ``redis_state`` no honest member would have left (empty: sane)."""
+def state_problems(st: dict[str, Any]) -> dict[str, str]:
+    """What in ``redis_state`` no honest member would have left, by the attack that leaves it
+    (empty: sane)."""
     if "unreadable" in st:
-        return [f"state unreadable: {st['unreadable']}"]
-    out = []
+        return {"state": f"unreadable: {st['unreadable']}"}
+    out = {}
     if st["tokens"] > 1.01 * st["token_shares_sum"] + 10_000:
-        out.append(f"token count {st['tokens']:,} above the sum of the learners' shares {st['token_shares_sum']:,}")
+        out["tokens"] = f"token count {st['tokens']:,} above the sum of the learners' shares {st['token_shares_sum']:,}"
     if st["immortal_members"]:
-        out.append(f"{len(st['immortal_members'])} member(s) whose heartbeat never expires")
-    bad = [s for s in st["shards"] if not s.isdigit() or int(s) >= max(st["shards_configured"], 1)]
-    if bad:
-        out.append(f"shard set holds {bad} (the run has {st['shards_configured']} shards)")
+        out["ghosts"] = f"{len(st['immortal_members'])} member(s) whose heartbeat never expires"
+    if "x" in st["shards"] or any(not s.isdigit() for s in st["shards"]):
+        out["shards-x"] = f"shard set holds {[s for s in st['shards'] if not s.isdigit()]}"
+    fake = [s for s in st["shards"] if s.isdigit() and int(s) >= max(st["shards_configured"], 1)]
+    if fake:
+        out["fake-shard"] = f"shard set holds {fake} (the run has {st['shards_configured']} shards)"
     for s, lease in st["leases"].items():
         if lease["holder"] is not None and (lease["ttl_ms"] < 0 or lease["holder"].count(":") != 2):
-            out.append(f"lease of shard {s} held by {lease['holder']!r} with ttl {lease['ttl_ms']} ms")
+            out["lease"] = f"lease of shard {s} held by {lease['holder']!r} with ttl {lease['ttl_ms']} ms"
     if st["epochs"] >= 2**62:
-        out.append(f"epochs at {st['epochs']}")
+        out["epochs"] = f"epochs at {st['epochs']}"
     return out
 
 
@@ -92,20 +98,31 @@ def verdict(name: str, e: dict[str, Any]) -> list[str]:
         if e["merges"].get("attacker_weight_max", 0) > FAIR_WEIGHT + 1e-6:
             why.append(f"an attacker answer took {e['merges']['attacker_weight_max']:.0%} of a round's weight")
         before, after = c["eval_loss"]
-        if before and after and after > EVAL_WORSE_BOUND * before:
+        if after is not None and not math.isfinite(after):
+            why.append(f"eval loss {after}")
+        elif before and after and after > EVAL_WORSE_BOUND * before:
             why.append(f"eval loss {before:.4g} -> {after:.4g}")
-    if name == "flood" and c["merge_rate_during"] < MERGE_RATE_KEPT * c["merge_rate_before"]:
-        why.append(f"merges/s {c['merge_rate_before']:.2f} -> {c['merge_rate_during']:.2f} under the flood")
+    if name == "flood":
+        if c["merge_rate_during"] < MERGE_RATE_KEPT * c["merge_rate_before"]:
+            why.append(f"merges/s {c['merge_rate_before']:.2f} -> {c['merge_rate_during']:.2f} under the flood")
+        if a.get("shards_received", 0) > FLOOD_PASSED * a.get("answers_sent", 0):
+            why.append(f"the shards took in {a['shards_received']:,} of the flood's {a['answers_sent']:,} answers")
     if name in atk.MEMORY:
-        worst = max(c["rss_growth_mib"].items(), key=lambda kv: kv[1], default=("", 0.0))
-        if worst[1] > atk.GROWTH_BOUND_MIB:
-            why.append(f"{worst[0]} grew {worst[1]:.0f} MiB (bound {atk.GROWTH_BOUND_MIB:.0f})")
-    if name in atk.REDIS and a.get("allowed"):
+        worst, bound = max(c["rss_growth_mib"].items(), key=lambda kv: kv[1], default=("", 0.0)), \
+            atk.GROWTH_BOUND_MIB[name]
+        if worst[1] > bound:
+            why.append(f"{worst[0]} grew {worst[1]:.0f} MiB (bound {bound:.0f})")
+    if name == "slowpeer":
+        many = {lid: n for lid, n in a.get("states_served", {}).items() if n > SLOW_PEER_STATES}
+        if many:
+            why.append(f"states served to a peer that never reads: {many}")
+    if name in atk.REDIS and (a.get("allowed") or a.get("scan_allowed")):
         if name == "eval-busy" and a.get("other_client_waited_s", 0) >= 1.0:
             why.append(f"Redis froze {a['other_client_waited_s']:.1f} s")
         elif name == "scan":
-            why.append(f"{a['foreign_keys']} keys of other runs listed")
-        why += [f"after the attack: {p}" for p in e["problems_after"]]
+            why.append(f"SCAN allowed ({a['foreign_keys']} keys of other runs listed)")
+        if name in e["problems_after"] or "state" in e["problems_after"]:
+            why.append(f"after the attack: {e['problems_after'].get(name) or e['problems_after']['state']}")
     if name == "spec" and a.get("marker_appeared"):
         why.append("the stored task spec ran a shell command")
     return why
@@ -159,8 +176,10 @@ def run_one(ins: atk.Insider, name: str, seconds: float, settle_s: float, observ
 
 
 def run_insider(ins: atk.Insider, attacks: Sequence[str], *, seconds: float, settle_s: float, observer: Any,
-                say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every attack of ``attacks`` in turn; the report ``ddloco fuzz --insider`` writes."""
+                say: Callable[[str], None] = print,
+                custom: dict[str, Callable[[atk.Insider, float], dict[str, Any]]] | None = None) -> dict[str, Any]:
+    """Every attack of ``attacks`` in turn (``custom``: another function for a name, e.g. the spec
+    attack with a victim to start); the report ``ddloco fuzz --insider`` writes."""
     from ddloco.fuzz import FuzzReport
     ins.acc = FuzzReport(seed=0)
     start = atk.sample(ins)
@@ -169,7 +188,7 @@ def run_insider(ins: atk.Insider, attacks: Sequence[str], *, seconds: float, set
     entries = []
     for name in attacks:
         say(f"insider    {name}: {seconds:g}s, then {settle_s:g}s without the attacker")
-        entry, before = run_one(ins, name, seconds, settle_s, observer, before)
+        entry, before = run_one(ins, name, seconds, settle_s, observer, before, (custom or {}).get(name))
         entries.append(entry)
         say(f"insider    {name}: " + ("defended" if entry["defended"] else "NOT defended: "
                                       + "; ".join(entry["why_not_defended"])))
