@@ -15,6 +15,9 @@ Every 2 s it samples the cluster's processes (from Redis, and the broker by its 
 gone is a crash, a live process whose heartbeat stopped is a hang, resident memory is compared
 with the start (growth), and training must go on (merges and learner steps keep rising).
 Writes DIR/fuzz.json; exit code 0 only with no crash, no hang and training going on.
+
+``--insider``: instead, a compromised learner's attacks, one after another (``--attack``; see
+``ddloco/insider.py``), each judged; DIR/insider.json, exit code 0 only if every one was defended.
 """
 from __future__ import annotations
 

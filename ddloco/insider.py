@@ -27,21 +27,21 @@ client speaking the real wire protocol (``common.wire``) or real Redis commands:
   shard's RPC), ``slowpeer`` (asks every learner's peer endpoint for its state in a loop and
   never reads).
 
-Each attack's entry says what the attacker managed, what the cluster did (merges, learner steps,
-eval loss from the run's ``eval`` hash, crashes and hangs, resident memory growth, sampled like
-``ddloco fuzz``) and ``defended`` (the outcome the fixes of issue 26 aim for).
+The Redis writes and the spec attack live in ``ddloco/insider_redis.py``, the judging in
+``ddloco/insider_report.py``. Each attack's entry says what the attacker managed, what the
+cluster did (merges, learner steps, eval loss from the run's ``eval`` hash, crashes and hangs,
+resident memory growth, sampled like ``ddloco fuzz``) and ``defended`` (the outcome the fixes of
+issue 26 aim for).
 """
 from __future__ import annotations
 
-import json
-import math
 import statistics
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import redis
 import torch
@@ -99,6 +99,8 @@ class Insider:
     subscriptions: int = 100_000
     bigframe_mib: int = 512
     sample_errors: int = 0
+    evals: list[float] = field(default_factory=list)
+    """The run's eval losses seen at the samples (its ``eval`` hash, written by ``ddloco up``)."""
     _last_sample: float = 0.0
     _last_beat: float = 0.0
 
@@ -142,6 +144,9 @@ def sample(ins: Insider) -> Any:
         ins.sample_errors += 1
         return e
     _take(s, ins.acc)
+    loss = eval_loss(ins.watch.r, ins.keys)
+    if loss is not None and (not ins.evals or loss != ins.evals[-1]):
+        ins.evals.append(loss)
     return s
 
 
@@ -313,7 +318,7 @@ def attack_flood(ins: Insider, seconds: float) -> dict[str, Any]:
     finally:
         sub.close(linger=0)
         pub.close(linger=0)
-    _hold(ins, 1.5)            # the shards' counters reach Redis every second
+    hold(ins, 1.5)            # the shards' counters reach Redis every second
     return {"answers_sent": sent, "dropped_at_send": dropped, "rate_per_s": round(sent / max(seconds, 1e-9)),
             "shards_received": _shards_received(ins) - received0}
 
@@ -328,7 +333,7 @@ def _shards_received(ins: Insider) -> int:
 
 
 # ----------------------------------------------------------------------------- memory
-def _hold(ins: Insider, seconds: float, every: Callable[[], None] | None = None) -> None:
+def hold(ins: Insider, seconds: float, every: Callable[[], None] | None = None) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         ins.tick()
@@ -345,7 +350,7 @@ def attack_subscriptions(ins: Insider, seconds: float) -> dict[str, Any]:
             sub.setsockopt(zmq.SUBSCRIBE, f"{ins.endpoints.run_id}|zzz.{i:09d}".encode())
             if i % 5000 == 0:
                 ins.tick()
-        _hold(ins, seconds)
+        hold(ins, seconds)
     finally:
         sub.close(linger=0)
     return {"subscriptions": ins.subscriptions}
@@ -357,7 +362,7 @@ def attack_bigframe(ins: Insider, seconds: float) -> dict[str, Any]:
     frames = wire.encode(kind=wire.UPDATE, run=ins.endpoints.run_id, sender=SENDER, fragment=0, codec="fp32",
                          encoded=([big], len(big) // 4), round=0, base=0, steps=1, tokens=1)
     pub = ins.socket(zmq.PUB, ins.endpoints.broker_pub, "broker")
-    _, eps = _shard_endpoints(ins)
+    _, eps = shard_endpoints(ins)
     dealers = [ins.socket(zmq.DEALER, ep, f"shard{k}") for k, ep in eps.items()]
     sent = 0
     try:
@@ -367,15 +372,15 @@ def attack_bigframe(ins: Insider, seconds: float) -> dict[str, Any]:
             for d in dealers:
                 d.send_multipart([frames[0].replace(b"|upd.", b"|get."), frames[1], big], copy=False)
             sent += 1
-            _hold(ins, min(1.0, max(end - time.monotonic(), 0)))
-        _hold(ins, max(end - time.monotonic(), 0))
+            hold(ins, min(1.0, max(end - time.monotonic(), 0)))
+        hold(ins, max(end - time.monotonic(), 0))
     finally:
         for s in (pub, *dealers):
             s.close(linger=0)
     return {"frames_mib": ins.bigframe_mib, "sent_to_broker": sent, "sent_to_shards": sent * len(dealers)}
 
 
-def _shard_endpoints(ins: Insider) -> tuple[int, dict[int, str]]:
+def shard_endpoints(ins: Insider) -> tuple[int, dict[int, str]]:
     try:
         return control.shard_endpoints(ins.r, ins.keys)
     except (redis.RedisError, ValueError):
@@ -407,7 +412,7 @@ def attack_slowpeer(ins: Insider, seconds: float) -> dict[str, Any]:
             except zmq.Again:
                 pass
     try:
-        _hold(ins, seconds, ask)
+        hold(ins, seconds, ask)
     finally:
         for s in socks.values():
             s.close(linger=0)
@@ -423,151 +428,3 @@ def _states_served(ins: Insider) -> dict[str, int]:
                 for lid, h in control.live_learners(ins.r, ins.keys).items()}
     except (redis.RedisError, ValueError):
         return {}
-
-
-# ----------------------------------------------------------------------------- Redis writes
-def _try(fn: Callable[[], Any]) -> dict[str, Any]:
-    """Whether Redis let the learner's user do ``fn``: allowed, or refused with the server's reason."""
-    try:
-        fn()
-        return {"allowed": True}
-    except redis.RedisError as e:
-        return {"allowed": False, "refused": f"{type(e).__name__}: {str(e)[:200]}"}
-
-
-def attack_tokens(ins: Insider, seconds: float) -> dict[str, Any]:
-    out = _try(lambda: ins.r.set(ins.keys.tokens, 10**15))
-    _hold(ins, seconds)
-    return out
-
-
-def attack_ghosts(ins: Insider, seconds: float) -> dict[str, Any]:
-    def write() -> None:
-        pipe = ins.r.pipeline(transaction=False)
-        for i in range(20):
-            lid = f"ghost-{i}"
-            pipe.sadd(ins.keys.learners, lid)
-            pipe.set(ins.keys.heartbeat(lid), "1")            # no TTL: never expires
-            pipe.hset(ins.keys.learner(lid), mapping={"status": "training", "step_ema_s": 100.0})
-        pipe.execute()
-    out = _try(write)
-    _hold(ins, seconds)
-    return out
-
-
-_BUSY = """
-local t = redis.call('TIME')
-local start = t[1] * 1000000 + t[2]
-repeat local n = redis.call('TIME') until n[1] * 1000000 + n[2] - start > tonumber(ARGV[1]) * 1000000
-return 1
-"""
-
-
-def attack_eval_busy(ins: Insider, seconds: float) -> dict[str, Any]:
-    """A script that spins ``busy_s`` seconds; how long another client's PING waited meanwhile."""
-    def conn() -> Any:
-        return redis.Redis.from_url(ins.endpoints.redis_url, socket_timeout=ins.busy_s + 10, socket_connect_timeout=5,
-                                    decode_responses=True)
-    attacker = conn()
-    result: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: result.update(_try(lambda: attacker.eval(_BUSY, 0, ins.busy_s))), daemon=True)
-    t.start()
-    threading.Event().wait(0.2)
-    other = conn()
-    t0 = time.monotonic()
-    while True:
-        try:
-            other.ping()
-            break
-        except redis.BusyLoadingError:
-            pass
-        except redis.ResponseError as e:   # BUSY: a script runs past lua-time-limit
-            if "BUSY" not in str(e) or time.monotonic() - t0 > 60:
-                break
-        threading.Event().wait(0.05)
-    frozen = time.monotonic() - t0
-    t.join(ins.busy_s + 15)
-    attacker.close()
-    other.close()
-    _hold(ins, seconds)
-    return {**result, "other_client_waited_s": round(frozen, 3)}
-
-
-def attack_epochs(ins: Insider, seconds: float) -> dict[str, Any]:
-    out = _try(lambda: ins.r.set(ins.keys.epochs, 2**63 - 1))
-    _hold(ins, seconds)
-    return out
-
-
-def attack_fake_shard(ins: Insider, seconds: float) -> dict[str, Any]:
-    """Shard S (one past the last): its endpoint, a key nobody listed, S + 1 shards claimed."""
-    n, _ = _shard_endpoints(ins)
-
-    def write() -> None:
-        pipe = ins.r.pipeline(transaction=False)
-        pipe.sadd(ins.keys.shards, n)
-        pipe.hset(ins.keys.shard(n), mapping={"rpc": "tcp://127.0.0.1:9", "shards": n + 1, "pid": 1,
-                                              "status": "running", "heartbeat_at": time.time()})
-        pipe.execute()
-    out = _try(write)
-    _hold(ins, seconds)
-    return {**out, "shard": n}
-
-
-def attack_shards_x(ins: Insider, seconds: float) -> dict[str, Any]:
-    out = _try(lambda: ins.r.sadd(ins.keys.shards, "x"))
-    _hold(ins, seconds)
-    return out
-
-
-def attack_lease(ins: Insider, seconds: float) -> dict[str, Any]:
-    n, _ = _shard_endpoints(ins)
-    k = max(n - 1, 0)
-    out = _try(lambda: ins.r.set(ins.keys.shard_lease(k), "evil"))
-    _hold(ins, seconds)
-    return {**out, "shard": k}
-
-
-def attack_scan(ins: Insider, seconds: float) -> dict[str, Any]:
-    """Keys of other runs the learner's user can list (and read)."""
-    foreign: list[str] = []
-    out = _try(lambda: foreign.extend(k for k in ins.r.scan_iter(match="*", count=1000)
-                                      if not k.startswith(ins.keys.prefix)))
-    read = 0
-    for k in foreign[:50]:
-        if _try(lambda k=k: ins.r.type(k) and ins.r.dump(k))["allowed"]:
-            read += 1
-    return {**out, "allowed": out["allowed"] and bool(foreign), "scan_allowed": out["allowed"],
-            "foreign_keys": len(foreign), "foreign_keys_read": read, "examples": foreign[:5]}
-
-
-# ----------------------------------------------------------------------------- the task spec
-def attack_spec(ins: Insider, seconds: float,
-                trigger: Callable[[Path], dict[str, Any] | None] | None = None) -> dict[str, Any]:
-    """The run's stored task spec names ``subprocess:getoutput`` with ``touch MARKER``; watch for
-    the marker for ``seconds`` (``trigger(marker)``: run victims, e.g. a process joining without
-    --task, and say what they did); the original config is written back afterwards."""
-    marker = (ins.marker_dir / f"insider-spec-marker-{ins.endpoints.run_id}").absolute()
-    marker.unlink(missing_ok=True)
-    original = ins.r.hget(ins.keys.config, "blob")
-    blob = json.loads(original)
-    blob["config"]["task"]["spec"] = "subprocess:getoutput"
-    blob["config"]["task"]["args"] = {"cmd": f"touch {marker}"}
-    out = _try(lambda: ins.r.hset(ins.keys.config, "blob", json.dumps(blob, sort_keys=True)))
-    try:
-        if trigger is not None:
-            out.update(trigger(marker) or {})
-        _hold(ins, seconds, None)
-    finally:
-        if out["allowed"]:
-            _try(lambda: ins.r.hset(ins.keys.config, "blob", original))
-    return {**out, "marker": str(marker), "marker_appeared": marker.exists() or bool(out.get("ran_it"))}
-
-
-ATTACKS: dict[str, Callable[[Insider, float], dict[str, Any]]] = {
-    "spec": attack_spec, "signflip": attack_signflip, "signflip-adaptive": attack_signflip_adaptive,
-    "freerider": attack_freerider, "flood": attack_flood, "tokens": attack_tokens, "ghosts": attack_ghosts,
-    "eval-busy": attack_eval_busy, "epochs": attack_epochs, "fake-shard": attack_fake_shard,
-    "shards-x": attack_shards_x, "lease": attack_lease, "scan": attack_scan,
-    "subscriptions": attack_subscriptions, "bigframe": attack_bigframe, "slowpeer": attack_slowpeer,
-}

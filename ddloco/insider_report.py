@@ -18,12 +18,23 @@ import redis
 from common import control
 from common.keys import Keys
 from ddloco import insider as atk
+from ddloco import insider_redis as rw
 
 MERGE_RATE_KEPT = 0.5      # under a flood, merges go on at least at this share of the rate before
 EVAL_WORSE_BOUND = 1.10    # the eval loss after a model attack at most this x the one before
 FAIR_WEIGHT = 0.5          # no attacker answer above half of a round's weight
 FLOOD_PASSED = 0.1         # at most this share of a flood reaches the shards (a per-member rate limit)
 SLOW_PEER_STATES = 2       # states a learner serves to a peer that never reads
+
+
+ATTACKS: dict[str, Callable[[atk.Insider, float], dict[str, Any]]] = {
+    "spec": rw.attack_spec, "signflip": atk.attack_signflip, "signflip-adaptive": atk.attack_signflip_adaptive,
+    "freerider": atk.attack_freerider, "flood": atk.attack_flood, "tokens": rw.attack_tokens, "ghosts": rw.attack_ghosts,
+    "eval-busy": rw.attack_eval_busy, "epochs": rw.attack_epochs, "fake-shard": rw.attack_fake_shard,
+    "shards-x": rw.attack_shards_x, "lease": rw.attack_lease, "scan": rw.attack_scan,
+    "subscriptions": atk.attack_subscriptions, "bigframe": atk.attack_bigframe, "slowpeer": atk.attack_slowpeer,
+}
+"""Every attack by name (``ddloco.insider.ORDER``)."""
 
 
 def redis_state(r: Any, keys: Keys) -> dict[str, Any]:
@@ -97,7 +108,7 @@ def verdict(name: str, e: dict[str, Any]) -> list[str]:
     if name in ("signflip", "signflip-adaptive", "freerider"):
         if e["merges"].get("attacker_weight_max", 0) > FAIR_WEIGHT + 1e-6:
             why.append(f"an attacker answer took {e['merges']['attacker_weight_max']:.0%} of a round's weight")
-        before, after = c["eval_loss"]
+        before, after = c["eval_loss"][0], c.get("eval_loss_worst_during") or c["eval_loss"][1]
         if after is not None and not math.isfinite(after):
             why.append(f"eval loss {after}")
         elif before and after and after > EVAL_WORSE_BOUND * before:
@@ -149,12 +160,14 @@ def run_one(ins: atk.Insider, name: str, seconds: float, settle_s: float, observ
     acc.merges, acc.learner_steps = (m0, m0), (s0, s0)
     rate_before = (m0 - before[1]) / max(time.monotonic() - before[0], 1e-9)
     eval0, wall0, t0 = atk.eval_loss(observer, ins.keys), time.time(), time.monotonic()
+    ins.evals = [eval0] if eval0 is not None else []
     try:
-        result = (attack or atk.ATTACKS[name])(ins, seconds)
+        result = (attack or ATTACKS[name])(ins, seconds)
     except (redis.RedisError, OSError, ValueError) as e:     # the attack itself could not run
         result = {"error": f"{type(e).__name__}: {e}"}
     ins.tick(force=True)
     t1, m1, rss_attack = time.monotonic(), acc.merges[1], dict(acc.rss_kb_max)
+    during = ins.evals[1:]
     _window(ins, settle_s)
     ins.tick(force=True)
     state = redis_state(observer, ins.keys)
@@ -163,6 +176,8 @@ def run_one(ins: atk.Insider, name: str, seconds: float, settle_s: float, observ
                          "merge_rate_during": round((m1 - m0) / max(t1 - t0, 1e-9), 3),
                          "learner_steps": list(acc.learner_steps),
                          "eval_loss": [eval0, atk.eval_loss(observer, ins.keys)],
+                         "eval_loss_worst_during": max(during, key=lambda v: v if math.isfinite(v) else math.inf)
+                         if during else None,
                          "crashes": list(acc.crashes), "hangs": list(acc.hangs),
                          "training_went_on": acc.merges[1] > m1 and acc.learner_steps[1] > s0,
                          "rss_growth_mib": {k: round((v - acc.rss_kb_start.get(k, v)) / 1024, 1)

@@ -32,8 +32,11 @@ pytestmark = [pytest.mark.insider, pytest.mark.timeout(240)]
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
 LEARNERS = 3
-UP = ("up", "--task", "examples.cnn:task", "--learners", str(LEARNERS), "--syncers", "2", "--minutes", "10",
-      "--step-time-floor-ms", "50", "--quiet")
+UP = ("up", "--config", "up.toml", "--task", "examples.cnn:task", "--learners", str(LEARNERS), "--syncers", "2",
+      "--minutes", "10", "--step-time-floor-ms", "50", "--quiet")
+UP_TOML = "[up]\neval_every_s = 1.0\n"
+"""An evaluation of the global model every second (the example CNN's takes ~0.1 s): the attacks'
+windows each see several."""
 
 
 @dataclass
@@ -89,6 +92,7 @@ def _learner_url(run: LiveRun) -> str:
 def _start(base: Path, n: int) -> LiveRun:
     cwd = base / f"run{n}"
     cwd.mkdir(parents=True)
+    (cwd / "up.toml").write_text(UP_TOML)
     run = LiveRun(subprocess.Popen([sys.executable, "-m", "ddloco", *UP, "--run-id", f"insider{n}"], cwd=cwd, env=ENV,
                                    stdout=open(cwd / "up.log", "w"), stderr=subprocess.STDOUT), cwd, f"insider{n}")
     access = wait_until(lambda: next(iter((cwd / "runs").glob("*/access.env")), None) if (cwd / "runs").exists()
@@ -145,13 +149,6 @@ def attack(run: LiveRun, name: str, *, seconds: float = 3.0, settle_s: float = 2
     return rep["attacks"][0]
 
 
-def _fresh_eval(run: LiveRun, after_wall: float) -> float:
-    """The eval loss of the first evaluation `up` made after ``after_wall``."""
-    r = run.admin()
-    wait_until(lambda: float(r.hget(run.keys.eval, "at") or 0) > after_wall, 30, what="an evaluation after the attack")
-    return float(r.hget(run.keys.eval, "loss"))
-
-
 def _alive_and_training(e: dict[str, Any]) -> None:
     c = e["cluster"]
     assert not c["crashes"], f"{e['attack']}: processes gone {c['crashes']}"
@@ -184,7 +181,7 @@ def test_spec_a_task_spec_written_to_redis_runs_nothing_in_an_operator_or_joinin
                 marker.unlink()
         return {"ran_it": ran}
 
-    from ddloco.insider import attack_spec
+    from ddloco.insider_redis import attack_spec
     e = attack(run, "spec", seconds=0.5, custom=lambda ins, s: attack_spec(ins, s, trigger=run_victims))
     assert not e["attacker"]["marker_appeared"], f"the stored spec ran a shell command ({e['attacker']})"
     _alive_and_training(e)
@@ -192,16 +189,15 @@ def test_spec_a_task_spec_written_to_redis_runs_nothing_in_an_operator_or_joinin
 
 # ----------------------------------------------------------------------------- the global model
 def _model_attack_defended(run: LiveRun, name: str) -> None:
-    t0 = time.time()
-    before = _fresh_eval(run, t0 - 8)
     e = attack(run, name, seconds=5.0)
-    after = _fresh_eval(run, time.time())
-    m = e["merges"]
+    c, m = e["cluster"], e["merges"]
     _alive_and_training(e)
     assert e["attacker"]["answers_sent"] > 0, e["attacker"]
     assert m["attacker_weight_max"] <= 0.5, (f"{name}: an attacker answer took {m['attacker_weight_max']:.0%} of "
                                              f"a round's weight ({m['merges_with_attacker']} of {m['merges']} merges)")
-    assert math.isfinite(after) and after <= 1.10 * before, f"{name}: eval loss {before:.4g} -> {after:.4g}"
+    before, worst = c["eval_loss"][0], c["eval_loss_worst_during"]
+    assert before is not None and worst is not None, f"{name}: no evaluation before or during the attack: {c}"
+    assert math.isfinite(worst) and worst <= 1.10 * before, f"{name}: eval loss {before:.4g} -> {worst:.4g} under attack"
 
 
 def test_signflip_an_answer_at_the_bounds_takes_no_more_than_a_fair_share_and_the_model_holds(runs):
