@@ -245,7 +245,7 @@ def answer_rounds(ins: Insider, seconds: float, make_delta: Callable[[Replica, i
     """Answer every round of every fragment as soon as it opens, for ``seconds``."""
     sub, pub, rep = _subscriber(ins), ins.socket(zmq.PUB, ins.endpoints.broker_pub, "broker"), Replica()
     answered: set[tuple[int, int, int]] = set()
-    sent = skipped = 0
+    sent = skipped = unencodable = 0
     end = time.monotonic() + seconds
     try:
         while time.monotonic() < end:
@@ -260,13 +260,19 @@ def answer_rounds(ins: Insider, seconds: float, make_delta: Callable[[Replica, i
                     skipped += 1
                     continue
                 answered.add(key)
-                pub.send_multipart(answer(ins, msg, delta, *claims), copy=False)
+                try:
+                    frames = answer(ins, msg, delta, *claims)
+                except ValueError:          # the model it broke has non-finite updates: no codec takes them
+                    unencodable += 1
+                    continue
+                pub.send_multipart(frames, copy=False)
                 sent += 1
     finally:
         sub.close(linger=0)
         pub.close(linger=0)
         _leave(ins)
-    return {"answers_sent": sent, "rounds_skipped_no_update_yet": skipped, "claims": list(claims),
+    return {"answers_sent": sent, "rounds_skipped_no_update_yet": skipped, "unencodable": unencodable,
+            "claims": list(claims),
             "updates_seen": sum(len(v) for v in rep.norms.values())}
 
 

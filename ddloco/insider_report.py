@@ -192,14 +192,16 @@ def run_one(ins: atk.Insider, name: str, seconds: float, settle_s: float, observ
 
 def run_insider(ins: atk.Insider, attacks: Sequence[str], *, seconds: float, settle_s: float, observer: Any,
                 say: Callable[[str], None] = print,
-                custom: dict[str, Callable[[atk.Insider, float], dict[str, Any]]] | None = None) -> dict[str, Any]:
+                custom: dict[str, Callable[[atk.Insider, float], dict[str, Any]]] | None = None,
+                baseline_s: float | None = None) -> dict[str, Any]:
     """Every attack of ``attacks`` in turn (``custom``: another function for a name, e.g. the spec
-    attack with a victim to start); the report ``ddloco fuzz --insider`` writes."""
+    attack with a victim to start), after ``baseline_s`` (default ``settle_s``) of watching the
+    merge rate the first one is compared with; the report ``ddloco fuzz --insider`` writes."""
     from ddloco.fuzz import FuzzReport
     ins.acc = FuzzReport(seed=0)
     start = atk.sample(ins)
     before = (time.monotonic(), getattr(start, "merges", 0))
-    _window(ins, settle_s)                       # the first attack's baseline merge rate
+    _window(ins, settle_s if baseline_s is None else baseline_s)   # the first attack's baseline merge rate
     entries = []
     for name in attacks:
         say(f"insider    {name}: {seconds:g}s, then {settle_s:g}s without the attacker")
