@@ -464,6 +464,8 @@ def _main_insider(args: argparse.Namespace, cfg: Any) -> int:
         return 2
     out = Path(args.report or ".")
     try:
+        control.fetch_run_config(control.connect(cfg.endpoints.redis_url), Keys(cfg.endpoints.run_id),
+                                 redis_url=cfg.endpoints.redis_url)              # is the run there at all?
         ins, observer = insider_from(cfg.endpoints, cfg.run, observer_url=args.observer_redis_url,
                                      marker_dir=str(out), flood_rate=args.flood_rate, busy_s=args.busy_seconds,
                                      bigframe_mib=args.bigframe_mib, subscriptions=args.subscriptions)
@@ -472,6 +474,9 @@ def _main_insider(args: argparse.Namespace, cfg: Any) -> int:
     except redis.RedisError as e:
         print(f"ddloco fuzz: Redis at {control.redact(cfg.endpoints.redis_url)}: {e}", file=sys.stderr)
         return 1
+    except control.RunConfigMissing as e:
+        print(f"ddloco fuzz: {e}", file=sys.stderr)
+        return 2
     if args.report:
         out.mkdir(parents=True, exist_ok=True)
         (out / "insider.json").write_text(json.dumps(rep, indent=2, default=str))

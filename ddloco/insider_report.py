@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -143,7 +144,7 @@ def _window(ins: atk.Insider, seconds: float) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         ins.tick()
-        time.sleep(0.2)
+        threading.Event().wait(0.2)
 
 
 def run_one(ins: atk.Insider, name: str, seconds: float, settle_s: float, observer: Any,
@@ -154,6 +155,7 @@ def run_one(ins: atk.Insider, name: str, seconds: float, settle_s: float, observ
     (time, merges) for the next attack's baseline."""
     from ddloco.fuzz import FuzzReport
     ins.acc = acc = FuzzReport(seed=0)
+    ins.watch.known = {}                         # this attack's processes: a restarted one is not gone again
     first = atk.sample(ins)
     acc.rss_kb_start = dict(getattr(first, "rss_kb", {}))
     m0, s0 = acc.merges[1], acc.learner_steps[1]
