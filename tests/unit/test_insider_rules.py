@@ -9,7 +9,7 @@ from common import wire
 from ddloco import insider as atk
 from ddloco.insider_report import ATTACKS, state_problems, verdict
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.insider, pytest.mark.timeout(30)]
 
 
 def test_attack_names_and_groups_expand_in_order_and_an_unknown_one_is_named():
