@@ -104,7 +104,9 @@ def _start(base: Path, n: int) -> LiveRun:
                what=f"{LEARNERS} learners training")
     assert not run.problem(), f"{run.problem()}: {(cwd / 'up.log').read_text()[-2000:]}"
     run.learner_url = _learner_url(run)
-    assert run.learner_url.startswith("redis://learner:"), "the learners do not have their own Redis user"
+    from urllib.parse import urlparse
+    assert urlparse(run.learner_url).username and run.learner_url != run.admin_url, \
+        "the learners do not have a Redis user of their own"
     return run
 
 
