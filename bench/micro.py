@@ -373,6 +373,9 @@ def main(argv: Sequence[str]) -> int:
     if argv and argv[0] == "sync":   # the real daemons at scale: its own flags (ddloco bench sync --help)
         from bench.sync import main as sync_main
         return sync_main(argv[1:])
+    if argv and argv[0] == "insider":  # a compromised learner vs the clean run (ddloco bench insider --help)
+        from bench.insider import main as insider_main
+        return insider_main(argv[1:])
     if argv and argv[0] == "group":  # a torchrun learner per rank, DDP vs FSDP (ddloco bench group --help)
         from bench.group import main as group_main
         return group_main(argv[1:])

@@ -15,6 +15,9 @@ Every 2 s it samples the cluster's processes (from Redis, and the broker by its 
 gone is a crash, a live process whose heartbeat stopped is a hang, resident memory is compared
 with the start (growth), and training must go on (merges and learner steps keep rising).
 Writes DIR/fuzz.json; exit code 0 only with no crash, no hang and training going on.
+
+``--insider``: instead, a compromised learner's attacks, one after another (``--attack``; see
+``ddloco/insider.py``), each judged; DIR/insider.json, exit code 0 only if every one was defended.
 """
 from __future__ import annotations
 
@@ -393,11 +396,16 @@ def main(argv: Sequence[str]) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_common(ap)
     ap.add_argument("--count", type=int, default=100_000, help="inputs to send (default 100,000)")
-    ap.add_argument("--seconds", type=float, default=300.0, help="stop after this long (default 300)")
+    ap.add_argument("--seconds", type=float, default=None, help="stop after this long (default 300; with "
+                    "--insider: each attack's length, default 20)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
-    ap.add_argument("--report", metavar="DIR", help="write DIR/fuzz.json")
+    ap.add_argument("--report", metavar="DIR", help="write DIR/fuzz.json (with --insider DIR/insider.json)")
+    _add_insider(ap)
     args = ap.parse_args(list(argv))
     cfg = _resolve(args)
+    if args.insider:
+        return _main_insider(args, cfg)
+    args.seconds = 300.0 if args.seconds is None else args.seconds
     import redis
     try:
         rep = run_fuzz(cfg.endpoints, count=args.count, seconds=args.seconds, seed=args.seed)
@@ -419,3 +427,59 @@ def main(argv: Sequence[str]) -> int:
           f"{rep.learner_steps[1]:,}: training went on: {rep.training_went_on}")
     print(f"refused    broker {rep.broker}; shards {rep.shards_refused}")
     return 0 if rep.ok else 1
+
+
+def _add_insider(ap: argparse.ArgumentParser) -> None:
+    from ddloco.insider import GROUPS, ORDER
+    g = ap.add_argument_group("insider: a compromised learner's attacks (ddloco/insider.py; its key is the "
+                              "listed learner 'fuzzer', its Redis URL a learner's: env DDLOCO_REDIS_URL)")
+    g.add_argument("--insider", action="store_true", help="run the attacks of --attack instead of mutated frames")
+    g.add_argument("--attack", default="all", metavar="NAME[,NAME...]",
+                   help=f"attacks or groups ({', '.join(GROUPS)}): {', '.join(ORDER)} (default all)")
+    g.add_argument("--settle-seconds", type=float, default=5.0,
+                   help="the cluster watched this long after each attack, the attacker gone (default 5)")
+    g.add_argument("--observer-redis-url", default=os.environ.get("DDLOCO_OBSERVER_REDIS_URL", ""),
+                   help="the Redis URL the cluster's figures are read with (env DDLOCO_OBSERVER_REDIS_URL; "
+                        "default: the attacker's own)")
+    g.add_argument("--flood-rate", type=int, default=20_000, help="flood: answers per second (default 20,000)")
+    g.add_argument("--bigframe-mib", type=int, default=512, help="bigframe: frame size in MiB (default 512)")
+    g.add_argument("--subscriptions", type=int, default=100_000, help="subscriptions: how many (default 100,000)")
+    g.add_argument("--busy-seconds", type=float, default=3.0, help="eval-busy: the script's length (default 3)")
+
+
+def _main_insider(args: argparse.Namespace, cfg: Any) -> int:
+    import redis
+
+    from ddloco.insider import parse_attacks
+    from ddloco.insider_report import insider_from, run_insider
+    try:
+        attacks = parse_attacks(args.attack)
+    except ValueError as e:
+        print(f"ddloco fuzz: --attack: {e}", file=sys.stderr)
+        return 2
+    if min(args.flood_rate, args.bigframe_mib, args.subscriptions) < 1 or args.settle_seconds < 0 \
+            or args.busy_seconds <= 0 or (args.seconds is not None and args.seconds <= 0):
+        print("ddloco fuzz: --seconds, --flood-rate, --bigframe-mib, --subscriptions and --busy-seconds must be "
+              "> 0, --settle-seconds >= 0", file=sys.stderr)
+        return 2
+    out = Path(args.report or ".")
+    try:
+        control.fetch_run_config(control.connect(cfg.endpoints.redis_url), Keys(cfg.endpoints.run_id),
+                                 redis_url=cfg.endpoints.redis_url)              # is the run there at all?
+        ins, observer = insider_from(cfg.endpoints, cfg.run, observer_url=args.observer_redis_url,
+                                     marker_dir=str(out), flood_rate=args.flood_rate, busy_s=args.busy_seconds,
+                                     bigframe_mib=args.bigframe_mib, subscriptions=args.subscriptions)
+        rep = run_insider(ins, attacks, seconds=20.0 if args.seconds is None else args.seconds,
+                          settle_s=args.settle_seconds, observer=observer)
+    except redis.RedisError as e:
+        print(f"ddloco fuzz: Redis at {control.redact(cfg.endpoints.redis_url)}: {e}", file=sys.stderr)
+        return 1
+    except control.RunConfigMissing as e:
+        print(f"ddloco fuzz: {e}", file=sys.stderr)
+        return 2
+    if args.report:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "insider.json").write_text(json.dumps(rep, indent=2, default=str))
+    print(f"done       defended: {', '.join(rep['defended']) or 'none'}; NOT defended: "
+          f"{', '.join(rep['not_defended']) or 'none'}" + (f"; {out / 'insider.json'}" if args.report else ""))
+    return 0 if not rep["not_defended"] else 1
