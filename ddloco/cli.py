@@ -516,6 +516,8 @@ def _standby(cfg: ConfigFile, opts: LearnerOptions, task: Any, run: Any, stop: t
         return 0
     try:
         orders = json.loads(line)
+        if orders.get("redis_url"):   # the learner's own Redis user (per-learner users, Redis >= 7)
+            learner.use_redis_url(str(orders["redis_url"]))
         learner.assign(learner_id=str(orders["learner_id"]), data_shard=orders.get("data_shard"),
                        max_steps=orders.get("max_steps"), slowdown=orders.get("slowdown"),
                        metrics_port=orders.get("metrics_port"))

@@ -393,6 +393,8 @@ class Shard:
         self.token_shares: dict[str, int] = {}
         """Every learner process's share of that count as last seen (common/tokens.py): checkpointed,
         written back after Redis restarted empty (a learner that is gone cannot)."""
+        self._claimed_fields: set[str] = set()
+        """The learner processes whose token counts the previous control refresh took in."""
         recorded = self._recorded_versions()
         loaded = False if self.options.fresh else self._load_checkpoint()
         self._start_recovery(recorded, loaded)
@@ -642,6 +644,7 @@ class Shard:
         (a frozen learner leaves the live set when its heartbeat expires; a loaded machine may
         take seconds to answer, and ending early would move every learner back)."""
         now = self.clock()
+        control.sync_members(self.redis, self.keys)
         live = control.live_learners(self.redis, self.keys)
         holding = any(h.get("status") in HOLDING for h in live.values())
         if live and not holding and not loaded and not int(self.redis.get(self.keys.tokens) or 0):
@@ -1204,8 +1207,10 @@ class Shard:
                 self._lease_lost = True  # another process owns these fragments now: write nothing
                 raise control.LeaseHeld(f"lost the lease of shard {self.options.shard} to "
                                         f"{self.redis.get(self.keys.shard_lease(self.options.shard))!r}")
+            control.sync_members(self.redis, self.keys)   # the membership set is ours to keep
             self.live = control.live_learners(self.redis, self.keys)
             self._remember_step_times()
+            self._accept_token_claims()
             self._live_read_unix = time.time()
             pipe = self.redis.pipeline(transaction=False)
             control.register_shard(pipe, self.keys, self.options.shard, {
@@ -1243,6 +1248,22 @@ class Shard:
             self._redis_ok = True
         except redis.RedisError as e:
             self._redis_lost(e)
+
+    def _accept_token_claims(self) -> None:
+        """The live learners' own token counts (and the last count of each process that was live
+        at the previous read and is not now: its ``life`` hash) taken into the run's shares, each
+        learner id capped by ``run_count.accept_claims``."""
+        claims = run_count.claims_of(self.live)
+        gone = sorted(self._claimed_fields - set(claims))
+        if gone:
+            pipe = self.redis.pipeline(transaction=False)
+            for field in gone:
+                lid, _, inc = field.rpartition(":")
+                pipe.hmget(self.keys.life(lid, inc), "incarnation", "tokens")
+            for field, (inc, tokens) in zip(gone, pipe.execute()):
+                claims.update(run_count.claims_of({field.rpartition(":")[0]: {"incarnation": inc, "tokens": tokens}}))
+        self._claimed_fields = {f for f in claims if f not in gone}
+        self.token_shares = run_count.accept_claims(self.token_shares, claims)
 
     def _remember_step_times(self) -> None:
         """Each live learner's step-time EMA, kept when Redis forgets it (claims are checked against it)."""
