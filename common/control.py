@@ -168,6 +168,21 @@ def learner_lives(r: redis.Redis, keys: Keys) -> dict[tuple[str, str], dict[str,
     return out
 
 
+def life_token_counts(r: redis.Redis, keys: Keys, *, skip: Any = frozenset()) -> dict[tuple[str, str], Any]:
+    """The ``tokens`` each learner process's ``life`` hash reports, by (learner id, incarnation),
+    as read (a SCAN of ``life:*``); the processes in ``skip`` (``<id>:<incarnation>``) are not read."""
+    prefix = keys.prefix + "life:"
+    found = []
+    for k in r.scan_iter(match=prefix + "*", count=1000):
+        lid, _, inc = k[len(prefix):].rpartition(":")
+        if f"{lid}:{inc}" not in skip:
+            found.append((lid, inc))
+    pipe = r.pipeline(transaction=False)
+    for lid, inc in found:
+        pipe.hget(keys.life(lid, inc), "tokens")
+    return dict(zip(found, pipe.execute())) if found else {}
+
+
 def leave(pipe: Any, keys: Keys, learner_id: str) -> None:
     """Deregister a learner (graceful stop): no longer counted live (its own keys only)."""
     pipe.delete(keys.heartbeat(learner_id))

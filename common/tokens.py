@@ -20,9 +20,9 @@ had seen until the total is above it again.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
-from common.keys import Keys
+from common.keys import Keys, token_share
 
 _RECORD = """
 local total = tonumber(redis.call('GET', KEYS[2]) or '0')
@@ -70,25 +70,26 @@ def learner_of(field: str) -> str:
     return field.rpartition(":")[0] or field
 
 
-def accept_claims(accepted: Mapping[str, Any], claims: Mapping[str, Any], *,
-                  factor: float = SHARE_CAP_FACTOR) -> dict[str, int]:
-    """The ``tokens:by`` shares after taking in ``claims`` (field -> the cumulative count a live
-    learner process reports), given the shares ``accepted`` so far. A share never goes down; a
-    learner id's total (all its processes) rises to at most ``factor`` × the lower median of the
-    ids' totals as claimed (ids with none, and ``EARLIER``, left out), so one id cannot raise the
-    count by more than about ``factor`` learners' shares. Fields not in ``claims`` (processes
-    that are gone) keep what they had."""
+def accept_claims(accepted: Mapping[str, Any], claims: Mapping[str, Any], *, live: Iterable[str] = (),
+                  floor: int = 0, factor: float = SHARE_CAP_FACTOR) -> dict[str, int]:
+    """The ``tokens:by`` shares after taking in ``claims`` (field -> the cumulative count a learner
+    process reports), given the shares ``accepted`` so far. A share never goes down; a learner
+    id's total (all its processes) rises to at most ``factor`` × the lower median of the totals
+    as claimed of the ``live`` ids and of the ids with tokens (``EARLIER`` left out), and never
+    less than ``floor``: one id cannot raise the count by more than about ``factor`` learners'
+    shares, not even while the others are still joining at 0. Fields not in ``claims``
+    (processes that are gone) keep what they had."""
     out = {k: int(v) for k, v in accepted.items()}
     totals: dict[str, int] = {}
     for f, v in out.items():
         totals[learner_of(f)] = totals.get(learner_of(f), 0) + v
-    wanted = dict(totals)
+    wanted = {**{lid: 0 for lid in live}, **totals}
     for f, c in claims.items():
         wanted[learner_of(f)] = wanted.get(learner_of(f), 0) + max(0, int(c) - out.get(f, 0))
-    positive = sorted(v for lid, v in wanted.items() if v > 0 and lid != EARLIER)
-    if not positive:
+    counted = sorted(v for lid, v in wanted.items() if (v > 0 or lid in live) and lid != EARLIER)
+    if not counted:
         return out
-    cap = int(factor * positive[(len(positive) - 1) // 2])
+    cap = max(int(floor), int(factor * counted[(len(counted) - 1) // 2]))
     for f, c in sorted(claims.items()):
         lid = learner_of(f)
         rise = min(max(0, int(c) - out.get(f, 0)), max(0, cap - totals.get(lid, 0)))
@@ -101,15 +102,20 @@ def accept_claims(accepted: Mapping[str, Any], claims: Mapping[str, Any], *,
 def claims_of(learners: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
     """``{<id>:<incarnation>: tokens}`` of learner hashes (``control.live_learners``); a hash
     without an incarnation or with a count that is not a non-negative integer is left out."""
+    return claims_of_lives({(lid, h.get("incarnation") or ""): h.get("tokens") for lid, h in learners.items()})
+
+
+def claims_of_lives(counts: Mapping[tuple[str, str], Any]) -> dict[str, int]:
+    """``{<id>:<incarnation>: tokens}`` of ``{(id, incarnation): tokens as read}``; what is not a
+    non-negative integer below 2^62, or has no incarnation, is left out."""
     out: dict[str, int] = {}
-    for lid, h in learners.items():
-        inc, value = h.get("incarnation"), h.get("tokens")
+    for (lid, inc), value in counts.items():
         try:
             n = int(str(value))
         except ValueError:
             continue
         if inc and 0 <= n < 2 ** 62:
-            out[f"{lid}:{inc}"] = n
+            out[token_share(lid, inc)] = n
     return out
 
 

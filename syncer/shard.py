@@ -393,8 +393,8 @@ class Shard:
         self.token_shares: dict[str, int] = {}
         """Every learner process's share of that count as last seen (common/tokens.py): checkpointed,
         written back after Redis restarted empty (a learner that is gone cannot)."""
-        self._claimed_fields: set[str] = set()
-        """The learner processes whose token counts the previous control refresh took in."""
+        self._live_fields: set[str] = set()
+        """Learner processes (``<id>:<incarnation>``) live at the previous control refresh."""
         recorded = self._recorded_versions()
         loaded = False if self.options.fresh else self._load_checkpoint()
         self._start_recovery(recorded, loaded)
@@ -1250,20 +1250,20 @@ class Shard:
             self._redis_lost(e)
 
     def _accept_token_claims(self) -> None:
-        """The live learners' own token counts (and the last count of each process that was live
-        at the previous read and is not now: its ``life`` hash) taken into the run's shares, each
-        learner id capped by ``run_count.accept_claims``."""
-        claims = run_count.claims_of(self.live)
-        gone = sorted(self._claimed_fields - set(claims))
-        if gone:
-            pipe = self.redis.pipeline(transaction=False)
-            for field in gone:
-                lid, _, inc = field.rpartition(":")
-                pipe.hmget(self.keys.life(lid, inc), "incarnation", "tokens")
-            for field, (inc, tokens) in zip(gone, pipe.execute()):
-                claims.update(run_count.claims_of({field.rpartition(":")[0]: {"incarnation": inc, "tokens": tokens}}))
-        self._claimed_fields = {f for f in claims if f not in gone}
-        self.token_shares = run_count.accept_claims(self.token_shares, claims)
+        """Learner processes' own token counts taken into the run's shares, each learner id capped
+        by ``run_count.accept_claims``: the live ones' (their hashes), and from the ``life`` hashes
+        those of processes live at the previous read (their last count) and of processes never
+        counted yet (a life shorter than one control refresh). A process that stays gone is not
+        read again (until it is live again): a stopped attacker's claim does not grow with the others'."""
+        paused = set(self.token_shares) - self._live_fields
+        claims = run_count.claims_of_lives(control.life_token_counts(self.redis, self.keys, skip=paused))
+        live = run_count.claims_of(self.live)
+        claims.update(live)
+        self._live_fields = set(live)
+        # no id above 2 x the median learner's count, nor, while the others are joining, above one
+        # sync period's tokens at the claims' bound
+        floor = int(self.tokens_per_step_bound * self.run.algo.sync_every_steps)
+        self.token_shares = run_count.accept_claims(self.token_shares, claims, live=self.live, floor=floor)
 
     def _remember_step_times(self) -> None:
         """Each live learner's step-time EMA, kept when Redis forgets it (claims are checked against it)."""
