@@ -160,3 +160,23 @@ def test_up_gives_every_learner_its_own_redis_user(tmp_path):
     with contextlib.suppress(FileNotFoundError):
         logs = list((tmp_path / "runs").glob("*/logs/learner-*.log"))
         assert logs and not [p for p in logs if "NOPERM" in p.read_text() or "no permissions" in p.read_text()]
+
+
+def test_keys_redis_users_gives_a_hand_added_learner_its_own_user(tmp_path, redis7):
+    """`ddloco keys --redis-users`: the operator adds a member to a running run by hand."""
+    env = {**os.environ, "DDLOCO_REDIS_URL": redis7.url,
+           "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    res = subprocess.run([sys.executable, "-m", "ddloco", "keys", "--dir", str(tmp_path / "keys"), "--learner-ids",
+                          "late-1", "--redis-users", "--run-id", "run"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    env_file = tmp_path / "keys" / "secret" / "late-1.redis.env"
+    assert env_file.stat().st_mode & 0o777 == 0o600
+    url = env_file.read_text().strip().split("=", 1)[1]
+    assert redis7.password not in url
+    r = control.connect(url)
+    control.beat(r, Keys("run"), "late-1", {"status": "training", "tokens": 1, "incarnation": "i"}, ttl_s=5)
+    assert _refused(lambda: r.set(Keys("run").tokens, 10 ** 15))
+    res = subprocess.run([sys.executable, "-m", "ddloco", "keys", "--dir", str(tmp_path / "keys"), "--learner-ids",
+                          "late-2", "--redis-users"], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "--run-id" in res.stderr, res.stderr
