@@ -75,8 +75,9 @@ def reader_rules(run_id: str) -> str:
 
 def role_rules(run_id: str) -> str:
     """A trusted role's user (broker, shard; every member on Redis < 7): the run's keys, every
-    data command but the admin and dangerous ones."""
-    return f"~ddl:{{{run_id}}}:* +@all -@dangerous -@admin"
+    data command but the admin and dangerous ones (``common.security.redis_acl_rules``)."""
+    from common.security import redis_acl_rules
+    return redis_acl_rules(run_id)
 
 
 def add_learner_user(admin: Any, run_id: str, learner_id: str, password: str = "") -> str:

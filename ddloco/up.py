@@ -60,17 +60,17 @@ def learner_redis_users(admin_url: str, run_id: str, learner_ids: list[str],
         if not redis_acl.has_selectors(version):
             say("warning    " + redis_acl.FALLBACK_WARNING.format(version=".".join(map(str, version))))
             return {}
-        urls = {lid: redis_acl.user_url(admin_url, redis_acl.learner_user(lid),
-                                        redis_acl.add_learner_user(admin, run_id, lid)) for lid in learner_ids}
+        passwords = {lid: redis_acl.add_learner_user(admin, run_id, lid) for lid in learner_ids}
     except (redis.RedisError, ValueError) as e:
         say(f"warning    no per-learner Redis users ({e}); the learners use {control.redact(admin_url)}'s user")
         return {}
     finally:
         admin.close()
-    for lid, url in urls.items():
-        ROLE_ENV[lid] = {"DDLOCO_REDIS_URL": url}
+    urls = {}
+    for lid, password in passwords.items():
+        urls[lid] = redis_acl.user_url(admin_url, redis_acl.learner_user(lid), password)
+        ROLE_ENV[lid] = {"DDLOCO_REDIS_URL": urls[lid]}
         if server is not None:   # in its config file too: a restarted embedded Redis keeps the user
-            password = url.split("://", 1)[1].split("@", 1)[0].split(":", 1)[1]
             server.users[redis_acl.learner_user(lid)] = f"on >{password} {redis_acl.learner_rules(run_id, lid)}"
     return urls
 
