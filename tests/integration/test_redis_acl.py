@@ -130,7 +130,9 @@ def test_a_cluster_trains_with_per_learner_users_and_a_huge_own_claim_moves_the_
         assert own == {"a": steps * 64, "b": steps * 64}, own
         honest = sum(own.values())
         wait_until(lambda: int(admin.get(keys.tokens) or 0) >= honest, 10, what="the honest tokens counted")
-        control.leave(mallory, keys, "mallory")      # the attacker stops
+        # the attacker's last beat before it is killed: no leave, its heartbeat expires
+        control.beat(mallory, keys, "mallory", {"status": "training", "incarnation": "evil", "tokens": 10 ** 15},
+                     ttl_s=1.0)
         wait_until(lambda: not admin.smembers(keys.learners), 10, what="no member left (no ghost)")
         shares = {k: int(v) for k, v in admin.hgetall(keys.token_shares).items()}
         total = int(admin.get(keys.tokens))
