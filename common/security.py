@@ -300,7 +300,8 @@ def redis_acl_rules(run_id: str) -> str:
     """ACL rules of a member's Redis user (Redis >= 6): this run's keys only (``ddl:{run}:*``),
     every data command, none of the admin or dangerous ones (CONFIG, FLUSHALL, KEYS, DEBUG,
     SHUTDOWN, ACL, ...). Redis 6 cannot separate read from write per key pattern, so a member
-    can still write another member's entries of the same run (see docs/SECURITY.md)."""
+    with it can still write another member's entries of the same run: on Redis >= 7 learners get
+    users of their own instead (common/redis_acl.py, docs/SECURITY.md)."""
     return f"~ddl:{{{run_id}}}:* +@all -@dangerous -@admin"
 
 

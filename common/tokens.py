@@ -1,14 +1,18 @@
 """The run's global token count (the learners' LR schedule runs on it), kept so that no Redis
-restart can lose or double-count a token.
+restart can lose or double-count a token, and so that no learner moves it by more than about
+one learner's share.
 
-Every learner process writes its *own cumulative* token count (it knows it exactly) into the
-``tokens:by`` hash, one field per process (``keys.token_share``: learner id and incarnation). A
-field only rises (max per field), and the same script raises the ``tokens`` total by what the
-fields rose, so the total is always the sum of the fields and a write is idempotent: after Redis
-restarted empty a learner's next heartbeat puts its share back exactly, tokens trained between
-the restart and that write included. A process that is gone cannot write its share again: every
-shard remembers the whole hash (read at each control refresh, checkpointed) and writes it back
-the same way, which also carries the count over to a resumed run (``ddloco up --resume``).
+Every learner process reports its *own cumulative* token count (it knows it exactly) in its own
+hash (``learner:<id>``, field ``tokens``, with its ``incarnation``); it writes no shared key. The
+shards (trusted) read it with the live learners and accept it into the ``tokens:by`` hash, one
+field per process (``keys.token_share``: learner id and incarnation), with every learner id's
+accepted total capped at ``SHARE_CAP_FACTOR`` × the lower median of the ids' totals
+(``accept_claims``): a compromised learner that claims 10^18 tokens adds at most twice a median
+learner's count, and what it had added stays frozen once it is gone. A field only rises (max
+per field), and the same script raises the ``tokens`` total by what the fields rose, so the total
+is always the sum of the fields and a write is idempotent. Every shard remembers the whole hash
+(read at each control refresh, checkpointed) and writes it back after Redis restarted empty,
+which also carries the count over to a resumed run (``ddloco up --resume``).
 
 A learner's view of the count never goes back (``advance_seen``): right after an empty restart
 the total holds only the shares written so far, and the learner keeps counting on from what it
@@ -16,9 +20,9 @@ had seen until the total is above it again.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
-from common.keys import Keys
+from common.keys import Keys, token_share
 
 _RECORD = """
 local total = tonumber(redis.call('GET', KEYS[2]) or '0')
@@ -54,6 +58,64 @@ def merge_shares(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> dict[str
     out = {k: int(v) for k, v in ours.items()}
     for k, v in theirs.items():
         out[k] = max(out.get(k, 0), int(v))
+    return out
+
+
+SHARE_CAP_FACTOR = 2.0
+"""A learner id's accepted tokens are at most this × the lower median of the ids' totals."""
+
+
+def learner_of(field: str) -> str:
+    """The learner id of a ``tokens:by`` field (``<id>:<incarnation>``)."""
+    return field.rpartition(":")[0] or field
+
+
+def accept_claims(accepted: Mapping[str, Any], claims: Mapping[str, Any], *, live: Iterable[str] = (),
+                  floor: int = 0, factor: float = SHARE_CAP_FACTOR) -> dict[str, int]:
+    """The ``tokens:by`` shares after taking in ``claims`` (field -> the cumulative count a learner
+    process reports), given the shares ``accepted`` so far. A share never goes down; a learner
+    id's total (all its processes) rises to at most ``factor`` × the lower median of the totals
+    as claimed of the ``live`` ids and of the ids with tokens (``EARLIER`` left out), and never
+    less than ``floor``: one id cannot raise the count by more than about ``factor`` learners'
+    shares, not even while the others are still joining at 0. Fields not in ``claims``
+    (processes that are gone) keep what they had."""
+    out = {k: int(v) for k, v in accepted.items()}
+    totals: dict[str, int] = {}
+    for f, v in out.items():
+        totals[learner_of(f)] = totals.get(learner_of(f), 0) + v
+    wanted = {**{lid: 0 for lid in live}, **totals}
+    for f, c in claims.items():
+        wanted[learner_of(f)] = wanted.get(learner_of(f), 0) + max(0, int(c) - out.get(f, 0))
+    counted = sorted(v for lid, v in wanted.items() if (v > 0 or lid in live) and lid != EARLIER)
+    if not counted:
+        return out
+    cap = max(int(floor), int(factor * counted[(len(counted) - 1) // 2]))
+    for f, c in sorted(claims.items()):
+        lid = learner_of(f)
+        rise = min(max(0, int(c) - out.get(f, 0)), max(0, cap - totals.get(lid, 0)))
+        if rise:
+            out[f] = out.get(f, 0) + rise
+            totals[lid] = totals.get(lid, 0) + rise
+    return out
+
+
+def claims_of(learners: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+    """``{<id>:<incarnation>: tokens}`` of learner hashes (``control.live_learners``); a hash
+    without an incarnation or with a count that is not a non-negative integer is left out."""
+    return claims_of_lives({(lid, h.get("incarnation") or ""): h.get("tokens") for lid, h in learners.items()})
+
+
+def claims_of_lives(counts: Mapping[tuple[str, str], Any]) -> dict[str, int]:
+    """``{<id>:<incarnation>: tokens}`` of ``{(id, incarnation): tokens as read}``; what is not a
+    non-negative integer below 2^62, or has no incarnation, is left out."""
+    out: dict[str, int] = {}
+    for (lid, inc), value in counts.items():
+        try:
+            n = int(str(value))
+        except ValueError:
+            continue
+        if inc and 0 <= n < 2 ** 62:
+            out[token_share(lid, inc)] = n
     return out
 
 

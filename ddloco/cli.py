@@ -516,6 +516,8 @@ def _standby(cfg: ConfigFile, opts: LearnerOptions, task: Any, run: Any, stop: t
         return 0
     try:
         orders = json.loads(line)
+        if orders.get("redis_url"):   # the learner's own Redis user (per-learner users, Redis >= 7)
+            learner.use_redis_url(str(orders["redis_url"]))
         learner.assign(learner_id=str(orders["learner_id"]), data_shard=orders.get("data_shard"),
                        max_steps=orders.get("max_steps"), slowdown=orders.get("slowdown"),
                        metrics_port=orders.get("metrics_port"))
@@ -703,6 +705,40 @@ def cmd_keys(args: argparse.Namespace) -> int:
     print(f"public     {root}/public/<role>/<name>.key: the allow list; copy the whole public/ tree to every host")
     print(f"secret     {root}/secret/<name>.key_secret: give each host only the secrets of the members it runs")
     print("use        every daemon with --keys DIR (or DDLOCO_KEYS=DIR); revoke a member by deleting its public file")
+    if args.redis_users:
+        return _learner_redis_users(root, ids, args.run_id or "", args.redis_url or os.environ.get("DDLOCO_REDIS_URL", ""))
+    return 0
+
+
+def _learner_redis_users(root: str, ids: list[str], run_id: str, admin_url: str) -> int:
+    """``keys --redis-users``: a Redis user per learner id (Redis >= 7, common/redis_acl.py) made
+    through an admin URL, its URL in DIR/secret/<id>.redis.env (0600). On a Redis < 7: one
+    warning line, and the files hold the URL given (the learners share its user, as before)."""
+    import redis
+    from common import control, redis_acl
+    if not run_id or not admin_url or not ids:
+        print("error: --redis-users needs --run-id, --redis-url (or DDLOCO_REDIS_URL: an admin's URL) and learner "
+              "ids (--learner-ids or --learners)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        admin = control.connect(admin_url)
+        version = redis_acl.server_version(admin)
+        own = redis_acl.has_selectors(version)
+        if not own:
+            print("warning: " + redis_acl.FALLBACK_WARNING.format(version=".".join(map(str, version))), file=sys.stderr)
+        urls = {lid: redis_acl.user_url(admin_url, redis_acl.learner_user(lid),
+                                        redis_acl.add_learner_user(admin, run_id, lid)) if own else admin_url
+                for lid in ids}
+    except (redis.RedisError, ValueError) as e:
+        print(f"error: cannot create the learners' Redis users at {control.redact(admin_url)}: {e}", file=sys.stderr)
+        return 1
+    for lid, url in urls.items():
+        path = os.path.join(root, "secret", f"{lid}.redis.env")
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
+            fh.write(f"DDLOCO_REDIS_URL={url}\n")
+    print(f"redis      {len(urls)} learner Redis user(s) for run {run_id!r}" + (
+          " (each writes only its own keys)" if own else " (Redis < 7.0: the URL given)")
+          + f": {root}/secret/<id>.redis.env (0600; `set -a; . FILE; set +a` on the learner's host)")
     return 0
 
 
@@ -781,6 +817,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace existing key pairs (revokes the old ones)")
     p.add_argument("--redis-password", action="store_true", help="also write a random Redis password to "
                    "DIR/secret/redis.password (kept if it exists; compose.yaml uses it)")
+    p.add_argument("--redis-users", action="store_true", help="also create a Redis user per learner id "
+                   "(--learner-ids/--learners) that writes only that learner's keys (Redis >= 7.0; replaces its "
+                   "password if it exists), through --redis-url (an admin's; default DDLOCO_REDIS_URL), and write "
+                   "its URL to DIR/secret/<id>.redis.env (0600)")
+    p.add_argument("--run-id", help="with --redis-users: the run the learners join")
+    p.add_argument("--redis-url", help="with --redis-users: an admin's Redis URL (default DDLOCO_REDIS_URL)")
     p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("broker", help="run the ZeroMQ forwarder daemon",

@@ -56,6 +56,8 @@ class Monitor:
         """Every event of the run, read as it happens (a Redis restart or the capped stream
         would lose them otherwise)."""
         self._last_event_id = "-"
+        self._last_learner_event_ids: dict[str, str] = {}
+        """Per learner's own event stream (``control.add_learner_event``): the last id read."""
         self.marks: list[tuple[float, str, str]] = []
         """(seconds, kind, target) of injected faults and temporary learners, for timeline.png."""
         self.token_samples: list[tuple[float, int]] = []
@@ -244,6 +246,19 @@ class Monitor:
             for eid, e in self.r.xrange(self.keys.events, min=start, count=10_000):
                 self.events.append(e)
                 self._last_event_id = eid
+        except redis.RedisError:
+            pass
+        self.poll_learner_events()
+
+    def poll_learner_events(self) -> None:
+        """Append what each learner wrote in its own stream since the last call (join, leave,
+        refuse), each entry naming the learner whose stream it is."""
+        try:
+            for lid, key in control.learner_event_streams(self.r, self.keys).items():
+                last = self._last_learner_event_ids.get(lid, "-")
+                for eid, e in self.r.xrange(key, min="-" if last == "-" else f"({last}", count=10_000):
+                    self.events.append({**e, "learner": lid})
+                    self._last_learner_event_ids[lid] = eid
         except redis.RedisError:
             pass
 

@@ -39,6 +39,42 @@ ROLE_ENV: dict[str, dict[str, str]] = {}
 the role's ACL user and password, kept off the command line. Set by ``run_up`` for its run."""
 
 
+def _own_redis_url(learner_id: str) -> dict[str, str]:
+    """A standby's order names the Redis URL of the learner it becomes (its own user), if it has one."""
+    url = ROLE_ENV.get(learner_id, {}).get("DDLOCO_REDIS_URL")
+    return {"redis_url": url} if url else {}
+
+
+def learner_redis_users(admin_url: str, run_id: str, learner_ids: list[str],
+                        say: Callable[[str], None], server: Any = None) -> dict[str, str]:
+    """Per-learner Redis users (common/redis_acl.py) for ``learner_ids`` through the admin URL:
+    ``{learner id: its Redis URL}``, and ``ROLE_ENV`` set so that each learner process (and a
+    standby that becomes it) gets its own; ``server`` (an EmbeddedRedis) keeps them across its
+    restarts. On a Redis < 7, or a URL that may not create users:
+    {} and one warning line (the learners keep the role's user or the URL given)."""
+    import redis
+    from common import redis_acl
+    admin = control.connect(admin_url)
+    try:
+        version = redis_acl.server_version(admin)
+        if not redis_acl.has_selectors(version):
+            say("warning    " + redis_acl.FALLBACK_WARNING.format(version=".".join(map(str, version))))
+            return {}
+        passwords = {lid: redis_acl.add_learner_user(admin, run_id, lid) for lid in learner_ids}
+    except (redis.RedisError, ValueError) as e:
+        say(f"warning    no per-learner Redis users ({e}); the learners use {control.redact(admin_url)}'s user")
+        return {}
+    finally:
+        admin.close()
+    urls = {}
+    for lid, password in passwords.items():
+        urls[lid] = redis_acl.user_url(admin_url, redis_acl.learner_user(lid), password)
+        ROLE_ENV[lid] = {"DDLOCO_REDIS_URL": urls[lid]}
+        if server is not None:   # in its config file too: a restarted embedded Redis keeps the user
+            server.users[redis_acl.learner_user(lid)] = f"on >{password} {redis_acl.learner_rules(run_id, lid)}"
+    return urls
+
+
 def _role(name: str) -> str:
     return "broker" if name == "broker" else "shard" if name.startswith("shard") else "learner"
 
@@ -54,7 +90,7 @@ class Child:
         self._log = open(log_path, "ab" if append else "wb")
         env = {**{k: v for k, v in os.environ.items() if k not in ("DDLOCO_TASK", "DDLOCO_TASK_ARGS")},
                "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",  # the task comes with the config file
-               **ROLE_ENV.get(_role(name), {})}
+               **ROLE_ENV.get(_role(name), {}), **ROLE_ENV.get(name, {})}   # a learner's own Redis user
         # own session: Ctrl-C reaches `up` only, which then stops each child once (SIGTERM);
         # the parent-death signal still stops children if `up` itself is killed
         parent = os.getpid()
@@ -336,7 +372,8 @@ class Supervisor:
         slot = self.slots[target]
         self.forks += 1
         orders = {"learner_id": target, "data_shard": slot["index"], "max_steps": steps,
-                  "slowdown": slot.get("slowdown"), "metrics_port": slot.get("metrics_port")}
+                  "slowdown": slot.get("slowdown"), "metrics_port": slot.get("metrics_port"),
+                  **_own_redis_url(target)}
         return ForkedChild(target, self.spares[0], orders, log_path,
                            self.workdir / "forks" / f"{target}-{self.forks}.pid")
 
@@ -390,7 +427,8 @@ class Supervisor:
                     child = self.spares.pop(0)
                     self.spares_used += 1
                     child.order({"learner_id": target, "data_shard": slot["index"], "max_steps": steps,
-                                 "slowdown": slot.get("slowdown"), "metrics_port": slot.get("metrics_port")})
+                                 "slowdown": slot.get("slowdown"), "metrics_port": slot.get("metrics_port"),
+                                 **_own_redis_url(target)})
                     child.name = target
                     self.children.append(child)
                     self.start_spare()
@@ -673,6 +711,9 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
                 role_pw = {role: secrets.token_urlsafe(24) for role in ("broker", "shard", "learner")}
                 users = {role: f"on >{pw} {redis_acl_rules(cfg.endpoints.run_id)}" for role, pw in role_pw.items()}
             redis_srv = EmbeddedRedis(log_dir=str(workdir / "logs"), password=password, users=users).start()
+            if users and redis_srv.has_selectors:   # the learners get users of their own: the role's reads only
+                from common.redis_acl import reader_rules
+                redis_srv.add_user("learner", f"on >{role_pw['learner']} {reader_rules(cfg.endpoints.run_id)}")
             for role in users:
                 ROLE_ENV[role] = {"DDLOCO_REDIS_URL": redis_srv.user_url(role, role_pw[role])}
             say(f"redis      embedded at redis://{redis_srv.host}:{redis_srv.port}/0 (no persistence"
@@ -741,6 +782,12 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
             cfg_path.write_text(dump_toml(cfg))
             say(f"security   CURVE keys in {keys_dir}" + ("" if redis_srv is None else
                 "; embedded Redis with a random password (in each daemon's environment)"))
+            if redis_srv is not None or shown_url != redis_url:   # a Redis with a password: a user per learner
+                own = learner_redis_users(redis_url, endpoints.run_id,
+                                          learner_ids + [f"extra-{j}" for j in range(extra[0] if extra else 0)],
+                                          say, server=redis_srv)
+                if own:
+                    say(f"redis      a Redis user per learner ({len(own)}): each writes only its own keys")
         access = workdir / "access.env"   # what an operator's own commands need (status, export, chaos, fuzz)
         with open(os.open(access, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
             fh.write(f"DDLOCO_REDIS_URL={redis_url}\n" + (f"DDLOCO_KEYS={endpoints.keys_dir}\n" if endpoints.keys_dir

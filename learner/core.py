@@ -269,10 +269,14 @@ class Learner:
             if getattr(self, "run_cfg", None) is None:
                 self._prepare(self._run_arg)                 # refusals happen before any write
             r = control.connect(self.endpoints.redis_url)
-            try:
-                control.publish_run_config(r, self.keys, self.run_cfg)
+            try:   # written by `up`, the shards or the operator: a learner writes no shared key
+                control.check_run_config(r, self.keys, self.run_cfg, wait_s=self.options.join_timeout_s,
+                                         stop=self.stop, redis_url=self.endpoints.redis_url,
+                                         on_wait=lambda why: self.log.warning(
+                                             "learner.run_config_missing", detail=why,
+                                             gives_up_after_s=self.options.join_timeout_s))
             except control.ConfigMismatch as e:
-                control.add_event(r, self.keys, "refuse", learner=self.id, reason=str(e))
+                control.add_learner_event(r, self.keys, self.id, "refuse", reason=str(e))
                 raise LearnerRefused(str(e)) from None
             self.redis = r   # set last: a Redis error above leaves prepare() to be retried whole
         else:
@@ -285,7 +289,7 @@ class Learner:
             try:
                 self._prepare(run)
             except TaskError as e:  # this machine's task differs from the run's
-                control.add_event(r, self.keys, "refuse", learner=self.id, reason=str(e))
+                control.add_learner_event(r, self.keys, self.id, "refuse", reason=str(e))
                 raise LearnerRefused(f"refused: {e}") from None
             self.redis = r
 
@@ -302,6 +306,14 @@ class Learner:
         apply_step(holder, opt, sched)
         opt.load_state_dict(opt.state_dict())
         import prometheus_client  # noqa: F401  (the /metrics endpoint starts with run(): not after a failure)
+
+    def use_redis_url(self, url: str) -> None:
+        """A standby told which learner to become: that learner's own Redis user from now on (a
+        standby of ``up`` reads with a user that writes nothing)."""
+        self.endpoints = replace(self.endpoints, redis_url=url)
+        if getattr(self, "redis", None) is not None:
+            self.redis.close()
+            self.redis = control.connect(url)
 
     def assign(self, *, learner_id: str, data_shard: int | None = None, max_steps: int | None = None,
                slowdown: float | None = None, metrics_port: int | None = None) -> None:
@@ -365,9 +377,9 @@ class Learner:
         prev, status, seen = self._previous_life
         pipe = self.redis.pipeline(transaction=False)
         if prev and status not in ("left", "stopped"):
-            control.add_event(pipe, self.keys, "leave", learner=self.id, incarnation=prev, last_seen=seen or "",
-                              reason="replaced: the previous incarnation ended without leaving")
-        control.add_event(pipe, self.keys, "join", learner=self.id, incarnation=self.incarnation)
+            control.add_learner_event(pipe, self.keys, self.id, "leave", incarnation=prev, last_seen=seen or "",
+                                      reason="replaced: the previous incarnation ended without leaving")
+        control.add_learner_event(pipe, self.keys, self.id, "join", incarnation=self.incarnation)
         pipe.hset(self.keys.learner(self.id), mapping={"incarnation": self.incarnation, "status": self.status})
         pipe.execute()
 
@@ -380,7 +392,7 @@ class Learner:
                 msg = (f"refused: model state layout {self.plan_digest} differs from shard {k}'s {h['plan']} "
                        f"(same task name, task config and P={self.algo.fragments}; {detail}: is the model code "
                        f"the same version on every machine?)")
-                control.add_event(self.redis, self.keys, "refuse", learner=self.id, reason=msg)
+                control.add_learner_event(self.redis, self.keys, self.id, "refuse", reason=msg)
                 raise LearnerRefused(msg)
 
     def _load_current_fragments(self) -> None:
@@ -1184,30 +1196,21 @@ class Learner:
 
     def _control_loop_body(self) -> None:
         redis_ok = True
-        restore = False
         while not self._threads_stop.is_set():
             try:
                 shards, eps = control.shard_endpoints(self.redis, self.keys)
                 with self._endpoints_lock:
                     self._shard_endpoints = (shards, eps)
                 pipe = self.redis.pipeline(transaction=False)
-                pipe.exists(self.keys.heartbeat(self.id))   # gone: Redis restarted empty (or a long stall)
                 control.beat(pipe, self.keys, self.id, self._counters(), self.options.heartbeat_ttl_s)
                 ours = self.stats.tokens
-                # epochs never go back, even when Redis restarted empty: put back the newest we saw
-                control.raise_counter(pipe, self.keys.epochs, int(self.base_epoch.max()))
-                # and, after Redis lost them, the fragments' versions: a shard restarting from an older
-                # checkpoint then still sees it is behind
-                if restore:
-                    for p in range(len(self.base_values)):
-                        if self.base_values[p] is not None and self.base_version[p] > 0:
-                            pipe.hsetnx(self.keys.fragment(p), "version", int(self.base_version[p]))
-                # the run's global token count: our own share (cumulative: a re-write after Redis
-                # restarted empty restores it exactly), and the total; our view of it never goes back
-                run_count.record(pipe, self.keys, {token_share(self.id, self.incarnation): ours})
+                # epochs, fragment versions and the run's token count are the shards' to write (they
+                # take our own count from our hash, a beat late): the total, with our tokens the shards
+                # have not taken in yet; our view of it never goes back
+                pipe.get(self.keys.tokens)
+                pipe.hget(self.keys.token_shares, token_share(self.id, self.incarnation))
                 res = pipe.execute()
-                restore = not res[0]
-                self._note_run_count(int(res[-1]), ours)
+                self._note_run_count(int(res[-2] or 0) + max(0, ours - int(res[-1] or 0)), ours)
                 if not redis_ok:
                     self.log.info("learner.redis_back")
                 redis_ok = True
@@ -1256,8 +1259,7 @@ class Learner:
             pipe.hset(self.keys.learner(self.id), mapping=final)
             pipe.hset(self.keys.life(self.id, self.incarnation), mapping=final)
             control.leave(pipe, self.keys, self.id)
-            control.add_event(pipe, self.keys, "leave", learner=self.id, steps=self.stats.steps)
-            run_count.record(pipe, self.keys, {token_share(self.id, self.incarnation): self.stats.tokens})
+            control.add_learner_event(pipe, self.keys, self.id, "leave", steps=self.stats.steps)
             pipe.execute()
         except (redis.RedisError, AttributeError):
             pass

@@ -407,6 +407,8 @@ class Shard:
         self.token_shares: dict[str, int] = {}
         """Every learner process's share of that count as last seen (common/tokens.py): checkpointed,
         written back after Redis restarted empty (a learner that is gone cannot)."""
+        self._live_fields: set[str] = set()
+        """Learner processes (``<id>:<incarnation>``) live at the previous control refresh."""
         recorded = self._recorded_versions()
         loaded = False if self.options.fresh else self._load_checkpoint()
         self._start_recovery(recorded, loaded)
@@ -656,6 +658,7 @@ class Shard:
         (a frozen learner leaves the live set when its heartbeat expires; a loaded machine may
         take seconds to answer, and ending early would move every learner back)."""
         now = self.clock()
+        control.sync_members(self.redis, self.keys)
         live = control.live_learners(self.redis, self.keys)
         holding = any(h.get("status") in HOLDING for h in live.values())
         if live and not holding and not loaded and not int(self.redis.get(self.keys.tokens) or 0):
@@ -1231,8 +1234,10 @@ class Shard:
                 self._lease_lost = True  # another process owns these fragments now: write nothing
                 raise control.LeaseHeld(f"lost the lease of shard {self.options.shard} to "
                                         f"{self.redis.get(self.keys.shard_lease(self.options.shard))!r}")
+            control.sync_members(self.redis, self.keys)   # the membership set is ours to keep
             self.live = control.live_learners(self.redis, self.keys)
             self._remember_step_times()
+            self._accept_token_claims()
             self._live_read_unix = time.time()
             pipe = self.redis.pipeline(transaction=False)
             control.register_shard(pipe, self.keys, self.options.shard, {
@@ -1271,6 +1276,22 @@ class Shard:
             self._redis_ok = True
         except redis.RedisError as e:
             self._redis_lost(e)
+
+    def _accept_token_claims(self) -> None:
+        """Learner processes' own token counts taken into the run's shares, each learner id capped
+        by ``run_count.accept_claims``: the live ones' (their hashes), and from the ``life`` hashes
+        those of processes live at the previous read (their last count) and of processes never
+        counted yet (a life shorter than one control refresh). A process that stays gone is not
+        read again (until it is live again): a stopped attacker's claim does not grow with the others'."""
+        paused = set(self.token_shares) - self._live_fields
+        claims = run_count.claims_of_lives(control.life_token_counts(self.redis, self.keys, skip=paused))
+        live = run_count.claims_of(self.live)
+        claims.update(live)
+        self._live_fields = set(live)
+        # no id above 2 x the median learner's count, nor, while the others are joining, above one
+        # sync period's tokens at the claims' bound
+        floor = int(self.tokens_per_step_bound * self.run.algo.sync_every_steps)
+        self.token_shares = run_count.accept_claims(self.token_shares, claims, live=self.live, floor=floor)
 
     def _remember_step_times(self) -> None:
         """Each live learner's step-time EMA, kept when Redis forgets it (claims are checked against it)."""

@@ -390,7 +390,7 @@ def test_a_restarted_shard_never_goes_back_it_recovers_the_learners_copies(make_
 
 def test_recovery_waits_for_a_slow_learners_copy_even_when_redis_lost_the_record(make_cluster, redis_server):
     """The shard died with unsaved merges and Redis restarted empty meanwhile (the recorded
-    versions are gone, the learner puts them back). The learner is loaded and answers NEED 4 s
+    versions are gone: only the shards write them). The learner is loaded and answers NEED 4 s
     late: the restarted shard waits for the live learner's copy instead of resuming from its older
     checkpoint, so nobody is moved back."""
     cluster = make_cluster(ASYNC)
@@ -401,7 +401,8 @@ def test_recovery_waits_for_a_slow_learners_copy_even_when_redis_lost_the_record
     redis_server.restart_empty()
     r = control.connect(redis_server.url)
     keys = Keys(cluster.endpoints.run_id)
-    wait_until(lambda: "l0" in control.live_learners(r, keys), 20, what="learner membership rebuilt")
+    # no shard runs: the membership set waits for one (the shards keep it); the heartbeat is back
+    wait_until(lambda: r.exists(keys.heartbeat("l0")), 20, what="the learner's heartbeat rebuilt")
     real_handle = learner._handle
     stalled = []
 
@@ -626,7 +627,8 @@ def test_recovery_does_not_wait_for_a_learner_that_is_still_joining(make_cluster
     t = threading.Thread(target=joining_member, daemon=True)
     t.start()
     try:
-        wait_until(lambda: "joiner" in control.live_learners(r, keys), 10, what="joining member registered")
+        # no shard runs (the shards keep the membership set): the restarted one reads the heartbeat
+        wait_until(lambda: r.exists(keys.heartbeat("joiner")), 10, what="joining member's heartbeat")
         restarted = cluster.start_shard(0, 1, recovery_timeout_s=30.0)
         wait_until(lambda: all(f.recovery is None for f in restarted.frags.values()), 8,
                    what="recovery done without waiting for the joining member")

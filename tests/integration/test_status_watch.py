@@ -25,6 +25,7 @@ def _a_run_in_redis(url: str, run_id: str) -> None:
     control.register_shard(pipe, keys, 0, {"status": "running", "merges": 3, "dropped": 0, "rpc": "tcp://127.0.0.1:7000"})
     pipe.hset(keys.fragment(2), mapping={"version": 3, "shard": 0, "round": 1})
     pipe.execute()
+    control.sync_members(r, keys)   # the shard's control refresh: membership from the heartbeats
 
 
 def test_render_shows_every_learner_and_the_fragments(redis_server):

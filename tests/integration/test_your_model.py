@@ -239,8 +239,9 @@ def test_a_learner_restarted_at_global_token_count_t_uses_the_scheduled_lr_for_t
     first = cluster.learner("a", 0, max_steps=60)
     cluster.start_learner(first).join(timeout=60)
     r = control.connect(cluster.endpoints.redis_url)
-    t_run = int(r.get(Keys(cluster.endpoints.run_id).tokens))
-    assert t_run == 60 * 16, "the run's token counter misses tokens"
+    # the shard takes the learner's own count in at its next control refresh (0.5 s)
+    t_run = wait_until(lambda: int(r.get(Keys(cluster.endpoints.run_id).tokens) or 0) == 60 * 16 and 60 * 16, 5,
+                       what="the run's token counter at the learner's tokens")
     again = cluster.learner("a", 0, max_steps=1)      # the same learner restarted: one step
     cluster.start_learner(again).join(timeout=60)
     assert not cluster.errors, cluster.errors
