@@ -193,6 +193,9 @@ def _run_and_task(cfg: ConfigFile, args: argparse.Namespace, *, starts_run: bool
     """What a daemon brings to the run: the whole run config (``starts_run``, a config file or
     algorithm flags), or only its task (``--task``: joins with the run's settings, checked to be
     the same task), or nothing (the run's config and task, from Redis)."""
+    from tasks.contract import allow_tasks
+    if starts_run or _algo_given(args) or _task_given(args):
+        allow_tasks([cfg.run.task.spec])   # this process's own flag, environment or config file
     if starts_run or _algo_given(args):
         return cfg.run, None
     if _task_given(args):
@@ -893,6 +896,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return chaos_main(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv
+    _allow_tasks_from_env()
     try:
         _check_flag_values(args)
         return args.func(args)
@@ -903,6 +907,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"ddloco {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _allow_tasks_from_env() -> None:
+    """DDLOCO_TASKS_ALLOWED (MODULE:ATTR, comma separated): tasks this process may import when the
+    run's config names them (a learner joining without --task); nothing from Redis is trusted."""
+    raw = os.environ.get("DDLOCO_TASKS_ALLOWED", "")
+    if raw.strip():
+        from tasks.contract import allow_tasks
+        allow_tasks(raw.split(","))
 
 
 def _usage_errors() -> tuple[type[BaseException], ...]:

@@ -226,8 +226,9 @@ def main(argv: Sequence[str]) -> int:
     import redis
     from common.config import ConfigError, check_value, redis_url_problem
     from ddloco.cli import EXIT_FAILURE, EXIT_USAGE, check_redis_answers
-    from tasks.contract import load_task, parse_task_args
+    from tasks.contract import ALLOWED_ENV, TaskNotAllowed, allow_tasks, load_task, parse_task_args
     from common.security import SecurityError
+    allow_tasks([args.task or "", *os.environ.get(ALLOWED_ENV, "").split(",")])
     try:
         task = load_task(args.task, parse_task_args(args.task_arg)) if args.task else None
         if args.checkpoint_dir:
@@ -242,7 +243,7 @@ def main(argv: Sequence[str]) -> int:
             print("ddloco export: give --checkpoint-dir, or --redis-url and --run-id", file=sys.stderr)
             return EXIT_USAGE
         path = save_state(model, args.out, fmt)
-    except (ConfigError, control.RunConfigMissing, SecurityError) as e:   # the user's URL, run id or keys
+    except (ConfigError, control.RunConfigMissing, SecurityError, TaskNotAllowed) as e:   # the user's URL, run id, keys, allow-list
         print(f"ddloco export: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (ExportError, TaskError) as e:

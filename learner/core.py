@@ -41,6 +41,7 @@ from learner.group import Group, group_from_env, params_digest, rank_stream, res
 from learner.inner import apply_step, load_optimizer_state, make_inner_optimizer, schedule_factor
 from learner.staging import HostStaging, staging_for
 from tasks.contract import Task, TaskError, batch_to, bind_task, build_model, check_task, count_tokens, scalar_loss
+from tasks.contract import TaskNotAllowed
 
 
 FETCH_RETRY_S = 1.0
@@ -284,6 +285,8 @@ class Learner:
                                                      gives_up_after_s=self.options.join_timeout_s))
             try:
                 self._prepare(run)
+            except TaskNotAllowed:  # the run names a task this machine does not import: exit 2
+                raise
             except TaskError as e:  # this machine's task differs from the run's
                 control.add_event(r, self.keys, "refuse", learner=self.id, reason=str(e))
                 raise LearnerRefused(f"refused: {e}") from None

@@ -39,6 +39,7 @@ from common.robust import (STEP_TIME_FLOOR_OF_MEDIAN, STEP_TIME_UNKNOWN_S, NormC
 from common.quorum import (Decision, Ema, OpenSchedule, QuorumPolicy, RoundView, decide_round, due_fragments,
                            grace_window_s)
 from tasks.contract import Task, TaskError, bind_task, build_model, count_tokens
+from tasks.contract import TaskNotAllowed
 
 CONTROL_REFRESH_S = 0.5
 REQUEST_DEDUPE_S = 5.0
@@ -366,6 +367,8 @@ class Shard:
                     self.redis, self.keys, wait_s=30.0, redis_url=self.endpoints.redis_url,
                     on_wait=lambda why: self.log.warning("syncer.run_config_missing", detail=why,
                                                          gives_up_after_s=30.0)))
+            except TaskNotAllowed:  # the run names a task this machine does not import: exit 2
+                raise
             except TaskError as e:  # this machine's task differs from the run's
                 raise control.ConfigMismatch(f"refused: {e}") from None
         control.claim_shard_count(self.redis, self.keys, self.options.shards)
