@@ -7,6 +7,7 @@ restarts empty is rebuilt without losing training progress.
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any, Callable, Iterable, Mapping
 
@@ -79,7 +80,12 @@ def publish_run_config(r: Any, keys: Keys, cfg: RunConfig) -> None:
 def claim_shard_count(r: redis.Redis, keys: Keys, shards: int) -> None:
     """The number of shards is fixed for a run (ownership is p % S): refuse another S."""
     r.hsetnx(keys.config, "shards", shards)
-    theirs = int(r.hget(keys.config, "shards") or shards)
+    raw = r.hget(keys.config, "shards")
+    theirs = parse_int(raw, lo=1, hi=MAX_SHARDS) if raw is not None else shards
+    if theirs is None:   # not a shard count: no shard wrote it; ours replaces it
+        BAD_ENTRIES.reject("config", "bad_shards", value=raw)
+        r.hset(keys.config, "shards", shards)
+        theirs = shards
     if theirs != shards:
         raise ConfigMismatch(f"refused: run {keys.run_id!r} has {theirs} shards, this shard was started with "
                              f"--shards {shards}")
@@ -131,7 +137,7 @@ def fetch_run_config(r: redis.Redis, keys: Keys, *, wait_s: float = 0.0, stop: A
     while True:
         blob = r.hget(keys.config, "blob")
         if blob:
-            return run_config_from_dict(json.loads(blob)["config"])
+            return _parse_run_config(keys, blob)
         now = time.monotonic()
         if now >= deadline or (stop is not None and stop.is_set()):
             when = f" after {now - started:.0f} s" if wait_s > 0 else ""
@@ -141,6 +147,22 @@ def fetch_run_config(r: redis.Redis, keys: Keys, *, wait_s: float = 0.0, stop: A
             on_wait(describe_missing_run(r, keys, redis_url, when=" yet"))
             next_warning = now + warn_every_s
         (stop.wait(0.2) if stop is not None else time.sleep(0.2))
+
+
+def _parse_run_config(keys: Keys, blob: str) -> RunConfig:
+    """The run config of a ``config`` blob; RunConfigMissing (one line, counted) when the blob is
+    not one (a member overwrote it); a field out of range is ConfigError from the config's checks."""
+    try:
+        doc = json.loads(blob)
+        body = doc["config"] if isinstance(doc, dict) else None
+    except (ValueError, KeyError):
+        body = None
+    if not isinstance(body, dict):
+        BAD_ENTRIES.reject("config", "not_a_run_config", run=keys.run_id)
+        raise RunConfigMissing(f"the run config of run {keys.run_id!r} in Redis is not a run config "
+                               f"(not JSON with a 'config' object: overwritten?); restore it by restarting a "
+                               f"syncer of the run with its config")
+    return run_config_from_dict(body)
 
 
 LIFE_TTL_S = 24 * 3600
@@ -164,7 +186,7 @@ def learner_lives(r: redis.Redis, keys: Keys) -> dict[tuple[str, str], dict[str,
     prefix = keys.prefix + "life:"
     for k in r.scan_iter(match=prefix + "*", count=500):
         lid, _, inc = k[len(prefix):].rpartition(":")
-        out[(lid, inc)] = r.hgetall(k)
+        out[(lid, inc)] = parse_learner_entry(lid, r.hgetall(k))
     return out
 
 
@@ -185,7 +207,7 @@ def live_learners(r: redis.Redis, keys: Keys) -> dict[str, dict[str, str]]:
         pipe.exists(keys.heartbeat(m))
         pipe.hgetall(keys.learner(m))
     res = pipe.execute()
-    return {m: res[2 * i + 1] for i, m in enumerate(members) if res[2 * i]}
+    return {m: parse_learner_entry(m, res[2 * i + 1]) for i, m in enumerate(members) if res[2 * i]}
 
 
 def all_learners(r: redis.Redis, keys: Keys) -> dict[str, dict[str, str]]:
@@ -193,7 +215,7 @@ def all_learners(r: redis.Redis, keys: Keys) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
     prefix = keys.learner("")
     for k in r.scan_iter(match=prefix + "*", count=500):
-        out[k[len(prefix):]] = r.hgetall(k)
+        out[k[len(prefix):]] = parse_learner_entry(k[len(prefix):], r.hgetall(k))
     return out
 
 
@@ -222,22 +244,60 @@ _RENEW_LEASE = """
 local cur = redis.call('GET', KEYS[1])
 if cur == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 if not cur then return redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) and 1 or 0 end
+local ttl = redis.call('PTTL', KEYS[1])
+local e = tonumber(string.match(cur, '^[^:]+:%d+:(%d+)$'))
+if ttl < 0 or ttl > tonumber(ARGV[3]) or not e or e < tonumber(ARGV[4]) then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 2
+end
 return 0
 """
+"""Renew our lease. Another value is a successor's (we stalled past the TTL: lost) only when a
+shard could have written it: a ``host:pid:epoch`` holder of an epoch not older than ours, with a
+TTL no longer than LEASE_TTL_MAX_S; anything else is taken back at once (returns 2)."""
+
+_LEASE_HOLDER = re.compile(r"[^:]+:\d+:(\d+)")
+
+
+def lease_is_plausible(value: str, pttl_ms: int) -> bool:
+    """Whether a lease key's value could be a shard's: a ``host:pid:epoch`` holder with a TTL
+    (every shard sets one) no longer than LEASE_TTL_MAX_S."""
+    return bool(_LEASE_HOLDER.fullmatch(value)) and 0 < pttl_ms <= LEASE_TTL_MAX_S * 1000
 
 
 def acquire_lease(r: redis.Redis, key: str, holder: str, *, ttl_s: float, wait_s: float) -> None:
-    """Take the lease, waiting up to ``wait_s`` for a crashed holder's lease to expire."""
+    """Take the lease, waiting up to ``wait_s`` for a crashed holder's lease to expire. A value no
+    shard writes (``lease_is_plausible``: no TTL, a longer one, not a holder) is stale: it is
+    counted and taken once it stayed unchanged for ``ttl_s`` (so no member's write keeps a shard out)."""
     deadline = time.monotonic() + wait_s
+    stale: tuple[str, float] | None = None   # (implausible value, when first seen)
     while not r.set(key, holder, nx=True, px=int(ttl_s * 1000)):
-        if time.monotonic() >= deadline:
-            raise LeaseHeld(f"refused: {key} is held by {r.get(key)!r} (is this shard already running?)")
+        pipe = r.pipeline(transaction=False)
+        cur, pttl = pipe.get(key).pttl(key).execute()
+        now = time.monotonic()
+        if cur is not None and not lease_is_plausible(cur, pttl):
+            if stale is None or stale[0] != cur:
+                stale = (cur, now)
+                BAD_ENTRIES.reject("lease", "not_a_lease", key=key, value=cur, ttl_ms=pttl)
+            deadline = max(deadline, stale[1] + ttl_s + 1.0)
+            if now - stale[1] >= ttl_s and r.eval(
+                    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('SET', KEYS[1], ARGV[2], "
+                    "'PX', ARGV[3]) end return 0", 1, key, cur, holder, int(ttl_s * 1000)):
+                return
+        if now >= deadline:
+            raise LeaseHeld(f"refused: {key} is held by {cur!r} (is this shard already running?)")
         time.sleep(min(0.2, ttl_s / 4))
 
 
 def renew_lease(r: redis.Redis, key: str, holder: str, *, ttl_s: float) -> bool:
-    """Extend our lease (re-take it if Redis lost it); False if another process holds it."""
-    return bool(r.eval(_RENEW_LEASE, 1, key, holder, int(ttl_s * 1000)))
+    """Extend our lease (re-take it if Redis lost it, or if it holds a value no successor shard
+    could have written: counted); False if another shard's process holds it."""
+    m = _LEASE_HOLDER.fullmatch(holder)
+    res = r.eval(_RENEW_LEASE, 1, key, holder, int(ttl_s * 1000), int(LEASE_TTL_MAX_S * 1000),
+                 int(m.group(1)) if m else 0)
+    if res == 2:
+        BAD_ENTRIES.reject("lease", "taken_back", key=key)
+    return bool(res)
 
 
 def release_lease(r: redis.Redis, key: str, holder: str) -> None:
@@ -253,20 +313,33 @@ def register_shard(pipe: Any, keys: Keys, shard: int, fields: Mapping[str, Any])
 
 
 def shard_table(r: redis.Redis, keys: Keys) -> dict[int, dict[str, str]]:
-    """Every registered shard's hash, by shard index."""
-    ids = sorted(int(k) for k in r.smembers(keys.shards))
+    """Every registered shard's hash, by shard index; members and hashes that are not a shard's
+    (``parse_shard_index``, ``parse_shard_entry``) are counted and left out."""
+    ids = sorted({k for k in map(parse_shard_index, r.smembers(keys.shards)) if k is not None})
     pipe = r.pipeline(transaction=False)
     for k in ids:
         pipe.hgetall(keys.shard(k))
-    return {k: h for k, h in zip(ids, pipe.execute()) if h}
+    table = {k: parse_shard_entry(k, h) for k, h in zip(ids, pipe.execute()) if h}
+    return {k: h for k, h in table.items() if h is not None}
 
 
 def shard_endpoints(r: redis.Redis, keys: Keys) -> tuple[int, dict[int, str]]:
     """(S, {shard: rpc endpoint}) of the registered shards; S = 0 when none registered."""
     table = shard_table(r, keys)
-    counts = {int(h.get("shards", 0)) for h in table.values()}
-    n = max(counts) if counts else 0
-    return n, {k: h["rpc"] for k, h in table.items() if h.get("rpc") and k < n}
+    n = shard_count_of(table)
+    for k, h in table.items():
+        if int(h["shards"]) != n:
+            BAD_ENTRIES.reject("shard", "count_disagrees", shard=k, shards=h["shards"], run_shards=n)
+    return n, {k: h["rpc"] for k, h in table.items() if int(h["shards"]) == n}
+
+
+def shard_count_of(table: Mapping[int, Mapping[str, str]]) -> int:
+    """The run's shard count S as the valid entries of ``shard_table`` state it: the count most of
+    them give (ties: the smaller; one stray entry cannot outvote the shards); 0 when none."""
+    votes: dict[int, int] = {}
+    for h in table.values():
+        votes[int(h["shards"])] = votes.get(int(h["shards"]), 0) + 1
+    return min(votes, key=lambda s: (-votes[s], s)) if votes else 0
 
 
 def record_layout(r: Any, keys: Keys, layout: list[tuple[str, tuple[int, ...], str]]) -> None:
@@ -278,7 +351,13 @@ def record_layout(r: Any, keys: Keys, layout: list[tuple[str, tuple[int, ...], s
 def run_layout(r: redis.Redis, keys: Keys) -> list[tuple[str, tuple[int, ...], str]] | None:
     """The layout recorded by ``record_layout`` (None if none yet)."""
     blob = r.hget(keys.config, "layout")
-    return None if not blob else [(n, tuple(s), k) for n, s, k in json.loads(blob)]
+    if not blob:
+        return None
+    try:
+        return [(str(n), tuple(int(d) for d in s), str(k)) for n, s, k in json.loads(blob)]
+    except (ValueError, TypeError):   # not a layout (a member overwrote it): as if none was recorded
+        BAD_ENTRIES.reject("config", "bad_layout", run=keys.run_id)
+        return None
 
 
 def fragment_versions(r: redis.Redis, keys: Keys, fragments: Iterable[int]) -> dict[int, int | None]:
@@ -287,15 +366,19 @@ def fragment_versions(r: redis.Redis, keys: Keys, fragments: Iterable[int]) -> d
     pipe = r.pipeline(transaction=False)
     for p in fragments:
         pipe.hget(keys.fragment(p), "version")
-    return {p: None if v is None else int(v) for p, v in zip(fragments, pipe.execute())}
+    return {p: parse_version(p, v) for p, v in zip(fragments, pipe.execute())}
 
 
 def data_position(r: redis.Redis, keys: Keys, learner_id: str) -> int:
     """Batches this learner id consumed in earlier lives (0 if unknown: a new id)."""
-    return int(float(r.hget(keys.learner(learner_id), "data_position") or 0))
+    raw = r.hget(keys.learner(learner_id), "data_position")
+    position = parse_int(raw) if raw is not None else 0
+    if position is None:
+        BAD_ENTRIES.reject("learner", "bad_number", learner=learner_id, field="data_position", value=raw)
+    return position or 0
 
 
-_RAISE = "local v = tonumber(redis.call('GET', KEYS[1]) or '0') if v < tonumber(ARGV[1]) then " \
+_RAISE = "local v = tonumber(redis.call('GET', KEYS[1]) or '0') if not v or v < tonumber(ARGV[1]) then " \
          "redis.call('SET', KEYS[1], ARGV[1]) return tonumber(ARGV[1]) end return v"
 
 
@@ -305,3 +388,262 @@ def raise_counter(r: Any, key: str, value: int) -> Any:
     entry in ``execute()``)."""
     res = r.eval(_RAISE, 1, key, int(value))
     return int(res) if isinstance(res, (int, str, bytes)) else res
+
+
+# ---------------------------------------------------------------------------- validated reads
+# Every member's Redis user can write every key of the run (until per-member ACL users), so a
+# value read back is input, like a wire message: one parser per entry kind returns a typed value
+# or None, and what it rejects is counted by kind and reason (``BAD_ENTRIES``), logged once per
+# kind and reason, and ignored: no reader dies on it.
+
+MAX_SHARDS = 4096
+"""No run has more shards than this: a shard index or count beyond it is not a shard's entry."""
+MAX_VERSION = 2**53
+"""No fragment version, epoch or counter a run reaches (2^53: exact in a float, far from INCR's
+2^63 overflow)."""
+LEASE_TTL_MAX_S = 600.0
+"""No shard writes a lease longer than this (``syncer.lease_ttl_s`` is seconds): a lease with a
+longer TTL, or none, was not written by a shard."""
+LEARNER_NUMBERS = ("merged_contributions", "last_merged_at", "steps", "tokens", "step_ema_s", "loss_ema", "lr", "answers", "merges_applied", "updated_at",
+                   "started_at", "stopped_at", "data_position", "train_s", "blocked_s", "boot_s", "flush_s",
+                   "bytes_up", "bytes_down", "last_contrib_at", "schedule_tokens", "cpu_s", "cpu_s_at_joined",
+                   "peak_rss_mb", "version_gaps", "versions_regressed", "fetches", "malformed", "flushed",
+                   "unflushed", "bytes_fetched", "chunks_fetched", "bootstraps_served", "schedule_regressions",
+                   "answers_replaced", "data_shard", "data_stream", "pid", "stale_opens", "bad_entries")
+"""Fields of a learner's hash that hold a number (``Learner._counters``, the shards' counts): a
+value that is not a finite number >= 0 below ``MAX_VERSION`` is dropped from the entry (readers
+see it missing)."""
+LEARNER_INTS = ("steps", "tokens", "answers", "merges_applied", "merged_contributions", "data_position", "pid",
+                "data_shard", "data_stream", "schedule_tokens", "bad_entries")
+"""Of those, the ones that hold a count: an integral value is kept as its canonical digits
+(readers may ``int()`` it), any other is dropped."""
+SHARD_TEXTS = ("rpc", "plan", "checkpoint", "status")
+"""Fields of a shard's hash that hold text; every other field holds a number."""
+TEXT_MAX_CHARS = 256
+"""A text field of an entry (status, host, peer, ...) longer than this is dropped."""
+
+
+class BadEntries:
+    """Malformed Redis entries this process ignored, by ``kind.reason`` (a bounded set of names:
+    the kinds and reasons are this module's, never the input's). Each ``kind.reason`` is logged
+    once (a flood of the same bad entry is one line and a count). Read and written by any thread:
+    the lock guards ``_counts``."""
+
+    def __init__(self) -> None:
+        import threading
+        self._counts_lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+
+    def reject(self, kind: str, reason: str, **context: Any) -> None:
+        name = f"{kind}.{reason}"
+        with self._counts_lock:
+            first = name not in self._counts
+            self._counts[name] = self._counts.get(name, 0) + 1
+        if first:
+            import structlog
+            structlog.get_logger("control").warning("control.bad_entry", kind=kind, reason=reason,
+                                                    **{k: str(v)[:120] for k, v in context.items()})
+
+    def snapshot(self) -> dict[str, int]:
+        with self._counts_lock:
+            return dict(self._counts)
+
+    def total(self) -> int:
+        with self._counts_lock:
+            return sum(self._counts.values())
+
+
+BAD_ENTRIES = BadEntries()
+"""This process's count of ignored Redis entries (its stats and metrics expose ``snapshot()``)."""
+
+
+def parse_int(raw: Any, *, lo: int = 0, hi: int = MAX_VERSION) -> int | None:
+    """``raw`` (a Redis string) as an int in [lo, hi] (an integral float string like "3.0" too);
+    None when it is not one."""
+    if isinstance(raw, bool) or raw is None:
+        return None
+    if isinstance(raw, int):
+        value = raw
+    else:
+        try:
+            text = str(raw).strip()
+            value = int(text) if text.lstrip("-").isdigit() else int(float(text)) if float(text).is_integer() else None
+        except (ValueError, OverflowError):
+            return None
+    return value if value is not None and lo <= value <= hi else None
+
+
+def parse_number(raw: Any, *, lo: float = 0.0, hi: float = float(MAX_VERSION)) -> float | None:
+    """``raw`` as a finite float in [lo, hi]; None when it is not one."""
+    import math
+    if isinstance(raw, bool) or raw is None:
+        return None
+    try:
+        value = float(raw)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return value if math.isfinite(value) and lo <= value <= hi else None
+
+
+def parse_shard_index(raw: Any) -> int | None:
+    """A member of the ``shards`` set: a shard index in [0, MAX_SHARDS); else counted, None."""
+    k = parse_int(raw, hi=MAX_SHARDS - 1)
+    if k is None:
+        BAD_ENTRIES.reject("shards", "not_an_index", value=raw)
+    return k
+
+
+def parse_shard_entry(k: int, h: Mapping[str, str]) -> dict[str, str] | None:
+    """Shard k's hash if it is one a shard writes: an rpc endpoint, a shard count in
+    [1, MAX_SHARDS] above k; else counted and None."""
+    from common.config import endpoint_problem
+    shards = parse_int(h.get("shards"), lo=1, hi=MAX_SHARDS)
+    if shards is None or k >= shards:
+        BAD_ENTRIES.reject("shard", "bad_count", shard=k, shards=h.get("shards"))
+        return None
+    if not h.get("rpc") or endpoint_problem(h["rpc"]):
+        BAD_ENTRIES.reject("shard", "bad_endpoint", shard=k, rpc=h.get("rpc"))
+        return None
+    out = {"shards": str(shards)}
+    for key, value in h.items():
+        if key in SHARD_TEXTS:
+            if len(str(value)) <= TEXT_MAX_CHARS:
+                out[key] = value
+            continue
+        number = parse_number(value)
+        if number is None:
+            if key != "shards":
+                BAD_ENTRIES.reject("shard", "bad_number", shard=k, field=key, value=value)
+        elif key != "shards":
+            out[key] = str(int(number)) if number.is_integer() else repr(number)
+    return out
+
+
+def parse_fragment_entry(p: int, h: Mapping[str, str]) -> dict[str, Any]:
+    """Fragment p's hash (``frag:<p>``) as numbers (version, shard, round, failed_rounds; a missing
+    or malformed one, counted, reads as its default) and text (contributors, problem)."""
+    out: dict[str, Any] = {}
+    for key, default, lo in (("version", 0, 0), ("shard", -1, -1), ("round", -1, -1), ("failed_rounds", 0, 0)):
+        raw = h.get(key)
+        value = parse_int(raw, lo=lo) if raw is not None else default
+        if value is None:
+            BAD_ENTRIES.reject("fragment", f"bad_{key}", fragment=p, value=raw)
+            value = default
+        out[key] = value
+    for key in ("contributors", "problem"):
+        out[key] = str(h.get(key, ""))[:TEXT_MAX_CHARS * 16]
+    return out
+
+
+def parse_eval_entry(h: Mapping[str, str]) -> dict[str, float] | None:
+    """``up``'s last evaluation (the ``eval`` hash) as numbers: loss, initial_loss, tokens, at;
+    None when there is none or it is malformed (counted)."""
+    if not h.get("loss"):
+        return None
+    loss = parse_number(h.get("loss"), lo=-1e30, hi=1e30)
+    initial = parse_number(h.get("initial_loss", h.get("loss")), lo=-1e30, hi=1e30)
+    tokens = parse_number(h.get("tokens", 0))
+    at = parse_number(h.get("at", time.time()))
+    if None in (loss, initial, tokens, at):
+        BAD_ENTRIES.reject("eval", "bad_number")
+        return None
+    return {"loss": loss, "initial_loss": initial, "tokens": tokens, "at": at}
+
+
+def parse_broker_entry(h: Mapping[str, str]) -> dict[str, Any]:
+    """The broker's counters (its ``broker`` hash): auth_failures (an int), auth_failures_by_reason
+    and refused (reason -> int); a malformed part is counted and reads as none."""
+    failures = parse_int(h.get("auth_failures") or 0)
+    if failures is None:
+        BAD_ENTRIES.reject("broker", "bad_number", value=h.get("auth_failures"))
+    return {"auth_failures": failures or 0, "auth_failures_by_reason": _count_map(h.get("auth_failures_by_reason")),
+            "broker_refused": _count_map(h.get("refused"))}
+
+
+def _count_map(raw: Any) -> dict[str, int]:
+    """A JSON object of reason -> count (at most 64 reasons of 64 characters); {} and counted
+    when it is not one."""
+    try:
+        doc = json.loads(raw or "{}")
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or len(doc) > 64:
+        BAD_ENTRIES.reject("broker", "bad_counts")
+        return {}
+    out = {str(k)[:64]: parse_int(v) for k, v in doc.items()}
+    if None in out.values():
+        BAD_ENTRIES.reject("broker", "bad_counts")
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def parse_version(p: int, raw: Any) -> int | None:
+    """Fragment p's recorded version (None: none recorded, or not a version: counted)."""
+    if raw is None:
+        return None
+    v = parse_int(raw)
+    if v is None:
+        BAD_ENTRIES.reject("fragment", "bad_version", fragment=p, version=raw)
+    return v
+
+
+def parse_learner_entry(learner_id: str, h: Mapping[str, str]) -> dict[str, str]:
+    """A learner's hash with the fields a learner would not write dropped (counted): numbers that
+    are not finite, negative or absurd, text over TEXT_MAX_CHARS. The rest is kept as read."""
+    out: dict[str, str] = {}
+    for key, value in h.items():
+        if key in LEARNER_INTS and value != "":
+            count = parse_int(value)
+            if count is None:
+                BAD_ENTRIES.reject("learner", "bad_number", learner=learner_id, field=key, value=value)
+            else:
+                out[key] = str(count)
+        elif key in LEARNER_NUMBERS and value != "" and parse_number(value) is None:
+            BAD_ENTRIES.reject("learner", "bad_number", learner=learner_id, field=key, value=value)
+        elif len(str(value)) > TEXT_MAX_CHARS and key != "boot_phases":
+            BAD_ENTRIES.reject("learner", "text_too_long", learner=learner_id, field=key)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_epoch(raw: Any) -> int | None:
+    """The run's epoch counter (None: absent); a value that is not an int in [0, MAX_VERSION] is
+    counted and None."""
+    if raw is None:
+        return None
+    e = parse_int(raw)
+    if e is None:
+        BAD_ENTRIES.reject("epochs", "implausible", value=raw)
+    return e
+
+
+def take_epoch(r: redis.Redis, keys: Keys, floor: int) -> int:
+    """A starting shard's epoch: the run's counter, put back to at least ``floor`` (its checkpoint's
+    epoch) and to the epochs the shards' entries state, then incremented. A counter that is not an
+    epoch (not an int, negative, beyond MAX_VERSION: INCR would fail at 2^63) is counted, logged
+    and replaced by that floor, so no value a member writes there stops a shard from starting."""
+    raw = r.get(keys.epochs)
+    stated = [parse_int(h.get("epoch")) for h in shard_table(r, keys).values()]
+    floor = max([floor, *(e for e in stated if e is not None)])
+    if raw is not None and parse_epoch(raw) is None:
+        # compare-and-set: a shard that replaced it meanwhile is not undone
+        r.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('SET', KEYS[1], ARGV[2]) end "
+               "return 0", 1, keys.epochs, raw, int(floor))
+    raise_counter(r, keys.epochs, floor)
+    return int(r.incr(keys.epochs))
+
+
+def parse_merge_event(e: Mapping[str, str]) -> dict[str, Any] | None:
+    """A ``merge`` event of the stream as a shard writes it (t: a time, fragment: an index,
+    contributors: a JSON list of ids), with those three as Python values; None and counted when
+    it is not one (any member can append to the stream)."""
+    t = parse_number(e.get("t"))
+    p = parse_int(e.get("fragment"), hi=MAX_SHARDS * 1024)
+    try:
+        contributors = json.loads(e.get("contributors", "[]"))
+    except ValueError:
+        contributors = None
+    if t is None or p is None or not isinstance(contributors, list) or len(contributors) > 100_000:
+        BAD_ENTRIES.reject("events", "bad_merge")
+        return None
+    return {**e, "t": t, "fragment": p, "contributors": [str(c)[:TEXT_MAX_CHARS] for c in contributors]}

@@ -20,6 +20,7 @@ from common import control, wire
 from common.fragments import owner
 from common.keys import Keys
 from common.links import keep_alive
+from common.security import SecurityError
 
 
 class _Assembly:
@@ -97,11 +98,11 @@ class FragmentClient:
             s = keep_alive(self.ctx.socket(zmq.DEALER))
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.RCVHWM, 10_000)
-            if self.security is not None:
-                self.security.client(s, f"shard{k}")
             try:
+                if self.security is not None:
+                    self.security.client(s, f"shard{k}")
                 s.connect(ep)
-            except zmq.ZMQError as e:  # what a shard advertised in Redis is not an endpoint
+            except (zmq.ZMQError, SecurityError) as e:  # not an endpoint, or no listed key for that shard
                 s.close(linger=0)
                 self.bad_endpoints[k] = (ep, str(e))
                 continue

@@ -327,7 +327,7 @@ class Learner:
         # a restarted learner resumes its data stream (read before the heartbeat first writes it)
         self.data_position = control.data_position(self.redis, self.keys, self.id)
         self._previous_life = self.redis.hmget(self.keys.learner(self.id), "incarnation", "status", "updated_at")
-        self._global_tokens = (int(self.redis.get(self.keys.tokens) or 0), 0)  # (run's count, our tokens then)
+        self._global_tokens = (run_count.read_total(self.redis, self.keys), 0)  # (run's count, our tokens then)
         self._count_behind = False
         n = len(self.plan)
         self.base_version = np.full(n, -1, dtype=np.int64)
@@ -461,6 +461,8 @@ class Learner:
                             "fragment replaced them while they waited (the network thread fell behind).",
                             self._outbox.replaced),
             metrics.counter("learner_malformed_total", "Messages dropped: failed to decode.", s.malformed),
+            metrics.counter("learner_bad_entries_total", "Redis entries ignored as malformed, by kind.reason "
+                            "(common/control.py).", control.BAD_ENTRIES.snapshot(), "reason"),
             metrics.counter("learner_bytes_total", "Bytes sent (out: answers, copies, peer state) and received "
                             "(in: merged fragments, peer state).", {"out": s.bytes_up, "in": s.bytes_down},
                             "direction"),
@@ -1250,7 +1252,7 @@ class Learner:
                 "data_position": self.data_position + s.batches, "answers_replaced": self._outbox.replaced,
                 "bytes_fetched": s.bytes_fetched, "chunks_fetched": s.chunks_fetched,
                 "peak_rss_mb": peak_rss_mb(), "cpu_s": round(time.process_time(), 3),
-                "cpu_s_at_joined": round(s.cpu_s_at_joined, 3)}
+                "cpu_s_at_joined": round(s.cpu_s_at_joined, 3), "bad_entries": control.BAD_ENTRIES.total()}
 
     def _leave(self) -> None:
         try:

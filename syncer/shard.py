@@ -375,8 +375,7 @@ class Shard:
         control.record_layout(self.redis, self.keys, plan_layout(self.plan))
         # this life of the shard: the run-wide counter, above any epoch this shard's checkpoint saw
         # (Redis may have restarted empty; live shards and learners also put the counter back)
-        control.raise_counter(self.redis, self.keys.epochs, self._checkpoint_epoch())
-        self.epoch = int(self.redis.incr(self.keys.epochs))
+        self.epoch = control.take_epoch(self.redis, self.keys, self._checkpoint_epoch())
         self.lease_holder = f"{socket.gethostname()}:{os.getpid()}:{self.epoch}"
         control.acquire_lease(self.redis, self.keys.shard_lease(self.options.shard), self.lease_holder,
                               ttl_s=self.options.lease_ttl_s, wait_s=self.options.lease_wait_s)
@@ -437,6 +436,8 @@ class Shard:
                                            "stale_base": st.stale_base, "wrong_run": st.wrong_run}, "outcome"),
             metrics.counter("shard_answers_rejected_total", "Answers refused (nonfinite_delta) or cut (claims, "
                             "clipped) by the robust merge, by reason.", dict(st.rejected), "reason"),
+            metrics.counter("shard_bad_entries_total", "Redis entries ignored as malformed, by kind.reason "
+                            "(common/control.py).", control.BAD_ENTRIES.snapshot(), "reason"),
             metrics.counter("shard_malformed_total", "Messages and requests that failed to decode or made no "
                             "sense (dropped).", st.malformed),
             metrics.counter("shard_rounds_dropped_total", "Rounds whose merge was not finite (dropped).",
@@ -647,7 +648,7 @@ class Shard:
         now = self.clock()
         live = control.live_learners(self.redis, self.keys)
         holding = any(h.get("status") in HOLDING for h in live.values())
-        if live and not holding and not loaded and not int(self.redis.get(self.keys.tokens) or 0):
+        if live and not holding and not loaded and not run_count.read_total(self.redis, self.keys):
             live = {}   # a new run: its learners are joining (waiting for us) and none trained yet
         for p, f in self.frags.items():
             if self.options.fresh:
@@ -1224,7 +1225,8 @@ class Shard:
                 "claims_clamped": self.stats.claims_clamped,
                 "merge_s_sum": round(self.stats.merge_s.sum_s, 4), "replies_cached": self.stats.replies_cached,
                 "requests": self.stats.requests, "requests_deduped": self.stats.requests_deduped,
-                "peak_rss_mb": peak_rss_mb(), "cpu_s": round(time.process_time(), 3)})
+                "peak_rss_mb": peak_rss_mb(), "cpu_s": round(time.process_time(), 3),
+                "bad_entries": control.BAD_ENTRIES.total()})
             for p, f in self.frags.items():
                 if f.recovery is not None:
                     continue  # the recorded version stays until this fragment has caught up

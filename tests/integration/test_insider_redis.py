@@ -1,0 +1,112 @@
+"""What a compromised learner can write into the run's Redis (its Redis user reaches every key of
+the run) is input: each malformed entry is counted and ignored, no learner, shard or reader dies on
+it, and training goes on. Real redis-server, a real CURVE cluster of threads (broker, 2 shards, 2
+learners) that takes every write in turn."""
+from __future__ import annotations
+
+import pytest
+
+from common import control
+from common.keys import Keys
+from ddloco.status import collect_status
+from tests.conftest import wait_until
+from tests.integration.test_cluster import ASYNC
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _progress(cluster, learners) -> tuple[int, int]:
+    return min(lr.stats.steps for lr in learners), sum(s.stats.merges for s in cluster.shards.values())
+
+
+def _goes_on(cluster, learners, what: str, counted: tuple[str, ...] = ()) -> None:
+    """Every learner steps and the shards merge after ``what`` was written, while each of
+    ``counted`` (kind.reason) is counted; nothing died."""
+    steps, merges = _progress(cluster, learners)
+    try:
+        wait_until(lambda: cluster.errors or (_progress(cluster, learners)[0] >= steps + 8
+                                              and _progress(cluster, learners)[1] >= merges + 2
+                                              and all(_rejected(c) >= 1 for c in counted)),
+                   40, what=f"training going on after {what}")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: progress {_progress(cluster, learners)} from {(steps, merges)}, counted "
+                             f"{control.BAD_ENTRIES.snapshot()}") from None
+    assert not cluster.errors, f"after {what}: {cluster.errors!r}"
+
+
+def _rejected(kind_reason: str) -> int:
+    return control.BAD_ENTRIES.snapshot().get(kind_reason, 0)
+
+
+def test_malformed_redis_entries_are_counted_and_ignored_and_training_goes_on(make_cluster):
+    cluster = make_cluster(ASYNC, secure=True)
+    for k in (0, 1):
+        cluster.start_shard(k, 2)
+    learners = [cluster.learner(n, i, step_time_floor_ms=5) for i, n in enumerate(("a", "b"))]
+    for lr in learners:
+        cluster.start_learner(lr)
+    r = control.connect(cluster.endpoints.redis_url)
+    keys = Keys(cluster.endpoints.run_id)
+    wait_until(lambda: cluster.errors or _progress(cluster, learners)[1] >= 4, 60, what="the cluster merging")
+    assert not cluster.errors, cluster.errors
+
+    # a fake shard entry: an endpoint with no listed key (SecurityError in every learner before)
+    r.sadd(keys.shards, 9)
+    r.hset(keys.shard(9), mapping={"rpc": "tcp://127.0.0.1:1", "shards": 99})
+    # a shard index that is not one (every learner's control thread and `up` died on int("x"))
+    r.sadd(keys.shards, "x", "-3")
+    # a shard hash of garbage
+    r.sadd(keys.shards, 5)
+    r.hset(keys.shard(5), mapping={"rpc": "not an endpoint", "shards": "zz"})
+    # shard 9 claims 99 shards: outvoted by the two shards
+    _goes_on(cluster, learners, "fake shard entries", ("shards.not_an_index", "shard.bad_count",
+                                                       "shard.count_disagrees"))
+    assert control.shard_endpoints(r, keys)[0] == 2 and sorted(control.shard_endpoints(r, keys)[1]) == [0, 1]
+
+    # fragment versions, a ghost learner's counters, the eval, broker, layout and token entries
+    r.hset(keys.fragment(0), "version", "-5")
+    r.hset(keys.fragment(1), "version", "abc")
+    r.hset(keys.fragment(2), mapping={"round": "1e999", "failed_rounds": "x"})
+    r.sadd(keys.learners, "ghost")
+    r.set(keys.heartbeat("ghost"), "1", ex=60)
+    r.hset(keys.learner("ghost"), mapping={"step_ema_s": "nan", "steps": "x", "tokens": "-1", "status": "s" * 10_000,
+                                           "updated_at": "inf", "pid": "3.5", "merged_contributions": "many"})
+    r.hset(keys.eval, mapping={"loss": "abc", "at": "later"})
+    r.hset(keys.broker, mapping={"auth_failures": "lots", "refused": "[1, 2", "auth_failures_by_reason": "{}"})
+    r.hset(keys.config, "layout", "not json")
+    r.hset(keys.token_shares, "evil:0", "garbage")
+    r.set(keys.tokens, "a lot")
+    _goes_on(cluster, learners, "garbage counters", ("learner.bad_number",
+                                                     "learner.text_too_long", "tokens.bad_share"))
+    st = collect_status(r, keys)           # `ddloco status` and `up`'s monitor read all of it
+    assert st["learners"]["ghost"]["steps"] == 0 and st["learners"]["ghost"]["status"] == "?"
+    assert st["eval"] is None and all(f["version"] >= 0 for f in st["fragments"].values())
+    assert control.parse_broker_entry(r.hgetall(keys.broker))["auth_failures"] == 0
+    assert control.run_layout(r, keys) is None
+    assert int(r.get(keys.tokens)) > 0      # not a count: rebuilt from the shares at the next write
+    assert control.parse_fragment_entry(2, {"version": "-5", "failed_rounds": "x"})["failed_rounds"] == 0
+    for reason in ("fragment.bad_failed_rounds", "fragment.bad_version", "learner.bad_number", "learner.text_too_long", "eval.bad_number",
+                   "broker.bad_number", "broker.bad_counts", "config.bad_layout", "tokens.bad_share"):
+        assert _rejected(reason) >= 1, (reason, control.BAD_ENTRIES.snapshot())
+
+    # a lease of shard 1 with no TTL (it stopped the shard, and kept it out for good): taken back
+    r.set(keys.shard_lease(1), "evil")
+    wait_until(lambda: _rejected("lease.taken_back") >= 1, 10, what="shard 1 taking its lease back")
+    assert r.get(keys.shard_lease(1)) == cluster.shards[1].lease_holder
+    _goes_on(cluster, learners, "a lease without TTL")
+
+    # the epoch counter at INCR's limit, and a no-TTL lease, when shard 0 starts again
+    cluster.stop_shard(0)
+    wait_until(lambda: r.get(keys.shard_lease(0)) is None, 20, what="shard 0 stopped, its lease released")
+    r.set(keys.epochs, str(2**63 - 1))
+    r.set(keys.shard_lease(0), "evil")
+    r.hset(keys.fragment(0), "version", "-5")       # what the starting shard reads as the run's record
+    r.hset(keys.fragment(2), "version", str(2**70))
+    old_epoch = cluster.shards[0].epoch
+    shard = cluster.start_shard(0, 2)
+    assert old_epoch < shard.epoch < 2**53, shard.epoch
+    assert _rejected("epochs.implausible") >= 1 and _rejected("lease.not_a_lease") >= 1
+    assert _rejected("fragment.bad_version") >= 2
+    _goes_on(cluster, learners, "shard 0 restarted past a bad epoch counter and lease")
+    snapshot = control.BAD_ENTRIES.snapshot()
+    assert all(lr.readings() for lr in learners) and int(r.hget(keys.shard(1), "bad_entries")) >= 1, snapshot
