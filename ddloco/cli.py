@@ -193,9 +193,6 @@ def _run_and_task(cfg: ConfigFile, args: argparse.Namespace, *, starts_run: bool
     """What a daemon brings to the run: the whole run config (``starts_run``, a config file or
     algorithm flags), or only its task (``--task``: joins with the run's settings, checked to be
     the same task), or nothing (the run's config and task, from Redis)."""
-    from tasks.contract import allow_tasks
-    if starts_run or _algo_given(args) or _task_given(args):
-        allow_tasks([cfg.run.task.spec])   # this process's own flag, environment or config file
     if starts_run or _algo_given(args):
         return cfg.run, None
     if _task_given(args):

@@ -41,7 +41,7 @@ class ExportError(RuntimeError):
 
 def _assemble(run: RunConfig, task: Task | None, values: dict[int, torch.Tensor], *, recalibrate_bn: int | None = 0,
               say: Callable[[str], None] | None = None) -> torch.nn.Module:
-    task, run = bind_task(run, task)
+    task, run = bind_task(run, task, shared=True)   # a run from Redis or a checkpoint: its spec must be allowed
     model = build_model(task, run.task.seed)
     plan: tuple[Fragment, ...] = model_plan(model, task.embedding_names, run.algo.fragments)
     missing = sorted(set(range(len(plan))) - set(values))
@@ -82,7 +82,7 @@ def from_live_run(redis_url: str, run_id: str, *, task: Task | None = None, time
     keys = Keys(run_id)
     try:
         run = control.fetch_run_config(r, keys, wait_s=run_wait_s, redis_url=redis_url)
-        task, run = bind_task(run, task)
+        task, run = bind_task(run, task, shared=True)
         n = run.algo.fragments
         try:
             frags = fetch_fragments(r, keys, n, timeout_s=timeout_s, sender="export", security=security)
@@ -228,7 +228,7 @@ def main(argv: Sequence[str]) -> int:
     from ddloco.cli import EXIT_FAILURE, EXIT_USAGE, check_redis_answers
     from tasks.contract import ALLOWED_ENV, TaskNotAllowed, allow_tasks, load_task, parse_task_args
     from common.security import SecurityError
-    allow_tasks([args.task or "", *os.environ.get(ALLOWED_ENV, "").split(",")])
+    allow_tasks(os.environ.get(ALLOWED_ENV, "").split(","))   # this machine's own list, never Redis
     try:
         task = load_task(args.task, parse_task_args(args.task_arg)) if args.task else None
         if args.checkpoint_dir:

@@ -233,10 +233,11 @@ class Learner:
         ratio of the schedule's factor to the factor at the highest count)."""
 
     # ------------------------------------------------------------------ join
-    def _prepare(self, run: RunConfig) -> None:
+    def _prepare(self, run: RunConfig, *, shared: bool = False) -> None:
         """Bind the task to ``run``, build the model and its plan, dry-run one batch: every check
-        that can refuse this learner, before it writes anything to Redis."""
-        self.task, self.run_cfg = bind_task(run, self.task)
+        that can refuse this learner, before it writes anything to Redis. ``shared``: ``run`` came
+        from Redis (its task spec is imported only if this machine allows it)."""
+        self.task, self.run_cfg = bind_task(run, self.task, shared=shared)
         self.algo = self.run_cfg.algo
         self.device = self._resolve_device()
         self.model = build_model(self.task, self.run_cfg.task.seed).to(self.device)
@@ -284,7 +285,7 @@ class Learner:
                 on_wait=lambda why: self.log.warning("learner.run_config_missing", detail=why,
                                                      gives_up_after_s=self.options.join_timeout_s))
             try:
-                self._prepare(run)
+                self._prepare(run, shared=True)
             except TaskNotAllowed:  # the run names a task this machine does not import: exit 2
                 raise
             except TaskError as e:  # this machine's task differs from the run's

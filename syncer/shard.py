@@ -339,9 +339,10 @@ class Shard:
         """Per merging thread: the buffers every merge on it reuses (``_merge_scratch``)."""
 
     # ---------------------------------------------------------------- set-up / tear-down
-    def _prepare(self, run: RunConfig) -> torch.nn.Module:
-        """Bind the task and plan the fragments: every refusal before anything is written."""
-        self.task, self.run = bind_task(run, self.task)
+    def _prepare(self, run: RunConfig, *, shared: bool = False) -> torch.nn.Module:
+        """Bind the task and plan the fragments: every refusal before anything is written.
+        ``shared``: ``run`` came from Redis (its task spec is imported only if allowed here)."""
+        self.task, self.run = bind_task(run, self.task, shared=shared)
         model, self.plan = initial_state(self.run, self.task)
         self.plan_digest = plan_digest(self.plan)
         self.tokens_per_step_bound = self._tokens_per_step_bound()
@@ -366,7 +367,7 @@ class Shard:
                 model = self._prepare(control.fetch_run_config(
                     self.redis, self.keys, wait_s=30.0, redis_url=self.endpoints.redis_url,
                     on_wait=lambda why: self.log.warning("syncer.run_config_missing", detail=why,
-                                                         gives_up_after_s=30.0)))
+                                                         gives_up_after_s=30.0)), shared=True)
             except TaskNotAllowed:  # the run names a task this machine does not import: exit 2
                 raise
             except TaskError as e:  # this machine's task differs from the run's

@@ -466,11 +466,12 @@ def describe_data_difference(run_digest: str, run_source: str, digest: str, sour
             f"(its data: {source or 'not described'}; the run's: {run_source or 'not recorded'})")
 
 
-def bind_task(run: "RunConfig", task: Task | None = None) -> tuple[Task, "RunConfig"]:
+def bind_task(run: "RunConfig", task: Task | None = None, *, shared: bool = False) -> tuple[Task, "RunConfig"]:
     """The run's task, and ``run`` with the task's name, config and data digest filled in.
 
-    ``task`` None loads ``run.task.spec`` with ``run.task.args`` if this machine allows that spec
-    (``check_run_task``: TaskNotAllowed otherwise, nothing imported). When ``run`` already names a
+    ``task`` None loads ``run.task.spec`` with ``run.task.args``; ``shared``: ``run`` was read from
+    where any member can write (Redis, a shard checkpoint), so the spec is loaded only if this
+    machine allows it (``check_run_task``: TaskNotAllowed otherwise, nothing imported). When ``run`` already names a
     task (it came from Redis or a checkpoint), the loaded one must report the same name, config
     and data digest (when the run recorded one): TaskError names what differs.
     """
@@ -479,7 +480,8 @@ def bind_task(run: "RunConfig", task: Task | None = None) -> tuple[Task, "RunCon
         if not run.task.spec:
             raise TaskError("the run's task was handed over as a Python object (no task spec in its config); "
                             "give this process the same Task, or --task MODULE:ATTR")
-        check_run_task(run.task.spec, run.task.args)
+        if shared:
+            check_run_task(run.task.spec, run.task.args)
         task = load_task(run.task.spec, run.task.args)
     config = json_config(task.config)
     want = run.task

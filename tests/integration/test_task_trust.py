@@ -68,14 +68,14 @@ def test_a_task_spec_planted_in_redis_is_never_imported_by_a_learner_or_export(t
     monkeypatch.syspath_prepend(str(mods))
     monkeypatch.setattr(contract, "_allowed_specs", frozenset())
     contract.allow_tasks("tasks.gpt:gpt, evilmod:task".split(","))   # as DDLOCO_TASKS_ALLOWED is read
-    task, _ = contract.bind_task(control.fetch_run_config(r, Keys("evil")))
+    task, _ = contract.bind_task(control.fetch_run_config(r, Keys("evil")), shared=True)
     assert task.name == "tiny" and marker.exists()
 
 
 def test_task_args_from_the_run_config_must_be_plain_values(monkeypatch):
     run = RunConfig(task=TaskConfig(spec="digits", args={"batch_size": {"__import__": "os"}}))
     with pytest.raises(contract.TaskNotAllowed, match="task args batch_size of 'digits'"):
-        contract.bind_task(run)
+        contract.bind_task(run, shared=True)
     monkeypatch.setattr(contract, "_allowed_specs", frozenset())
     assert contract.task_allowed("digits") and contract.task_allowed("tasks.digits:digits")
     assert not contract.task_allowed("os:system")
