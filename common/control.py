@@ -647,3 +647,27 @@ def parse_merge_event(e: Mapping[str, str]) -> dict[str, Any] | None:
         BAD_ENTRIES.reject("events", "bad_merge")
         return None
     return {**e, "t": t, "fragment": p, "contributors": [str(c)[:TEXT_MAX_CHARS] for c in contributors]}
+
+
+def restore_run_config(r: redis.Redis, keys: Keys, cfg: RunConfig,
+                       layout: list[tuple[str, tuple[int, ...], str]]) -> bool:
+    """A running shard's check of the run's ``config`` hash: a blob that is not this run's config
+    (not JSON, another digest) or a layout that is not its layout was overwritten by a member;
+    both are written back (counted ``config.rewritten``). The config is set once per run, so any
+    difference is damage. True when something was written back."""
+    blob = r.hget(keys.config, "blob")
+    try:
+        ok = blob is not None and _parse_run_config(keys, blob).digest() == cfg.digest()
+    except (RunConfigMissing, ValueError, TypeError):   # ConfigError is a ValueError
+        ok = False
+    same_layout = run_layout(r, keys) == [(n, tuple(s), k) for n, s, k in layout]
+    if ok and same_layout:
+        return False
+    BAD_ENTRIES.reject("config", "rewritten", run=keys.run_id)
+    pipe = r.pipeline(transaction=False)
+    if not ok:
+        pipe.hset(keys.config, "blob", _config_blob(cfg))
+    if not same_layout:
+        pipe.hset(keys.config, "layout", json.dumps([[n, list(s), k] for n, s, k in layout]))
+    pipe.execute()
+    return True

@@ -1244,6 +1244,7 @@ class Shard:
             self.token_shares = run_count.merge_shares(self.token_shares, res[-2])
             self.run_tokens = max(self.run_tokens, int(res[-3]))
             self._eval_loss = _finite_or_nan(res[-1])
+            control.restore_run_config(self.redis, self.keys, self.run, plan_layout(self.plan))
             if not self._redis_ok:
                 self.log.info("syncer.redis_back")
             self._redis_ok = True

@@ -73,20 +73,23 @@ def test_malformed_redis_entries_are_counted_and_ignored_and_training_goes_on(ma
                                            "updated_at": "inf", "pid": "3.5", "merged_contributions": "many"})
     r.hset(keys.eval, mapping={"loss": "abc", "at": "later"})
     r.hset(keys.broker, mapping={"auth_failures": "lots", "refused": "[1, 2", "auth_failures_by_reason": "{}"})
-    r.hset(keys.config, "layout", "not json")
+    r.hset(keys.config, mapping={"layout": "not json", "blob": "{not json"})
     r.hset(keys.token_shares, "evil:0", "garbage")
     r.set(keys.tokens, "a lot")
-    _goes_on(cluster, learners, "garbage counters", ("learner.bad_number",
-                                                     "learner.text_too_long", "tokens.bad_share"))
+    _goes_on(cluster, learners, "garbage counters", ("learner.bad_number", "learner.text_too_long",
+                                                     "tokens.bad_share"))
+    # the config blob and the layout are set once per run: the shards write them back
+    wait_until(lambda: control.run_layout(r, keys) is not None, 10, what="the layout written back")
+    assert control.fetch_run_config(r, keys).digest() == cluster.shards[0].run.digest()
     st = collect_status(r, keys)           # `ddloco status` and `up`'s monitor read all of it
     assert st["learners"]["ghost"]["steps"] == 0 and st["learners"]["ghost"]["status"] == "?"
     assert st["eval"] is None and all(f["version"] >= 0 for f in st["fragments"].values())
     assert control.parse_broker_entry(r.hgetall(keys.broker))["auth_failures"] == 0
-    assert control.run_layout(r, keys) is None
     assert int(r.get(keys.tokens)) > 0      # not a count: rebuilt from the shares at the next write
     assert control.parse_fragment_entry(2, {"version": "-5", "failed_rounds": "x"})["failed_rounds"] == 0
-    for reason in ("fragment.bad_failed_rounds", "fragment.bad_version", "learner.bad_number", "learner.text_too_long", "eval.bad_number",
-                   "broker.bad_number", "broker.bad_counts", "config.bad_layout", "tokens.bad_share"):
+    for reason in ("fragment.bad_failed_rounds", "fragment.bad_version", "learner.bad_number",
+                   "learner.text_too_long", "eval.bad_number", "broker.bad_number", "broker.bad_counts", "config.bad_layout", "config.not_a_run_config",
+                   "config.rewritten", "tokens.bad_share"):
         assert _rejected(reason) >= 1, (reason, control.BAD_ENTRIES.snapshot())
 
     # a lease of shard 1 with no TTL (it stopped the shard, and kept it out for good): taken back
