@@ -105,6 +105,7 @@ class FragmentClient:
             except (zmq.ZMQError, SecurityError) as e:  # not an endpoint, or no listed key for that shard
                 s.close(linger=0)
                 self.bad_endpoints[k] = (ep, str(e))
+                control.BAD_ENTRIES.reject("shard", "unusable_endpoint", shard=k, rpc=ep, error=e)
                 continue
             self.bad_endpoints.pop(k, None)
             self.sockets[k] = s
