@@ -409,12 +409,12 @@ LEARNER_NUMBERS = ("merged_contributions", "last_merged_at", "steps", "tokens", 
                    "bytes_up", "bytes_down", "last_contrib_at", "schedule_tokens", "cpu_s", "cpu_s_at_joined",
                    "peak_rss_mb", "version_gaps", "versions_regressed", "fetches", "malformed", "flushed",
                    "unflushed", "bytes_fetched", "chunks_fetched", "bootstraps_served", "schedule_regressions",
-                   "answers_replaced", "data_shard", "data_stream", "pid", "stale_opens", "bad_entries")
+                   "answers_replaced", "pid", "stale_opens", "bad_entries")
 """Fields of a learner's hash that hold a number (``Learner._counters``, the shards' counts): a
-value that is not a finite number >= 0 below ``MAX_VERSION`` is dropped from the entry (readers
-see it missing)."""
+value that is not a finite number of magnitude below ``MAX_VERSION`` (a loss may be negative) is
+dropped from the entry (readers see it missing)."""
 LEARNER_INTS = ("steps", "tokens", "answers", "merges_applied", "merged_contributions", "data_position", "pid",
-                "data_shard", "data_stream", "schedule_tokens", "bad_entries")
+                "schedule_tokens", "bad_entries")
 """Of those, the ones that hold a count: an integral value is kept as its canonical digits
 (readers may ``int()`` it), any other is dropped."""
 SHARD_TEXTS = ("rpc", "plan", "checkpoint", "status")
@@ -440,9 +440,13 @@ class BadEntries:
             first = name not in self._counts
             self._counts[name] = self._counts.get(name, 0) + 1
         if first:
+            import sys
+
             import structlog
-            structlog.get_logger("control").warning("control.bad_entry", kind=kind, reason=reason,
-                                                    **{k: str(v)[:120] for k, v in context.items()})
+            # a tool that set up no logging (`status --json`: its stdout is the JSON) logs to stderr
+            log = structlog.get_logger("control") if structlog.is_configured() else structlog.wrap_logger(
+                structlog.PrintLogger(sys.stderr))
+            log.warning("control.bad_entry", kind=kind, reason=reason, **{k: str(v)[:120] for k, v in context.items()})
 
     def snapshot(self) -> dict[str, int]:
         with self._counts_lock:
@@ -597,7 +601,7 @@ def parse_learner_entry(learner_id: str, h: Mapping[str, str]) -> dict[str, str]
                 BAD_ENTRIES.reject("learner", "bad_number", learner=learner_id, field=key, value=value)
             else:
                 out[key] = str(count)
-        elif key in LEARNER_NUMBERS and value != "" and parse_number(value) is None:
+        elif key in LEARNER_NUMBERS and value != "" and parse_number(value, lo=-MAX_VERSION) is None:
             BAD_ENTRIES.reject("learner", "bad_number", learner=learner_id, field=key, value=value)
         elif len(str(value)) > TEXT_MAX_CHARS and key != "boot_phases":
             BAD_ENTRIES.reject("learner", "text_too_long", learner=learner_id, field=key)
