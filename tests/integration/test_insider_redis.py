@@ -113,3 +113,41 @@ def test_malformed_redis_entries_are_counted_and_ignored_and_training_goes_on(ma
     _goes_on(cluster, learners, "shard 0 restarted past a bad epoch counter and lease")
     snapshot = control.BAD_ENTRIES.snapshot()
     assert all(lr.readings() for lr in learners) and int(r.hget(keys.shard(1), "bad_entries")) >= 1, snapshot
+
+
+def test_up_survives_the_writes_that_killed_it_and_reports(tmp_path):
+    """`ddloco up` (its monitor, its learners, its shards as processes) while a member writes a
+    shard index that is not one, a fake shard, a lease without TTL and an epoch counter at INCR's
+    limit: the run ends well with its report (before: a traceback from `up` and no report)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import TINY_TOML
+    (tmp_path / "tiny.toml").write_text(TINY_TOML)
+    up = subprocess.Popen([sys.executable, "-m", "ddloco", "up", "--config", "tiny.toml", "--learners", "2",
+                           "--syncers", "2", "--steps", "300", "--step-time-floor-ms", "25", "--minutes", "3",
+                           "--report", "rep", "--run-id", "insider", "--quiet"],
+                          cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        access = wait_until(lambda: next(iter((tmp_path / "runs").glob("insider-*/access.env")), None)
+                            if (tmp_path / "runs").exists() else None, 60, what="up's access.env")
+        url = dict(line.split("=", 1) for line in access.read_text().split())["DDLOCO_REDIS_URL"]
+        r = control.connect(url)
+        keys = Keys("insider")
+        wait_until(lambda: sum(v or 0 for v in control.fragment_versions(r, keys, range(4)).values()) >= 4, 90,
+                   what="the run merging")
+        r.sadd(keys.shards, "x", 9)
+        r.hset(keys.shard(9), mapping={"rpc": "tcp://127.0.0.1:1", "shards": 99})
+        r.set(keys.shard_lease(1), "evil")
+        r.set(keys.epochs, str(2**63 - 1))
+        r.hset(keys.learner("l0"), "steps", "x")
+        out, err = up.communicate(timeout=200)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert rep["steps_total"] == 600 and rep["every_fragment_merged"], rep
