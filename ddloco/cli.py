@@ -196,7 +196,8 @@ def _run_and_task(cfg: ConfigFile, args: argparse.Namespace, *, starts_run: bool
     if starts_run or _algo_given(args):
         return cfg.run, None
     if _task_given(args):
-        from tasks.contract import load_task
+        from tasks.contract import allow_tasks, load_task
+        allow_tasks([cfg.run.task.spec])   # named by this process: the run's spec may be recorded as it
         return None, load_task(cfg.run.task.spec, cfg.run.task.args)
     return None, None
 

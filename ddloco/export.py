@@ -40,8 +40,8 @@ class ExportError(RuntimeError):
 
 
 def _assemble(run: RunConfig, task: Task | None, values: dict[int, torch.Tensor], *, recalibrate_bn: int | None = 0,
-              say: Callable[[str], None] | None = None) -> torch.nn.Module:
-    task, run = bind_task(run, task, shared=True)   # a run from Redis or a checkpoint: its spec must be allowed
+              say: Callable[[str], None] | None = None, shared: bool = True) -> torch.nn.Module:
+    task, run = bind_task(run, task, shared=shared)   # a run from Redis: its spec must be allowed here
     model = build_model(task, run.task.seed)
     plan: tuple[Fragment, ...] = model_plan(model, task.embedding_names, run.algo.fragments)
     missing = sorted(set(range(len(plan))) - set(values))
@@ -149,7 +149,9 @@ def from_checkpoints(checkpoint_dir: str | Path, run_id: str | None = None, *, t
             values[int(p)] = fs["theta"]
             versions[int(p)] = int(fs["version"])
     assert run is not None
-    return _assemble(run, task, values, recalibrate_bn=recalibrate_bn, say=say), versions
+    # a shard's checkpoint is the operator's file, and a shard records only a task spec it trusted
+    # (its own, a built-in or one allowed on its machine: tasks.contract.bind_task)
+    return _assemble(run, task, values, recalibrate_bn=recalibrate_bn, say=say, shared=False), versions
 
 
 def save_state(model: torch.nn.Module, path: str | Path, fmt: str = "safetensors") -> Path:

@@ -470,8 +470,10 @@ def bind_task(run: "RunConfig", task: Task | None = None, *, shared: bool = Fals
     """The run's task, and ``run`` with the task's name, config and data digest filled in.
 
     ``task`` None loads ``run.task.spec`` with ``run.task.args``; ``shared``: ``run`` was read from
-    where any member can write (Redis, a shard checkpoint), so the spec is loaded only if this
-    machine allows it (``check_run_task``: TaskNotAllowed otherwise, nothing imported). When ``run`` already names a
+    where any member can write (Redis), so the spec is loaded only if this machine allows it
+    (``check_run_task``: TaskNotAllowed otherwise, nothing imported), and with a ``task`` given a
+    spec it does not allow is left out of the bound run (nothing this process records, e.g. its
+    checkpoints, carries a spec it did not trust). When ``run`` already names a
     task (it came from Redis or a checkpoint), the loaded one must report the same name, config
     and data digest (when the run recorded one): TaskError names what differs.
     """
@@ -501,6 +503,10 @@ def bind_task(run: "RunConfig", task: Task | None = None, *, shared: bool = Fals
         raise TaskError("; ".join(problems))
     bound = dataclasses.replace(want, name=task.name, config=config, data_source=task.data_source,
                                 data_digest=want.data_digest if want.name else task.data_digest)
+    if given and shared and bound.spec and not task_allowed(bound.spec):
+        # the run's spec (from Redis) was not checked here, as this process brought its own task:
+        # it is not recorded as ours (a checkpoint of this process never carries an unchecked spec)
+        bound = dataclasses.replace(bound, spec="")
     if given and not want.name and want.spec == "gpt" and task.name != "gpt":
         # a Task object with the default spec: no spec says how to load it (a process joining
         # without a task is told so); set run.task.spec to its MODULE:ATTR to let such processes in

@@ -97,3 +97,17 @@ def test_a_learner_and_export_without_task_still_join_a_run_of_a_built_in_task(t
         assert out.exists()
     finally:
         stop_processes(d.procs)
+
+
+def test_a_process_bringing_its_own_task_records_no_unchecked_spec_from_redis(monkeypatch):
+    """A shard or learner given --task joins a run whose stored spec it never imports: it does not
+    record that spec as its own (its checkpoints, which `ddloco export --checkpoint-dir` trusts,
+    never carry a spec nobody checked); a spec it allows is kept."""
+    from tests.conftest import tiny_task
+    monkeypatch.setattr(contract, "_allowed_specs", frozenset())
+    planted = RunConfig(task=TaskConfig(spec="os:system", name="tiny"))
+    _, bound = contract.bind_task(planted, tiny_task(), shared=True)
+    assert bound.task.spec == ""
+    contract.allow_tasks(["mine:task"])
+    _, bound = contract.bind_task(RunConfig(task=TaskConfig(spec="mine:task", name="tiny")), tiny_task(), shared=True)
+    assert bound.task.spec == "mine:task"
