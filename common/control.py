@@ -404,8 +404,8 @@ MAX_VERSION = 2**53
 LEASE_TTL_MAX_S = 600.0
 """No shard writes a lease longer than this (``syncer.lease_ttl_s`` is seconds): a lease with a
 longer TTL, or none, was not written by a shard."""
-LEARNER_NUMBERS = ("merged_contributions", "last_merged_at", "steps", "tokens", "step_ema_s", "loss_ema", "lr", "answers", "merges_applied", "updated_at",
-                   "started_at", "stopped_at", "data_position", "train_s", "blocked_s", "boot_s", "flush_s",
+LEARNER_NUMBERS = ("merged_contributions", "last_merged_at", "steps", "tokens", "step_ema_s", "loss_ema", "lr",
+                   "answers", "merges_applied", "updated_at", "started_at", "stopped_at", "data_position", "train_s", "blocked_s", "boot_s", "flush_s",
                    "bytes_up", "bytes_down", "last_contrib_at", "schedule_tokens", "cpu_s", "cpu_s_at_joined",
                    "peak_rss_mb", "version_gaps", "versions_regressed", "fetches", "malformed", "flushed",
                    "unflushed", "bytes_fetched", "chunks_fetched", "bootstraps_served", "schedule_regressions",

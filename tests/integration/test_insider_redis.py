@@ -4,6 +4,10 @@ it, and training goes on. Real redis-server, a real CURVE cluster of threads (br
 learners) that takes every write in turn."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from common import control
@@ -82,14 +86,19 @@ def test_malformed_redis_entries_are_counted_and_ignored_and_training_goes_on(ma
     wait_until(lambda: control.run_layout(r, keys) is not None, 10, what="the layout written back")
     assert control.fetch_run_config(r, keys).digest() == cluster.shards[0].run.digest()
     st = collect_status(r, keys)           # `ddloco status` and `up`'s monitor read all of it
+    res = subprocess.run([sys.executable, "-m", "ddloco", "status", "--json", "--redis-url",
+                          cluster.endpoints.redis_url, "--run-id", keys.run_id], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "ghost" in json.loads(res.stdout)["learners"], res.stdout[-2000:]   # stdout is the JSON alone
     assert st["learners"]["ghost"]["steps"] == 0 and st["learners"]["ghost"]["status"] == "?"
     assert st["eval"] is None and all(f["version"] >= 0 for f in st["fragments"].values())
     assert control.parse_broker_entry(r.hgetall(keys.broker))["auth_failures"] == 0
     assert int(r.get(keys.tokens)) > 0      # not a count: rebuilt from the shares at the next write
     assert control.parse_fragment_entry(2, {"version": "-5", "failed_rounds": "x"})["failed_rounds"] == 0
     for reason in ("fragment.bad_failed_rounds", "fragment.bad_version", "learner.bad_number",
-                   "learner.text_too_long", "eval.bad_number", "broker.bad_number", "broker.bad_counts", "config.bad_layout", "config.not_a_run_config",
-                   "config.rewritten", "tokens.bad_share"):
+                   "learner.text_too_long", "eval.bad_number", "broker.bad_number", "broker.bad_counts",
+                   "config.bad_layout", "config.not_a_run_config", "config.rewritten", "tokens.bad_share"):
         assert _rejected(reason) >= 1, (reason, control.BAD_ENTRIES.snapshot())
 
     # a lease of shard 1 with no TTL (it stopped the shard, and kept it out for good): taken back
@@ -119,10 +128,6 @@ def test_up_survives_the_writes_that_killed_it_and_reports(tmp_path):
     """`ddloco up` (its monitor, its learners, its shards as processes) while a member writes a
     shard index that is not one, a fake shard, a lease without TTL and an epoch counter at INCR's
     limit: the run ends well with its report (before: a traceback from `up` and no report)."""
-    import json
-    import subprocess
-    import sys
-
     from tests.conftest import TINY_TOML
     (tmp_path / "tiny.toml").write_text(TINY_TOML)
     up = subprocess.Popen([sys.executable, "-m", "ddloco", "up", "--config", "tiny.toml", "--learners", "2",
