@@ -17,6 +17,7 @@ import torch
 import zmq
 
 from common import control, wire
+from common import entries
 from common.fragments import owner
 from common.keys import Keys
 from common.links import keep_alive
@@ -105,7 +106,7 @@ class FragmentClient:
             except (zmq.ZMQError, SecurityError) as e:  # not an endpoint, or no listed key for that shard
                 s.close(linger=0)
                 self.bad_endpoints[k] = (ep, str(e))
-                control.BAD_ENTRIES.reject("shard", "unusable_endpoint", shard=k, rpc=ep, error=e)
+                entries.BAD_ENTRIES.reject("shard", "unusable_endpoint", shard=k, rpc=ep, error=e)
                 continue
             self.bad_endpoints.pop(k, None)
             self.sockets[k] = s

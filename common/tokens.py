@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from common.entries import BAD_ENTRIES, parse_int
 from common.keys import Keys
 
 _RECORD = """
@@ -73,8 +74,7 @@ SHARE_MAX = 2**53
 
 def parse_share(field: str, raw: Any) -> int | None:
     """A ``tokens:by`` value as a learner writes it (an int in [0, SHARE_MAX]); else counted
-    (common.control.BAD_ENTRIES) and None."""
-    from common.control import BAD_ENTRIES, parse_int
+    (common.entries.BAD_ENTRIES) and None."""
     share = parse_int(raw, hi=SHARE_MAX)
     if share is None:
         BAD_ENTRIES.reject("tokens", "bad_share", field=field, value=raw)
@@ -83,7 +83,6 @@ def parse_share(field: str, raw: Any) -> int | None:
 
 def read_total(r: Any, keys: Keys) -> int:
     """The run's token count as Redis holds it (0 when absent or not a count: counted)."""
-    from common.control import BAD_ENTRIES, parse_int
     raw = r.get(keys.tokens)
     total = parse_int(raw, hi=SHARE_MAX) if raw is not None else 0
     if total is None:

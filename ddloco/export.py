@@ -245,7 +245,7 @@ def main(argv: Sequence[str]) -> int:
             print("ddloco export: give --checkpoint-dir, or --redis-url and --run-id", file=sys.stderr)
             return EXIT_USAGE
         path = save_state(model, args.out, fmt)
-    except (ConfigError, control.RunConfigMissing, SecurityError, TaskNotAllowed) as e:   # the user's URL, run id, keys, allow-list
+    except (ConfigError, control.RunConfigMissing, SecurityError, TaskNotAllowed) as e:   # the user's input
         print(f"ddloco export: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (ExportError, TaskError) as e:

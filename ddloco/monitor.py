@@ -12,6 +12,7 @@ from typing import Any, Callable
 import redis
 
 from common import control
+from common import entries
 from common.config import ConfigFile
 from common.fragments import model_plan, scatter, state_tensors
 from common.keys import Keys
@@ -317,7 +318,7 @@ class Monitor:
     # ------------------------------------------------------------------ figures
     def merge_events(self) -> list[dict[str, Any]]:
         self.poll_events()
-        merges = (control.parse_merge_event(e) for e in self.events if e.get("kind") == "merge")
+        merges = (entries.parse_merge_event(e) for e in self.events if e.get("kind") == "merge")
         return [e for e in merges if e is not None]
 
     def replaced_incarnations(self) -> int:

@@ -11,6 +11,7 @@ from typing import Any
 import redis
 
 from common import control
+from common import entries
 from common.config import Endpoints
 from common.keys import Keys
 from ddloco.cli import EXIT_USAGE
@@ -40,7 +41,7 @@ def fragment_states(r: redis.Redis, keys: Keys, n_fragments: int) -> dict[int, d
     pipe = r.pipeline(transaction=False)
     for p in range(n_fragments):
         pipe.hgetall(keys.fragment(p))
-    return {p: control.parse_fragment_entry(p, h) for p, h in enumerate(pipe.execute())}
+    return {p: entries.parse_fragment_entry(p, h) for p, h in enumerate(pipe.execute())}
 
 
 def lagging_lines(frags: dict[int, dict[str, Any]], plan: Any = None) -> dict[int, str]:
@@ -95,7 +96,7 @@ def collect_status(r: redis.Redis, keys: Keys, *, redis_url: str = "") -> dict:
     shards = {k: {"status": h.get("status"), "merges": int(float(h.get("merges") or 0)),
                   "dropped": int(float(h.get("dropped") or 0)), "rpc": h.get("rpc")}
               for k, h in control.shard_table(r, keys).items()}
-    ev = control.parse_eval_entry(r.hgetall(keys.eval))
+    ev = entries.parse_eval_entry(r.hgetall(keys.eval))
     evaluation = None
     if ev is not None:
         evaluation = {"loss": ev["loss"], "initial_loss": ev["initial_loss"], "tokens": int(ev["tokens"]),

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from common import control, tokens as run_count
+from common import entries
 import json
 
 from common.config import ConfigError, ConfigFile, check_value, dump_toml, endpoint_problem, override
@@ -501,7 +502,7 @@ def _broker_counters(r: Any, keys: Keys) -> dict[str, Any]:
         h = r.hgetall(keys.broker)
     except redis_lib.RedisError:
         h = {}
-    return control.parse_broker_entry(h)
+    return entries.parse_broker_entry(h)
 
 
 EXIT_DID_NOT_TRAIN = 4

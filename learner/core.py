@@ -28,6 +28,7 @@ import redis
 import torch
 
 from common import control, metrics, tokens as run_count
+from common import entries
 from common.config import ConfigError, Endpoints, LearnerOptions, RunConfig
 from common.fragments import (Fragment, describe_plan_difference, gather, model_plan, plan_digest,
                               scatter, state_tensors)
@@ -463,7 +464,7 @@ class Learner:
                             self._outbox.replaced),
             metrics.counter("learner_malformed_total", "Messages dropped: failed to decode.", s.malformed),
             metrics.counter("learner_bad_entries_total", "Redis entries ignored as malformed, by kind.reason "
-                            "(common/control.py).", control.BAD_ENTRIES.snapshot(), "reason"),
+                            "(common/entries.py).", entries.BAD_ENTRIES.snapshot(), "reason"),
             metrics.counter("learner_bytes_total", "Bytes sent (out: answers, copies, peer state) and received "
                             "(in: merged fragments, peer state).", {"out": s.bytes_up, "in": s.bytes_down},
                             "direction"),
@@ -1253,7 +1254,7 @@ class Learner:
                 "data_position": self.data_position + s.batches, "answers_replaced": self._outbox.replaced,
                 "bytes_fetched": s.bytes_fetched, "chunks_fetched": s.chunks_fetched,
                 "peak_rss_mb": peak_rss_mb(), "cpu_s": round(time.process_time(), 3),
-                "cpu_s_at_joined": round(s.cpu_s_at_joined, 3), "bad_entries": control.BAD_ENTRIES.total()}
+                "cpu_s_at_joined": round(s.cpu_s_at_joined, 3), "bad_entries": entries.BAD_ENTRIES.total()}
 
     def _leave(self) -> None:
         try:

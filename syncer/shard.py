@@ -26,6 +26,7 @@ import torch
 import zmq
 
 from common import control, metrics, tokens as run_count, wire
+from common import entries
 from common.config import Endpoints, RunConfig, SyncerOptions
 from common.fragments import Fragment, gather, model_plan, owned_fragments, plan_digest, plan_layout, state_tensors
 from common.keys import Keys
@@ -438,7 +439,7 @@ class Shard:
             metrics.counter("shard_answers_rejected_total", "Answers refused (nonfinite_delta) or cut (claims, "
                             "clipped) by the robust merge, by reason.", dict(st.rejected), "reason"),
             metrics.counter("shard_bad_entries_total", "Redis entries ignored as malformed, by kind.reason "
-                            "(common/control.py).", control.BAD_ENTRIES.snapshot(), "reason"),
+                            "(common/entries.py).", entries.BAD_ENTRIES.snapshot(), "reason"),
             metrics.counter("shard_malformed_total", "Messages and requests that failed to decode or made no "
                             "sense (dropped).", st.malformed),
             metrics.counter("shard_rounds_dropped_total", "Rounds whose merge was not finite (dropped).",
@@ -1227,7 +1228,7 @@ class Shard:
                 "merge_s_sum": round(self.stats.merge_s.sum_s, 4), "replies_cached": self.stats.replies_cached,
                 "requests": self.stats.requests, "requests_deduped": self.stats.requests_deduped,
                 "peak_rss_mb": peak_rss_mb(), "cpu_s": round(time.process_time(), 3),
-                "bad_entries": control.BAD_ENTRIES.total()})
+                "bad_entries": entries.BAD_ENTRIES.total()})
             for p, f in self.frags.items():
                 if f.recovery is not None:
                     continue  # the recorded version stays until this fragment has caught up

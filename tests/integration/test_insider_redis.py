@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from common import control
+from common import entries
 from common.keys import Keys
 from ddloco.status import collect_status
 from tests.conftest import wait_until
@@ -34,12 +35,12 @@ def _goes_on(cluster, learners, what: str, counted: tuple[str, ...] = ()) -> Non
                    40, what=f"training going on after {what}")
     except AssertionError as e:
         raise AssertionError(f"{e}: progress {_progress(cluster, learners)} from {(steps, merges)}, counted "
-                             f"{control.BAD_ENTRIES.snapshot()}") from None
+                             f"{entries.BAD_ENTRIES.snapshot()}") from None
     assert not cluster.errors, f"after {what}: {cluster.errors!r}"
 
 
 def _rejected(kind_reason: str) -> int:
-    return control.BAD_ENTRIES.snapshot().get(kind_reason, 0)
+    return entries.BAD_ENTRIES.snapshot().get(kind_reason, 0)
 
 
 def test_malformed_redis_entries_are_counted_and_ignored_and_training_goes_on(make_cluster):
@@ -93,13 +94,13 @@ def test_malformed_redis_entries_are_counted_and_ignored_and_training_goes_on(ma
     assert "ghost" in json.loads(res.stdout)["learners"], res.stdout[-2000:]   # stdout is the JSON alone
     assert st["learners"]["ghost"]["steps"] == 0 and st["learners"]["ghost"]["status"] == "?"
     assert st["eval"] is None and all(f["version"] >= 0 for f in st["fragments"].values())
-    assert control.parse_broker_entry(r.hgetall(keys.broker))["auth_failures"] == 0
+    assert entries.parse_broker_entry(r.hgetall(keys.broker))["auth_failures"] == 0
     assert int(r.get(keys.tokens)) > 0      # not a count: rebuilt from the shares at the next write
-    assert control.parse_fragment_entry(2, {"version": "-5", "failed_rounds": "x"})["failed_rounds"] == 0
+    assert entries.parse_fragment_entry(2, {"version": "-5", "failed_rounds": "x"})["failed_rounds"] == 0
     for reason in ("fragment.bad_failed_rounds", "fragment.bad_version", "learner.bad_number",
                    "learner.text_too_long", "eval.bad_number", "broker.bad_number", "broker.bad_counts",
                    "config.bad_layout", "config.not_a_run_config", "config.rewritten", "tokens.bad_share"):
-        assert _rejected(reason) >= 1, (reason, control.BAD_ENTRIES.snapshot())
+        assert _rejected(reason) >= 1, (reason, entries.BAD_ENTRIES.snapshot())
 
     # a lease of shard 1 with no TTL (it stopped the shard, and kept it out for good): taken back
     r.set(keys.shard_lease(1), "evil")
@@ -120,7 +121,7 @@ def test_malformed_redis_entries_are_counted_and_ignored_and_training_goes_on(ma
     assert _rejected("epochs.implausible") >= 1 and _rejected("lease.not_a_lease") >= 1
     assert _rejected("fragment.bad_version") >= 2
     _goes_on(cluster, learners, "shard 0 restarted past a bad epoch counter and lease")
-    snapshot = control.BAD_ENTRIES.snapshot()
+    snapshot = entries.BAD_ENTRIES.snapshot()
     assert all(lr.readings() for lr in learners) and int(r.hget(keys.shard(1), "bad_entries")) >= 1, snapshot
 
 
