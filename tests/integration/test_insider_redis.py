@@ -157,3 +157,24 @@ def test_up_survives_the_writes_that_killed_it_and_reports(tmp_path):
     assert "Traceback" not in err, err[-3000:]
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert rep["steps_total"] == 600 and rep["every_fragment_merged"], rep
+
+
+def test_a_lease_only_a_shard_could_have_written_is_respected_and_any_other_is_taken_back(redis_server):
+    """A shard's lease is `host:pid:epoch` with a TTL <= LEASE_TTL_MAX_S: a successor's (newer
+    epoch) ends the holder's ownership; a value of an older epoch, without TTL or not a holder is
+    taken back at the next renewal, and at start once it stayed for one lease TTL."""
+    r = control.connect(redis_server.url)
+    key, ours = Keys("lease").shard_lease(0), "host:10:5"
+    control.acquire_lease(r, key, ours, ttl_s=1.0, wait_s=1.0)
+    for planted, ttl_ms in (("host:11:4", 1000), ("anything", 1000), ("host:12:7", None), ("host:13:9", 10**9)):
+        r.set(key, planted, px=ttl_ms)
+        assert control.renew_lease(r, key, ours, ttl_s=1.0), planted
+        assert r.get(key) == ours and 0 < r.pttl(key) <= 1000
+    r.set(key, "host:14:6", px=1000)                       # a successor: a newer epoch, a shard's TTL
+    assert not control.renew_lease(r, key, ours, ttl_s=1.0) and r.get(key) == "host:14:6"
+    r.set(key, "evil")                                     # no TTL: no shard ever writes that
+    control.acquire_lease(r, key, "host:15:8", ttl_s=1.0, wait_s=0.1)   # waits one TTL, then takes it
+    assert r.get(key) == "host:15:8"
+    r.set(key, "host:16:9", px=5000)                      # a live holder's lease is waited for, then refused
+    with pytest.raises(control.LeaseHeld):
+        control.acquire_lease(r, key, "host:17:10", ttl_s=1.0, wait_s=0.3)
