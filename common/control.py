@@ -7,12 +7,15 @@ restarts empty is rebuilt without losing training progress.
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any, Callable, Iterable, Mapping
 
 import redis
 
 from common.config import RunConfig, redact_url, run_config_from_dict
+from common.entries import (BAD_ENTRIES, LEASE_TTL_MAX_S, MAX_SHARDS, parse_epoch, parse_int, parse_learner_entry,
+                            parse_shard_entry, parse_shard_index, parse_version, shard_count_of)
 from common.keys import CONFIG_KEY_PATTERN, EVENTS_MAXLEN, Keys, run_id_of_config_key
 
 
@@ -79,7 +82,12 @@ def publish_run_config(r: Any, keys: Keys, cfg: RunConfig) -> None:
 def claim_shard_count(r: redis.Redis, keys: Keys, shards: int) -> None:
     """The number of shards is fixed for a run (ownership is p % S): refuse another S."""
     r.hsetnx(keys.config, "shards", shards)
-    theirs = int(r.hget(keys.config, "shards") or shards)
+    raw = r.hget(keys.config, "shards")
+    theirs = parse_int(raw, lo=1, hi=MAX_SHARDS) if raw is not None else shards
+    if theirs is None:   # not a shard count: no shard wrote it; ours replaces it
+        BAD_ENTRIES.reject("config", "bad_shards", value=raw)
+        r.hset(keys.config, "shards", shards)
+        theirs = shards
     if theirs != shards:
         raise ConfigMismatch(f"refused: run {keys.run_id!r} has {theirs} shards, this shard was started with "
                              f"--shards {shards}")
@@ -131,7 +139,7 @@ def fetch_run_config(r: redis.Redis, keys: Keys, *, wait_s: float = 0.0, stop: A
     while True:
         blob = r.hget(keys.config, "blob")
         if blob:
-            return run_config_from_dict(json.loads(blob)["config"])
+            return _parse_run_config(keys, blob)
         now = time.monotonic()
         if now >= deadline or (stop is not None and stop.is_set()):
             when = f" after {now - started:.0f} s" if wait_s > 0 else ""
@@ -141,6 +149,22 @@ def fetch_run_config(r: redis.Redis, keys: Keys, *, wait_s: float = 0.0, stop: A
             on_wait(describe_missing_run(r, keys, redis_url, when=" yet"))
             next_warning = now + warn_every_s
         (stop.wait(0.2) if stop is not None else time.sleep(0.2))
+
+
+def _parse_run_config(keys: Keys, blob: str) -> RunConfig:
+    """The run config of a ``config`` blob; RunConfigMissing (one line, counted) when the blob is
+    not one (a member overwrote it); a field out of range is ConfigError from the config's checks."""
+    try:
+        doc = json.loads(blob)
+        body = doc["config"] if isinstance(doc, dict) else None
+    except (ValueError, KeyError):
+        body = None
+    if not isinstance(body, dict):
+        BAD_ENTRIES.reject("config", "not_a_run_config", run=keys.run_id)
+        raise RunConfigMissing(f"the run config of run {keys.run_id!r} in Redis is not a run config "
+                               f"(not JSON with a 'config' object: overwritten?); restore it by restarting a "
+                               f"syncer of the run with its config")
+    return run_config_from_dict(body)
 
 
 LIFE_TTL_S = 24 * 3600
@@ -164,7 +188,7 @@ def learner_lives(r: redis.Redis, keys: Keys) -> dict[tuple[str, str], dict[str,
     prefix = keys.prefix + "life:"
     for k in r.scan_iter(match=prefix + "*", count=500):
         lid, _, inc = k[len(prefix):].rpartition(":")
-        out[(lid, inc)] = r.hgetall(k)
+        out[(lid, inc)] = parse_learner_entry(lid, r.hgetall(k))
     return out
 
 
@@ -199,7 +223,7 @@ def live_learners(r: redis.Redis, keys: Keys) -> dict[str, dict[str, str]]:
         pipe.exists(keys.heartbeat(m))
         pipe.hgetall(keys.learner(m))
     res = pipe.execute()
-    return {m: res[2 * i + 1] for i, m in enumerate(members) if res[2 * i]}
+    return {m: parse_learner_entry(m, res[2 * i + 1]) for i, m in enumerate(members) if res[2 * i]}
 
 
 def sync_members(r: redis.Redis, keys: Keys) -> set[str]:
@@ -223,7 +247,7 @@ def all_learners(r: redis.Redis, keys: Keys) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
     prefix = keys.learner("")
     for k in r.scan_iter(match=prefix + "*", count=500):
-        out[k[len(prefix):]] = r.hgetall(k)
+        out[k[len(prefix):]] = parse_learner_entry(k[len(prefix):], r.hgetall(k))
     return out
 
 
@@ -292,22 +316,60 @@ _RENEW_LEASE = """
 local cur = redis.call('GET', KEYS[1])
 if cur == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 if not cur then return redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) and 1 or 0 end
+local ttl = redis.call('PTTL', KEYS[1])
+local e = tonumber(string.match(cur, '^[^:]+:%d+:(%d+)$'))
+if ttl < 0 or ttl > tonumber(ARGV[3]) or not e or e < tonumber(ARGV[4]) then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 2
+end
 return 0
 """
+"""Renew our lease. Another value is a successor's (we stalled past the TTL: lost) only when a
+shard could have written it: a ``host:pid:epoch`` holder of an epoch not older than ours, with a
+TTL no longer than LEASE_TTL_MAX_S; anything else is taken back at once (returns 2)."""
+
+_LEASE_HOLDER = re.compile(r"[^:]+:\d+:(\d+)")
+
+
+def lease_is_plausible(value: str, pttl_ms: int) -> bool:
+    """Whether a lease key's value could be a shard's: a ``host:pid:epoch`` holder with a TTL
+    (every shard sets one) no longer than LEASE_TTL_MAX_S."""
+    return bool(_LEASE_HOLDER.fullmatch(value)) and 0 < pttl_ms <= LEASE_TTL_MAX_S * 1000
 
 
 def acquire_lease(r: redis.Redis, key: str, holder: str, *, ttl_s: float, wait_s: float) -> None:
-    """Take the lease, waiting up to ``wait_s`` for a crashed holder's lease to expire."""
+    """Take the lease, waiting up to ``wait_s`` for a crashed holder's lease to expire. A value no
+    shard writes (``lease_is_plausible``: no TTL, a longer one, not a holder) is stale: it is
+    counted and taken once it stayed unchanged for ``ttl_s`` (so no member's write keeps a shard out)."""
     deadline = time.monotonic() + wait_s
+    stale: tuple[str, float] | None = None   # (implausible value, when first seen)
     while not r.set(key, holder, nx=True, px=int(ttl_s * 1000)):
-        if time.monotonic() >= deadline:
-            raise LeaseHeld(f"refused: {key} is held by {r.get(key)!r} (is this shard already running?)")
+        pipe = r.pipeline(transaction=False)
+        cur, pttl = pipe.get(key).pttl(key).execute()
+        now = time.monotonic()
+        if cur is not None and not lease_is_plausible(cur, pttl):
+            if stale is None or stale[0] != cur:
+                stale = (cur, now)
+                BAD_ENTRIES.reject("lease", "not_a_lease", key=key, value=cur, ttl_ms=pttl)
+            deadline = max(deadline, stale[1] + ttl_s + 1.0)
+            if now - stale[1] >= ttl_s and r.eval(
+                    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('SET', KEYS[1], ARGV[2], "
+                    "'PX', ARGV[3]) end return 0", 1, key, cur, holder, int(ttl_s * 1000)):
+                return
+        if now >= deadline:
+            raise LeaseHeld(f"refused: {key} is held by {cur!r} (is this shard already running?)")
         time.sleep(min(0.2, ttl_s / 4))
 
 
 def renew_lease(r: redis.Redis, key: str, holder: str, *, ttl_s: float) -> bool:
-    """Extend our lease (re-take it if Redis lost it); False if another process holds it."""
-    return bool(r.eval(_RENEW_LEASE, 1, key, holder, int(ttl_s * 1000)))
+    """Extend our lease (re-take it if Redis lost it, or if it holds a value no successor shard
+    could have written: counted); False if another shard's process holds it."""
+    m = _LEASE_HOLDER.fullmatch(holder)
+    res = r.eval(_RENEW_LEASE, 1, key, holder, int(ttl_s * 1000), int(LEASE_TTL_MAX_S * 1000),
+                 int(m.group(1)) if m else 0)
+    if res == 2:
+        BAD_ENTRIES.reject("lease", "taken_back", key=key)
+    return bool(res)
 
 
 def release_lease(r: redis.Redis, key: str, holder: str) -> None:
@@ -323,20 +385,24 @@ def register_shard(pipe: Any, keys: Keys, shard: int, fields: Mapping[str, Any])
 
 
 def shard_table(r: redis.Redis, keys: Keys) -> dict[int, dict[str, str]]:
-    """Every registered shard's hash, by shard index."""
-    ids = sorted(int(k) for k in r.smembers(keys.shards))
+    """Every registered shard's hash, by shard index; members and hashes that are not a shard's
+    (``parse_shard_index``, ``parse_shard_entry``) are counted and left out."""
+    ids = sorted({k for k in map(parse_shard_index, r.smembers(keys.shards)) if k is not None})
     pipe = r.pipeline(transaction=False)
     for k in ids:
         pipe.hgetall(keys.shard(k))
-    return {k: h for k, h in zip(ids, pipe.execute()) if h}
+    table = {k: parse_shard_entry(k, h) for k, h in zip(ids, pipe.execute()) if h}
+    return {k: h for k, h in table.items() if h is not None}
 
 
 def shard_endpoints(r: redis.Redis, keys: Keys) -> tuple[int, dict[int, str]]:
     """(S, {shard: rpc endpoint}) of the registered shards; S = 0 when none registered."""
     table = shard_table(r, keys)
-    counts = {int(h.get("shards", 0)) for h in table.values()}
-    n = max(counts) if counts else 0
-    return n, {k: h["rpc"] for k, h in table.items() if h.get("rpc") and k < n}
+    n = shard_count_of(table)
+    for k, h in table.items():
+        if int(h["shards"]) != n:
+            BAD_ENTRIES.reject("shard", "count_disagrees", shard=k, shards=h["shards"], run_shards=n)
+    return n, {k: h["rpc"] for k, h in table.items() if int(h["shards"]) == n}
 
 
 def record_layout(r: Any, keys: Keys, layout: list[tuple[str, tuple[int, ...], str]]) -> None:
@@ -348,7 +414,13 @@ def record_layout(r: Any, keys: Keys, layout: list[tuple[str, tuple[int, ...], s
 def run_layout(r: redis.Redis, keys: Keys) -> list[tuple[str, tuple[int, ...], str]] | None:
     """The layout recorded by ``record_layout`` (None if none yet)."""
     blob = r.hget(keys.config, "layout")
-    return None if not blob else [(n, tuple(s), k) for n, s, k in json.loads(blob)]
+    if not blob:
+        return None
+    try:
+        return [(str(n), tuple(int(d) for d in s), str(k)) for n, s, k in json.loads(blob)]
+    except (ValueError, TypeError):   # not a layout (a member overwrote it): as if none was recorded
+        BAD_ENTRIES.reject("config", "bad_layout", run=keys.run_id)
+        return None
 
 
 def fragment_versions(r: redis.Redis, keys: Keys, fragments: Iterable[int]) -> dict[int, int | None]:
@@ -357,15 +429,19 @@ def fragment_versions(r: redis.Redis, keys: Keys, fragments: Iterable[int]) -> d
     pipe = r.pipeline(transaction=False)
     for p in fragments:
         pipe.hget(keys.fragment(p), "version")
-    return {p: None if v is None else int(v) for p, v in zip(fragments, pipe.execute())}
+    return {p: parse_version(p, v) for p, v in zip(fragments, pipe.execute())}
 
 
 def data_position(r: redis.Redis, keys: Keys, learner_id: str) -> int:
     """Batches this learner id consumed in earlier lives (0 if unknown: a new id)."""
-    return int(float(r.hget(keys.learner(learner_id), "data_position") or 0))
+    raw = r.hget(keys.learner(learner_id), "data_position")
+    position = parse_int(raw) if raw is not None else 0
+    if position is None:
+        BAD_ENTRIES.reject("learner", "bad_number", learner=learner_id, field="data_position", value=raw)
+    return position or 0
 
 
-_RAISE = "local v = tonumber(redis.call('GET', KEYS[1]) or '0') if v < tonumber(ARGV[1]) then " \
+_RAISE = "local v = tonumber(redis.call('GET', KEYS[1]) or '0') if not v or v < tonumber(ARGV[1]) then " \
          "redis.call('SET', KEYS[1], ARGV[1]) return tonumber(ARGV[1]) end return v"
 
 
@@ -375,3 +451,43 @@ def raise_counter(r: Any, key: str, value: int) -> Any:
     entry in ``execute()``)."""
     res = r.eval(_RAISE, 1, key, int(value))
     return int(res) if isinstance(res, (int, str, bytes)) else res
+
+
+def take_epoch(r: redis.Redis, keys: Keys, floor: int) -> int:
+    """A starting shard's epoch: the run's counter, put back to at least ``floor`` (its checkpoint's
+    epoch) and to the epochs the shards' entries state, then incremented. A counter that is not an
+    epoch (not an int, negative, beyond MAX_VERSION: INCR would fail at 2^63) is counted, logged
+    and replaced by that floor, so no value a member writes there stops a shard from starting."""
+    raw = r.get(keys.epochs)
+    stated = [parse_int(h.get("epoch")) for h in shard_table(r, keys).values()]
+    floor = max([floor, *(e for e in stated if e is not None)])
+    if raw is not None and parse_epoch(raw) is None:
+        # compare-and-set: a shard that replaced it meanwhile is not undone
+        r.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('SET', KEYS[1], ARGV[2]) end "
+               "return 0", 1, keys.epochs, raw, int(floor))
+    raise_counter(r, keys.epochs, floor)
+    return int(r.incr(keys.epochs))
+
+
+def restore_run_config(r: redis.Redis, keys: Keys, cfg: RunConfig,
+                       layout: list[tuple[str, tuple[int, ...], str]]) -> bool:
+    """A running shard's check of the run's ``config`` hash: a blob that is not this run's config
+    (not JSON, another digest) or a layout that is not its layout was overwritten by a member;
+    both are written back (counted ``config.rewritten``). The config is set once per run, so any
+    difference is damage. True when something was written back."""
+    blob = r.hget(keys.config, "blob")
+    try:
+        ok = blob is not None and _parse_run_config(keys, blob).digest() == cfg.digest()
+    except (RunConfigMissing, ValueError, TypeError):   # ConfigError is a ValueError
+        ok = False
+    same_layout = run_layout(r, keys) == [(n, tuple(s), k) for n, s, k in layout]
+    if ok and same_layout:
+        return False
+    BAD_ENTRIES.reject("config", "rewritten", run=keys.run_id)
+    pipe = r.pipeline(transaction=False)
+    if not ok:
+        pipe.hset(keys.config, "blob", _config_blob(cfg))
+    if not same_layout:
+        pipe.hset(keys.config, "layout", json.dumps([[n, list(s), k] for n, s, k in layout]))
+    pipe.execute()
+    return True

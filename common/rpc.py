@@ -17,9 +17,11 @@ import torch
 import zmq
 
 from common import control, wire
+from common import entries
 from common.fragments import owner
 from common.keys import Keys
 from common.links import keep_alive
+from common.security import SecurityError
 
 
 class _Assembly:
@@ -97,13 +99,14 @@ class FragmentClient:
             s = keep_alive(self.ctx.socket(zmq.DEALER))
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.RCVHWM, 10_000)
-            if self.security is not None:
-                self.security.client(s, f"shard{k}")
             try:
+                if self.security is not None:
+                    self.security.client(s, f"shard{k}")
                 s.connect(ep)
-            except zmq.ZMQError as e:  # what a shard advertised in Redis is not an endpoint
+            except (zmq.ZMQError, SecurityError) as e:  # not an endpoint, or no listed key for that shard
                 s.close(linger=0)
                 self.bad_endpoints[k] = (ep, str(e))
+                entries.BAD_ENTRIES.reject("shard", "unusable_endpoint", shard=k, rpc=ep, error=e)
                 continue
             self.bad_endpoints.pop(k, None)
             self.sockets[k] = s

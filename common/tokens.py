@@ -22,13 +22,22 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
+from common.entries import BAD_ENTRIES, parse_int
 from common.keys import Keys, token_share
 
 _RECORD = """
 local total = tonumber(redis.call('GET', KEYS[2]) or '0')
+if not total or total < 0 then  -- not a count (a member overwrote it): the sum of the shares
+  total = 0
+  local all = redis.call('HGETALL', KEYS[1])
+  for j = 2, #all, 2 do
+    local s = tonumber(all[j])
+    if s and s > 0 then total = total + s end
+  end
+end
 for i = 1, #ARGV, 2 do
   local v = tonumber(ARGV[i + 1])
-  local old = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
+  local old = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0') or 0  -- not a number: replaced
   if v > old then
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
     total = total + (v - old)
@@ -57,7 +66,9 @@ def merge_shares(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> dict[str
     reading the hash: nothing it knew is forgotten, nothing is counted twice)."""
     out = {k: int(v) for k, v in ours.items()}
     for k, v in theirs.items():
-        out[k] = max(out.get(k, 0), int(v))
+        share = parse_share(k, v)
+        if share is not None:
+            out[k] = max(out.get(k, 0), share)
     return out
 
 
@@ -117,6 +128,28 @@ def claims_of_lives(counts: Mapping[tuple[str, str], Any]) -> dict[str, int]:
         if inc and 0 <= n < 2 ** 62:
             out[token_share(lid, inc)] = n
     return out
+
+
+SHARE_MAX = 2**53
+"""No learner process trains more tokens than this: a share above it is not one."""
+
+
+def parse_share(field: str, raw: Any) -> int | None:
+    """A ``tokens:by`` value as a learner writes it (an int in [0, SHARE_MAX]); else counted
+    (common.entries.BAD_ENTRIES) and None."""
+    share = parse_int(raw, hi=SHARE_MAX)
+    if share is None:
+        BAD_ENTRIES.reject("tokens", "bad_share", field=field, value=raw)
+    return share
+
+
+def read_total(r: Any, keys: Keys) -> int:
+    """The run's token count as Redis holds it (0 when absent or not a count: counted)."""
+    raw = r.get(keys.tokens)
+    total = parse_int(raw, hi=SHARE_MAX) if raw is not None else 0
+    if total is None:
+        BAD_ENTRIES.reject("tokens", "bad_total", value=raw)
+    return total or 0
 
 
 def advance_seen(seen: tuple[int, int], total: int, ours: int) -> tuple[int, int]:

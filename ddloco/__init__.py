@@ -21,7 +21,7 @@ _EXPORTS = {
     "embedded_redis": "ddloco.api", "run_broker": "ddloco.api", "run_shard": "ddloco.api", "train": "ddloco.api",
     "load_global_model": "ddloco.export", "save_state": "ddloco.export",
     "Task": "tasks.contract", "TaskError": "tasks.contract", "hash_data": "tasks.contract",
-    "load_task": "tasks.contract",
+    "load_task": "tasks.contract", "allow_tasks": "tasks.contract",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -196,7 +196,8 @@ def _run_and_task(cfg: ConfigFile, args: argparse.Namespace, *, starts_run: bool
     if starts_run or _algo_given(args):
         return cfg.run, None
     if _task_given(args):
-        from tasks.contract import load_task
+        from tasks.contract import allow_tasks, load_task
+        allow_tasks([cfg.run.task.spec])   # named by this process: the run's spec may be recorded as it
         return None, load_task(cfg.run.task.spec, cfg.run.task.args)
     return None, None
 
@@ -935,6 +936,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return chaos_main(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv
+    _allow_tasks_from_env()
     try:
         _check_flag_values(args)
         return args.func(args)
@@ -945,6 +947,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"ddloco {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _allow_tasks_from_env() -> None:
+    """DDLOCO_TASKS_ALLOWED (MODULE:ATTR, comma separated): tasks this process may import when the
+    run's config names them (a learner joining without --task); nothing from Redis is trusted."""
+    raw = os.environ.get("DDLOCO_TASKS_ALLOWED", "")
+    if raw.strip():
+        from tasks.contract import allow_tasks
+        allow_tasks(raw.split(","))
 
 
 def _usage_errors() -> tuple[type[BaseException], ...]:

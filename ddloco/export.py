@@ -40,8 +40,8 @@ class ExportError(RuntimeError):
 
 
 def _assemble(run: RunConfig, task: Task | None, values: dict[int, torch.Tensor], *, recalibrate_bn: int | None = 0,
-              say: Callable[[str], None] | None = None) -> torch.nn.Module:
-    task, run = bind_task(run, task)
+              say: Callable[[str], None] | None = None, shared: bool = True) -> torch.nn.Module:
+    task, run = bind_task(run, task, shared=shared)   # a run from Redis: its spec must be allowed here
     model = build_model(task, run.task.seed)
     plan: tuple[Fragment, ...] = model_plan(model, task.embedding_names, run.algo.fragments)
     missing = sorted(set(range(len(plan))) - set(values))
@@ -82,7 +82,7 @@ def from_live_run(redis_url: str, run_id: str, *, task: Task | None = None, time
     keys = Keys(run_id)
     try:
         run = control.fetch_run_config(r, keys, wait_s=run_wait_s, redis_url=redis_url)
-        task, run = bind_task(run, task)
+        task, run = bind_task(run, task, shared=True)
         n = run.algo.fragments
         try:
             frags = fetch_fragments(r, keys, n, timeout_s=timeout_s, sender="export", security=security)
@@ -149,7 +149,9 @@ def from_checkpoints(checkpoint_dir: str | Path, run_id: str | None = None, *, t
             values[int(p)] = fs["theta"]
             versions[int(p)] = int(fs["version"])
     assert run is not None
-    return _assemble(run, task, values, recalibrate_bn=recalibrate_bn, say=say), versions
+    # a shard's checkpoint is the operator's file, and a shard records only a task spec it trusted
+    # (its own, a built-in or one allowed on its machine: tasks.contract.bind_task)
+    return _assemble(run, task, values, recalibrate_bn=recalibrate_bn, say=say, shared=False), versions
 
 
 def save_state(model: torch.nn.Module, path: str | Path, fmt: str = "safetensors") -> Path:
@@ -226,8 +228,9 @@ def main(argv: Sequence[str]) -> int:
     import redis
     from common.config import ConfigError, check_value, redis_url_problem
     from ddloco.cli import EXIT_FAILURE, EXIT_USAGE, check_redis_answers
-    from tasks.contract import load_task, parse_task_args
+    from tasks.contract import ALLOWED_ENV, TaskNotAllowed, allow_tasks, load_task, parse_task_args
     from common.security import SecurityError
+    allow_tasks(os.environ.get(ALLOWED_ENV, "").split(","))   # this machine's own list, never Redis
     try:
         task = load_task(args.task, parse_task_args(args.task_arg)) if args.task else None
         if args.checkpoint_dir:
@@ -242,7 +245,7 @@ def main(argv: Sequence[str]) -> int:
             print("ddloco export: give --checkpoint-dir, or --redis-url and --run-id", file=sys.stderr)
             return EXIT_USAGE
         path = save_state(model, args.out, fmt)
-    except (ConfigError, control.RunConfigMissing, SecurityError) as e:   # the user's URL, run id or keys
+    except (ConfigError, control.RunConfigMissing, SecurityError, TaskNotAllowed) as e:   # the user's input
         print(f"ddloco export: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (ExportError, TaskError) as e:

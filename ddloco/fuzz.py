@@ -249,7 +249,7 @@ def run_fuzz(endpoints: Endpoints, *, count: int, seconds: float, seed: int = 0,
     if numels is None:
         from common.fragments import model_plan
         from tasks.contract import bind_task, build_model
-        task, run = bind_task(control.fetch_run_config(r, keys, redis_url=endpoints.redis_url))
+        task, run = bind_task(control.fetch_run_config(r, keys, redis_url=endpoints.redis_url), shared=True)
         numels = [f.numel for f in model_plan(build_model(task, run.task.seed), task.embedding_names,
                                              run.algo.fragments)]
     sec = None
@@ -363,9 +363,9 @@ def run_fuzz(endpoints: Endpoints, *, count: int, seconds: float, seed: int = 0,
         rep.training_went_on = rep.merges[1] > rep.merges[0] and rep.learner_steps[1] > rep.learner_steps[0] \
             and s1.merges > s0.merges
         rep.seconds = round(time.monotonic() - t0, 2)
-        h = r.hgetall(keys.broker)
-        rep.broker = {"refused": json.loads(h.get("refused") or "{}"),
-                      "auth_failures": json.loads(h.get("auth_failures_by_reason") or "{}")}
+        from common.entries import parse_broker_entry
+        broker = parse_broker_entry(r.hgetall(keys.broker))   # any member can write it: parsed, never trusted
+        rep.broker = {"refused": broker["broker_refused"], "auth_failures": broker["auth_failures_by_reason"]}
         for k, sh in control.shard_table(r, keys).items():
             for key, v in sh.items():
                 if key.startswith("rejected_") or key in ("malformed", "wrong_run", "dropped"):

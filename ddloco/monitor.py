@@ -12,6 +12,7 @@ from typing import Any, Callable
 import redis
 
 from common import control
+from common import entries
 from common.config import ConfigFile
 from common.fragments import model_plan, scatter, state_tensors
 from common.keys import Keys
@@ -332,7 +333,8 @@ class Monitor:
     # ------------------------------------------------------------------ figures
     def merge_events(self) -> list[dict[str, Any]]:
         self.poll_events()
-        return [e for e in self.events if e.get("kind") == "merge"]
+        merges = (entries.parse_merge_event(e) for e in self.events if e.get("kind") == "merge")
+        return [e for e in merges if e is not None]
 
     def replaced_incarnations(self) -> int:
         """Learner processes that ended without leaving and were replaced under the same id."""
@@ -374,7 +376,6 @@ class Monitor:
 
     def report(self, *, wall_s: float, interrupted: bool, timed_out: bool, failure: str,
                learner_exit_codes: dict[str, int | None]) -> dict[str, Any]:
-        import json
         self.collect_lives()
         merges = self.merge_events()
         shards = self.shard_table()
@@ -382,7 +383,7 @@ class Monitor:
         merge_times: list[float] = []
         fragments_merged: set[int] = set()
         for e in merges:
-            contributors.update(json.loads(e.get("contributors", "[]")))
+            contributors.update(e["contributors"])
             merge_times.append(float(e["t"]))
             fragments_merged.add(int(e["fragment"]))
         # goodput: useful learner time / provisioned learner time (ALGORITHM §9). A learner slot

@@ -11,6 +11,7 @@ from typing import Any
 import redis
 
 from common import control
+from common import entries
 from common.config import Endpoints
 from common.keys import Keys
 from ddloco.cli import EXIT_USAGE
@@ -40,10 +41,7 @@ def fragment_states(r: redis.Redis, keys: Keys, n_fragments: int) -> dict[int, d
     pipe = r.pipeline(transaction=False)
     for p in range(n_fragments):
         pipe.hgetall(keys.fragment(p))
-    return {p: {"version": int(h.get("version", 0)), "shard": int(h.get("shard", -1)),
-                "round": int(h.get("round", -1)), "contributors": h.get("contributors", ""),
-                "problem": h.get("problem", ""), "failed_rounds": int(h.get("failed_rounds", 0))}
-            for p, h in enumerate(pipe.execute())}
+    return {p: entries.parse_fragment_entry(p, h) for p, h in enumerate(pipe.execute())}
 
 
 def lagging_lines(frags: dict[int, dict[str, Any]], plan: Any = None) -> dict[int, str]:
@@ -86,22 +84,23 @@ def collect_status(r: redis.Redis, keys: Keys, *, redis_url: str = "") -> dict:
     now = time.time()
     members = {}
     for lid, h in sorted(learners.items()):
-        last = float(h.get("last_merged_at") or 0)
+        last = float(h.get("last_merged_at") or 0)   # every number of ``h`` was checked by control
         members[lid] = {
             "live": lid in live, "status": h.get("status", "?") if lid in live else ("left" if h.get("status") == "left" else "gone"),
             "steps": int(float(h.get("steps", 0))), "tokens": int(float(h.get("tokens", 0))),
             "step_ema_s": float(h.get("step_ema_s", 0)), "loss_ema": float(h.get("loss_ema", 0)),
-            "merged_contributions": int(h.get("merged_contributions", 0)),
+            "merged_contributions": int(h.get("merged_contributions") or 0),
             "last_contribution_age_s": round(now - last, 2) if last else None,
         }
     frags = fragment_states(r, keys, cfg.algo.fragments)
-    shards = {k: {"status": h.get("status"), "merges": int(h.get("merges", 0)), "dropped": int(h.get("dropped", 0)),
-                  "rpc": h.get("rpc")} for k, h in control.shard_table(r, keys).items()}
-    ev = r.hgetall(keys.eval)
+    shards = {k: {"status": h.get("status"), "merges": int(float(h.get("merges") or 0)),
+                  "dropped": int(float(h.get("dropped") or 0)), "rpc": h.get("rpc")}
+              for k, h in control.shard_table(r, keys).items()}
+    ev = entries.parse_eval_entry(r.hgetall(keys.eval))
     evaluation = None
-    if ev.get("loss"):
-        evaluation = {"loss": float(ev["loss"]), "initial_loss": float(ev.get("initial_loss", ev["loss"])),
-                      "tokens": int(float(ev.get("tokens", 0))), "age_s": round(now - float(ev.get("at", now)), 1)}
+    if ev is not None:
+        evaluation = {"loss": ev["loss"], "initial_loss": ev["initial_loss"], "tokens": int(ev["tokens"]),
+                      "age_s": round(now - ev["at"], 1)}
     return {"run_id": keys.run_id, "config_digest": cfg.digest(), "live_learners": len(live), "eval": evaluation,
             "learners": members, "fragments": frags, "shards": shards,
             "lagging_fragments": describe_lagging(r, keys, frags, cfg.algo.fragments)}

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from common import control, tokens as run_count
+from common import entries
 import json
 
 from common.config import ConfigError, ConfigFile, check_value, dump_toml, endpoint_problem, override
@@ -466,6 +467,15 @@ class Supervisor:
                 say(f"crashed    {c.name} exited with {code}: started again")
         return out
 
+    def check(self, say: Callable[[str], None]) -> tuple[list[Child], list[Child]]:
+        """One pass of ``up``'s loop: start again the learners that crashed (``restart_crashed``),
+        then return the daemons that died and the learners supervised now, read after those
+        restarts (a list read before them holds the dead processes: the run would end though
+        their replacements run)."""
+        self.restart_crashed(say)
+        with self.lock:
+            return [c for c in self.daemons() if not c.alive()], self.learners()
+
     def watch_hung(self, redis_url: str, keys: Keys, after_s: float, say: Callable[[str], None],
                    stop: threading.Event) -> None:
         """Thread body: every 0.5 s, ``replace_hung`` from the learners' entries in Redis. Lives
@@ -530,9 +540,7 @@ def _broker_counters(r: Any, keys: Keys) -> dict[str, Any]:
         h = r.hgetall(keys.broker)
     except redis_lib.RedisError:
         h = {}
-    return {"auth_failures": int(h.get("auth_failures") or 0),
-            "auth_failures_by_reason": json.loads(h.get("auth_failures_by_reason") or "{}"),
-            "broker_refused": json.loads(h.get("refused") or "{}")}
+    return entries.parse_broker_entry(h)
 
 
 EXIT_DID_NOT_TRAIN = 4
@@ -908,10 +916,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
                 extra_state = "done"
                 monitor.mark("extra_stop", f"{extra[0]} learners")
                 say(f"extra      temporary learner(s) stopped")
-            with sup.lock:
-                dead = [c for c in sup.daemons() if not c.alive()]
-                learners = sup.learners()
-            sup.restart_crashed(say)
+            dead, learners = sup.check(say)
             if dead:
                 failure = f"{dead[0].name} exited with {dead[0].proc.returncode}:\n{dead[0].log_tail()}"
                 break

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The README recipe "Running the daemons by hand" on one machine, with the example CNN:
 # Redis, the broker, 2 syncer shards and 3 learners as separate processes, a 4th learner joining
-# mid-run without --task (it loads the run's task from Redis), then the global model exported
+# mid-run without --task (it loads the run's task from Redis: allowed by DDLOCO_TASKS_ALLOWED), then the global model exported
 # from the live run and from the checkpoints and scored in eval() mode. Run from the repo root:
 #   examples/by_hand.sh          (about 30 s on 2 cores; files in $OUT, default /tmp/bh)
 set -e
@@ -36,11 +36,12 @@ until $B/python -c "   # the run is under way (learner gpu-0 past step 50): a 4t
 import sys; from common import control; from common.keys import Keys
 import os; r = control.connect(os.environ['DDLOCO_REDIS_URL']); sys.exit(int(r.hget(Keys('exp1').learner('gpu-0'), 'steps') or 0) < 50)"
 do sleep 0.5; done
-$B/ddloco learner --learner-id late --data-shard 3 --steps 150 $NET > $OUT/late.log 2>&1 &   # no --task: the run's, from Redis
+# no --task: the run's, from Redis; imported only because this machine allows it (a member could rewrite it)
+DDLOCO_TASKS_ALLOWED=examples.cnn:task $B/ddloco learner --learner-id late --data-shard 3 --steps 150 $NET > $OUT/late.log 2>&1 &
 LATE=$!
 wait $L0 $L1 $L2 $LATE
 $B/ddloco status $NET | tail -12
-$B/ddloco export $NET --out $OUT/model.safetensors
+DDLOCO_TASKS_ALLOWED=examples.cnn:task $B/ddloco export $NET --out $OUT/model.safetensors
 kill $S0 $S1; wait $S0 $S1 || true   # SIGTERM: the shards checkpoint
 $B/ddloco export --checkpoint-dir $OUT/ck --out $OUT/model-ck.safetensors
 $B/python -c "

@@ -28,6 +28,7 @@ import redis
 import torch
 
 from common import control, metrics, tokens as run_count
+from common import entries
 from common.config import ConfigError, Endpoints, LearnerOptions, RunConfig
 from common.fragments import (Fragment, describe_plan_difference, gather, model_plan, plan_digest,
                               scatter, state_tensors)
@@ -41,6 +42,7 @@ from learner.group import Group, group_from_env, params_digest, rank_stream, res
 from learner.inner import apply_step, load_optimizer_state, make_inner_optimizer, schedule_factor
 from learner.staging import HostStaging, staging_for
 from tasks.contract import Task, TaskError, batch_to, bind_task, build_model, check_task, count_tokens, scalar_loss
+from tasks.contract import TaskNotAllowed
 
 
 FETCH_RETRY_S = 1.0
@@ -232,10 +234,11 @@ class Learner:
         ratio of the schedule's factor to the factor at the highest count)."""
 
     # ------------------------------------------------------------------ join
-    def _prepare(self, run: RunConfig) -> None:
+    def _prepare(self, run: RunConfig, *, shared: bool = False) -> None:
         """Bind the task to ``run``, build the model and its plan, dry-run one batch: every check
-        that can refuse this learner, before it writes anything to Redis."""
-        self.task, self.run_cfg = bind_task(run, self.task)
+        that can refuse this learner, before it writes anything to Redis. ``shared``: ``run`` came
+        from Redis (its task spec is imported only if this machine allows it)."""
+        self.task, self.run_cfg = bind_task(run, self.task, shared=shared)
         self.algo = self.run_cfg.algo
         self.device = self._resolve_device()
         self.model = build_model(self.task, self.run_cfg.task.seed).to(self.device)
@@ -287,7 +290,9 @@ class Learner:
                 on_wait=lambda why: self.log.warning("learner.run_config_missing", detail=why,
                                                      gives_up_after_s=self.options.join_timeout_s))
             try:
-                self._prepare(run)
+                self._prepare(run, shared=True)
+            except TaskNotAllowed:  # the run names a task this machine does not import: exit 2
+                raise
             except TaskError as e:  # this machine's task differs from the run's
                 control.add_learner_event(r, self.keys, self.id, "refuse", reason=str(e))
                 raise LearnerRefused(f"refused: {e}") from None
@@ -336,7 +341,7 @@ class Learner:
         # a restarted learner resumes its data stream (read before the heartbeat first writes it)
         self.data_position = control.data_position(self.redis, self.keys, self.id)
         self._previous_life = self.redis.hmget(self.keys.learner(self.id), "incarnation", "status", "updated_at")
-        self._global_tokens = (int(self.redis.get(self.keys.tokens) or 0), 0)  # (run's count, our tokens then)
+        self._global_tokens = (run_count.read_total(self.redis, self.keys), 0)  # (run's count, our tokens then)
         self._count_behind = False
         n = len(self.plan)
         self.base_version = np.full(n, -1, dtype=np.int64)
@@ -470,6 +475,8 @@ class Learner:
                             "fragment replaced them while they waited (the network thread fell behind).",
                             self._outbox.replaced),
             metrics.counter("learner_malformed_total", "Messages dropped: failed to decode.", s.malformed),
+            metrics.counter("learner_bad_entries_total", "Redis entries ignored as malformed, by kind.reason "
+                            "(common/entries.py).", entries.BAD_ENTRIES.snapshot(), "reason"),
             metrics.counter("learner_bytes_total", "Bytes sent (out: answers, copies, peer state) and received "
                             "(in: merged fragments, peer state).", {"out": s.bytes_up, "in": s.bytes_down},
                             "direction"),
@@ -1250,7 +1257,7 @@ class Learner:
                 "data_position": self.data_position + s.batches, "answers_replaced": self._outbox.replaced,
                 "bytes_fetched": s.bytes_fetched, "chunks_fetched": s.chunks_fetched,
                 "peak_rss_mb": peak_rss_mb(), "cpu_s": round(time.process_time(), 3),
-                "cpu_s_at_joined": round(s.cpu_s_at_joined, 3)}
+                "cpu_s_at_joined": round(s.cpu_s_at_joined, 3), "bad_entries": entries.BAD_ENTRIES.total()}
 
     def _leave(self) -> None:
         try:

@@ -29,6 +29,7 @@ import torch
 import zmq
 
 from common import control, metrics, tokens as run_count, wire
+from common import entries
 from common.config import Endpoints, RunConfig, SyncerOptions
 from common.fragments import Fragment, gather, model_plan, owned_fragments, plan_digest, plan_layout, state_tensors
 from common.keys import Keys
@@ -42,6 +43,7 @@ from common.robust import (STEP_TIME_FLOOR_OF_MEDIAN, STEP_TIME_UNKNOWN_S, NormC
 from common.quorum import (Decision, Ema, OpenSchedule, QuorumPolicy, RoundView, decide_round, due_fragments,
                            grace_window_s)
 from tasks.contract import Task, TaskError, bind_task, build_model, count_tokens
+from tasks.contract import TaskNotAllowed
 
 CONTROL_REFRESH_S = 0.5
 REQUEST_DEDUPE_S = 5.0
@@ -351,9 +353,10 @@ class Shard:
         """Per merging thread: the buffers every merge on it reuses (``_merge_scratch``)."""
 
     # ---------------------------------------------------------------- set-up / tear-down
-    def _prepare(self, run: RunConfig) -> torch.nn.Module:
-        """Bind the task and plan the fragments: every refusal before anything is written."""
-        self.task, self.run = bind_task(run, self.task)
+    def _prepare(self, run: RunConfig, *, shared: bool = False) -> torch.nn.Module:
+        """Bind the task and plan the fragments: every refusal before anything is written.
+        ``shared``: ``run`` came from Redis (its task spec is imported only if allowed here)."""
+        self.task, self.run = bind_task(run, self.task, shared=shared)
         model, self.plan = initial_state(self.run, self.task)
         self.plan_digest = plan_digest(self.plan)
         self.tokens_per_step_bound = self._tokens_per_step_bound()
@@ -378,15 +381,16 @@ class Shard:
                 model = self._prepare(control.fetch_run_config(
                     self.redis, self.keys, wait_s=30.0, redis_url=self.endpoints.redis_url,
                     on_wait=lambda why: self.log.warning("syncer.run_config_missing", detail=why,
-                                                         gives_up_after_s=30.0)))
+                                                         gives_up_after_s=30.0)), shared=True)
+            except TaskNotAllowed:  # the run names a task this machine does not import: exit 2
+                raise
             except TaskError as e:  # this machine's task differs from the run's
                 raise control.ConfigMismatch(f"refused: {e}") from None
         control.claim_shard_count(self.redis, self.keys, self.options.shards)
         control.record_layout(self.redis, self.keys, plan_layout(self.plan))
         # this life of the shard: the run-wide counter, above any epoch this shard's checkpoint saw
         # (Redis may have restarted empty; live shards and learners also put the counter back)
-        control.raise_counter(self.redis, self.keys.epochs, self._checkpoint_epoch())
-        self.epoch = int(self.redis.incr(self.keys.epochs))
+        self.epoch = control.take_epoch(self.redis, self.keys, self._checkpoint_epoch())
         self.lease_holder = f"{socket.gethostname()}:{os.getpid()}:{self.epoch}"
         control.acquire_lease(self.redis, self.keys.shard_lease(self.options.shard), self.lease_holder,
                               ttl_s=self.options.lease_ttl_s, wait_s=self.options.lease_wait_s)
@@ -450,6 +454,8 @@ class Shard:
                                            "stale_base": st.stale_base, "wrong_run": st.wrong_run}, "outcome"),
             metrics.counter("shard_answers_rejected_total", "Answers refused (nonfinite_delta) or cut (claims, "
                             "clipped) by the robust merge, by reason.", dict(st.rejected), "reason"),
+            metrics.counter("shard_bad_entries_total", "Redis entries ignored as malformed, by kind.reason "
+                            "(common/entries.py).", entries.BAD_ENTRIES.snapshot(), "reason"),
             metrics.counter("shard_malformed_total", "Messages and requests that failed to decode or made no "
                             "sense (dropped).", st.malformed),
             metrics.counter("shard_rounds_dropped_total", "Rounds whose merge was not finite (dropped).",
@@ -661,7 +667,7 @@ class Shard:
         control.sync_members(self.redis, self.keys)
         live = control.live_learners(self.redis, self.keys)
         holding = any(h.get("status") in HOLDING for h in live.values())
-        if live and not holding and not loaded and not int(self.redis.get(self.keys.tokens) or 0):
+        if live and not holding and not loaded and not run_count.read_total(self.redis, self.keys):
             live = {}   # a new run: its learners are joining (waiting for us) and none trained yet
         for p, f in self.frags.items():
             if self.options.fresh:
@@ -1254,7 +1260,8 @@ class Shard:
                 "weights_capped": self.stats.weights_capped,
                 "merge_s_sum": round(self.stats.merge_s.sum_s, 4), "replies_cached": self.stats.replies_cached,
                 "requests": self.stats.requests, "requests_deduped": self.stats.requests_deduped,
-                "peak_rss_mb": peak_rss_mb(), "cpu_s": round(time.process_time(), 3)})
+                "peak_rss_mb": peak_rss_mb(), "cpu_s": round(time.process_time(), 3),
+                "bad_entries": entries.BAD_ENTRIES.total()})
             for p, f in self.frags.items():
                 if f.recovery is not None:
                     continue  # the recorded version stays until this fragment has caught up
@@ -1271,6 +1278,7 @@ class Shard:
             self.token_shares = run_count.merge_shares(self.token_shares, res[-2])
             self.run_tokens = max(self.run_tokens, int(res[-3]))
             self._eval_loss = _finite_or_nan(res[-1])
+            control.restore_run_config(self.redis, self.keys, self.run, plan_layout(self.plan))
             if not self._redis_ok:
                 self.log.info("syncer.redis_back")
             self._redis_ok = True

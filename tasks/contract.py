@@ -36,6 +36,10 @@ class TaskError(ValueError):
     """A task that cannot be loaded or does not honour the contract; the message says which."""
 
 
+class TaskNotAllowed(TaskError):
+    """The run's config names a task this machine does not allow to be imported (exit 2)."""
+
+
 @dataclass(frozen=True)
 class Task:
     """A model and its data, as every process of a run builds it."""
@@ -134,6 +138,44 @@ BUILTIN: dict[str, str] = {
     "digits": "tasks.digits:digits",
 }
 """Short names of the built-in tasks and where they live."""
+
+
+ALLOWED_ENV = "DDLOCO_TASKS_ALLOWED"
+"""The environment variable (read by entry points only) listing ``MODULE:ATTR`` specs, comma
+separated, that a process may load when the run's config names them (``allow_tasks``)."""
+
+_allowed_specs: frozenset[str] = frozenset()
+"""Specs this process allows besides the built-ins; set once by its entry point (``allow_tasks``)."""
+
+
+def allow_tasks(specs: Iterable[str]) -> None:
+    """Let this process load these task specs when a run's config (from Redis or a checkpoint, so
+    written by any member) names them; the built-ins are always allowed. Entry points call it with
+    their own ``--task`` / config file's spec and ``DDLOCO_TASKS_ALLOWED``; nothing read from Redis
+    ever reaches it."""
+    global _allowed_specs
+    _allowed_specs = _allowed_specs | {s.strip() for s in specs if s and s.strip()}
+
+
+def task_allowed(spec: str) -> bool:
+    """Whether ``spec`` may be imported when a run's config names it: a built-in (short name or
+    its ``MODULE:ATTR``), or a spec this process allowed (``allow_tasks``)."""
+    return spec in BUILTIN or spec in BUILTIN.values() or spec in _allowed_specs
+
+
+def check_run_task(spec: str, args: Mapping[str, Any]) -> None:
+    """Refuse (TaskNotAllowed, one line) a task spec from a run's config that this machine does
+    not allow, before anything is imported; its args must be plain values (str, int, float,
+    bool: converted by the callable's declared types, never imported or evaluated)."""
+    if not task_allowed(spec):
+        raise TaskNotAllowed(
+            f"refused to import the run's task {spec!r}: the run config (in Redis, writable by any member) "
+            f"names it, and this machine imports only built-in tasks and the ones it names itself; if you "
+            f"trust it, pass --task {spec} or set {ALLOWED_ENV}={spec}")
+    bad = sorted(k for k, v in args.items() if not isinstance(k, str) or not isinstance(v, (str, int, float, bool)))
+    if bad:
+        raise TaskNotAllowed(f"refused the run's task args {', '.join(map(str, bad))} of {spec!r}: a task arg "
+                             f"from the run config must be a string, number or boolean")
 
 
 def load_task(spec: str, args: Mapping[str, Any] | None = None) -> Task:
@@ -424,10 +466,14 @@ def describe_data_difference(run_digest: str, run_source: str, digest: str, sour
             f"(its data: {source or 'not described'}; the run's: {run_source or 'not recorded'})")
 
 
-def bind_task(run: "RunConfig", task: Task | None = None) -> tuple[Task, "RunConfig"]:
+def bind_task(run: "RunConfig", task: Task | None = None, *, shared: bool = False) -> tuple[Task, "RunConfig"]:
     """The run's task, and ``run`` with the task's name, config and data digest filled in.
 
-    ``task`` None loads ``run.task.spec`` with ``run.task.args``. When ``run`` already names a
+    ``task`` None loads ``run.task.spec`` with ``run.task.args``; ``shared``: ``run`` was read from
+    where any member can write (Redis), so the spec is loaded only if this machine allows it
+    (``check_run_task``: TaskNotAllowed otherwise, nothing imported), and with a ``task`` given a
+    spec it does not allow is left out of the bound run (nothing this process records, e.g. its
+    checkpoints, carries a spec it did not trust). When ``run`` already names a
     task (it came from Redis or a checkpoint), the loaded one must report the same name, config
     and data digest (when the run recorded one): TaskError names what differs.
     """
@@ -436,6 +482,8 @@ def bind_task(run: "RunConfig", task: Task | None = None) -> tuple[Task, "RunCon
         if not run.task.spec:
             raise TaskError("the run's task was handed over as a Python object (no task spec in its config); "
                             "give this process the same Task, or --task MODULE:ATTR")
+        if shared:
+            check_run_task(run.task.spec, run.task.args)
         task = load_task(run.task.spec, run.task.args)
     config = json_config(task.config)
     want = run.task
@@ -455,6 +503,10 @@ def bind_task(run: "RunConfig", task: Task | None = None) -> tuple[Task, "RunCon
         raise TaskError("; ".join(problems))
     bound = dataclasses.replace(want, name=task.name, config=config, data_source=task.data_source,
                                 data_digest=want.data_digest if want.name else task.data_digest)
+    if given and shared and bound.spec and not task_allowed(bound.spec):
+        # the run's spec (from Redis) was not checked here, as this process brought its own task:
+        # it is not recorded as ours (a checkpoint of this process never carries an unchecked spec)
+        bound = dataclasses.replace(bound, spec="")
     if given and not want.name and want.spec == "gpt" and task.name != "gpt":
         # a Task object with the default spec: no spec says how to load it (a process joining
         # without a task is told so); set run.task.spec to its MODULE:ATTR to let such processes in

@@ -22,7 +22,8 @@ def _a_run_in_redis(url: str, run_id: str) -> None:
     for lid, steps in (("alpha-learner", 12), ("beta-learner", 7)):
         control.beat(pipe, keys, lid, {"status": "training", "steps": steps, "tokens": 16 * steps,
                                        "step_ema_s": 0.01, "loss_ema": 1.25}, ttl_s=30)
-    control.register_shard(pipe, keys, 0, {"status": "running", "merges": 3, "dropped": 0, "rpc": "tcp://127.0.0.1:7000"})
+    control.register_shard(pipe, keys, 0, {"status": "running", "merges": 3, "dropped": 0, "rpc": "tcp://127.0.0.1:7000",
+                                           "shards": 1})
     pipe.hset(keys.fragment(2), mapping={"version": 3, "shard": 0, "round": 1})
     pipe.execute()
     control.sync_members(r, keys)   # the shard's control refresh: membership from the heartbeats

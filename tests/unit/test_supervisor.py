@@ -78,6 +78,35 @@ def test_a_learner_that_crashed_is_started_again_but_not_a_refused_or_killed_one
             c.kill()
 
 
+def test_learners_that_crashed_twice_are_supervised_as_their_new_processes(tmp_path):
+    """Every learner crashed (one Redis write can make them all fail at once): `up`'s loop pass
+    starts them again and then looks at the new processes, so the run goes on; twice in a row."""
+    (tmp_path / "logs").mkdir()
+    flag = tmp_path / "crash"
+    flag.write_text("")
+    body = f"import os, signal, sys\nif os.path.exists({str(flag)!r}): sys.exit(1)\nsignal.pause()"
+    argv = lambda lid, index: [sys.executable, "-c", body]  # noqa: E731
+    slots = {"a": {"index": 0}, "b": {"index": 1}}
+    sup = Supervisor(workdir=tmp_path, learner_argv=argv, slots=slots, steps=0)
+    for lid in slots:
+        sup.add(Child(lid, argv(lid, 0), sup.log(lid)))
+    try:
+        for crash in (1, 2):
+            for c in sup.learners():
+                assert c.wait(10.0) == 1
+            if crash == 2:
+                flag.unlink()          # the second replacements stay up
+            dead, learners = sup.check(print)
+            assert dead == []
+            assert sup.crash_restarts == {"a": crash, "b": crash}
+            assert learners == sup.learners() and len(learners) == 2
+            if crash == 2:
+                assert all(c.alive() for c in learners), "the loop would end the run: every learner it sees is dead"
+    finally:
+        for c in sup.children:
+            c.kill()
+
+
 FACTORY = """
 import json, select, signal, sys
 from ddloco.cli import _fork_learner, _reap_forks
