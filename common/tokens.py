@@ -143,13 +143,18 @@ def parse_share(field: str, raw: Any) -> int | None:
     return share
 
 
-def read_total(r: Any, keys: Keys) -> int:
-    """The run's token count as Redis holds it (0 when absent or not a count: counted)."""
-    raw = r.get(keys.tokens)
+def parse_total(raw: Any) -> int | None:
+    """The run's count as read from ``keys.tokens`` (0 when absent); None when it is not a count
+    (counted: common.entries.BAD_ENTRIES)."""
     total = parse_int(raw, hi=SHARE_MAX) if raw is not None else 0
     if total is None:
         BAD_ENTRIES.reject("tokens", "bad_total", value=raw)
-    return total or 0
+    return total
+
+
+def read_total(r: Any, keys: Keys) -> int:
+    """The run's token count as Redis holds it (0 when absent or not a count: counted)."""
+    return parse_total(r.get(keys.tokens)) or 0
 
 
 def advance_seen(seen: tuple[int, int], total: int, ours: int) -> tuple[int, int]:

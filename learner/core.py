@@ -1217,7 +1217,10 @@ class Learner:
                 pipe.get(self.keys.tokens)
                 pipe.hget(self.keys.token_shares, token_share(self.id, self.incarnation))
                 res = pipe.execute()
-                self._note_run_count(int(res[-2] or 0) + max(0, ours - int(res[-1] or 0)), ours)
+                total = run_count.parse_total(res[-2])     # not a count (a member wrote it): this beat skipped
+                share = run_count.parse_share(token_share(self.id, self.incarnation), res[-1] or 0) or 0
+                if total is not None:
+                    self._note_run_count(total + max(0, ours - share), ours)
                 if not redis_ok:
                     self.log.info("learner.redis_back")
                 redis_ok = True
