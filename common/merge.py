@@ -120,10 +120,14 @@ class OuterAccumulator:
 
     def __init__(self, numel: int, spans: Sequence[tuple[int, int, str | bool]], rule: str = "rda",
                  device: torch.device | str | None = None,
-                 scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 scratch: tuple[torch.Tensor, torch.Tensor] | None = None, robust_buffers: bool = False) -> None:
         """``scratch``: two fp32 buffers of ``numel`` to accumulate in (zeroed here; reusing them
         across merges of a fragment spares fresh memory's page faults). ``result()`` returns the
-        first one: use it before the next merge reuses it."""
+        first one: use it before the next merge reuses it. ``robust_buffers``: buffers (float and
+        integer) take the weighted median of the answers' values, coordinate by coordinate, instead
+        of the weighted average (float) and the largest value (integer): a minority of answers
+        cannot move a running variance below zero nor a counter to 2^31 (the buffers of each answer
+        are kept: M × the fragment's buffers, small beside its parameters)."""
         if rule not in MERGE_RULES:
             raise ValueError(f"merge rule must be one of {MERGE_RULES}, got {rule!r}")
         _check_spans(spans, numel)
@@ -144,6 +148,9 @@ class OuterAccumulator:
         self.count = 0
         self._ints = [(start, stop) for start, stop, kind in self.pieces if kind == "int_buffer"]
         self._floats = [(start, stop) for start, stop, kind in self.pieces if kind == "buffer"]
+        self._buffer_pieces = sorted(self._floats + self._ints) if robust_buffers else []
+        self._buffer_rows: list[tuple[float, torch.Tensor]] = []
+        """(ŵ_m, Δ_m over the buffer pieces) of every answer folded in (``robust_buffers``)."""
         self._bounded = [(start, stop) for start, stop, kind in self.pieces
                          if kind in ("param", "embedding") and stop > start]
         """The parameter pieces: what a norm bound sees and scales (buffers move by their own rule)."""
@@ -190,8 +197,13 @@ class OuterAccumulator:
                     self.direction[self.pieces[i][0]:self.pieces[i][1]].add_(block, alpha=w / n)
                 self.radius[i] += w * n
         self._fold_ints(kept, [outer[a:b] for a, b in self._ints])
+        self._keep_buffers(w, [outer[a:b] for a, b in self._buffer_pieces])
         self.weight_sum += abs(w)
         self.count += 1
+
+    def _keep_buffers(self, w: float, blocks: list[torch.Tensor]) -> None:
+        if blocks:
+            self._buffer_rows.append((w, torch.cat(blocks).to(torch.float64)))
 
     def _ints_so_far(self) -> list[torch.Tensor]:
         """The integer-buffer pieces of the mean before a contributor is added (none for the first)."""
@@ -258,6 +270,7 @@ class OuterAccumulator:
             for a, b in self._floats:
                 self.mean[a:b].add_(theta[a:b] - (base[a:b] + delta[a:b]), alpha=w * (1.0 - scale))
         self._fold_ints(kept, [theta[a:b] - (base[a:b] + delta[a:b]) for a, b in self._ints])
+        self._keep_buffers(w, [theta[a:b] - (base[a:b] + delta[a:b]) for a, b in self._buffer_pieces])
         self.weight_sum += abs(w)
         self.count += 1
 
@@ -278,6 +291,13 @@ class OuterAccumulator:
         merged = self.mean
         for start, stop in self.gaps:
             merged[start:stop] = 0.0
+        if self._buffer_rows:
+            median = weighted_median_rows(torch.stack([row for _, row in self._buffer_rows]),
+                                          torch.tensor([w for w, _ in self._buffer_rows], dtype=torch.float64))
+            at = 0
+            for a, b in self._buffer_pieces:
+                merged[a:b] = median[at:at + b - a].to(merged.dtype)
+                at += b - a
         for i, (start, stop, _) in enumerate(self.pieces):
             if not self.rda[i]:
                 continue
@@ -286,6 +306,16 @@ class OuterAccumulator:
             if direction_norm >= eps * self.weight_sum and direction_norm > 0:
                 torch.mul(direction, self.radius[i] / direction_norm, out=merged[start:stop])
         return merged
+
+
+def weighted_median_rows(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Coordinate-wise lower weighted median of ``rows`` [M, n] with ``weights`` [M] -> [n]: at
+    each coordinate, the smallest value at which the weight of the values at or below it reaches
+    half the total (one of the rows' values: an integer counter stays an integer)."""
+    values, order = rows.sort(dim=0)                                     # [M, n]
+    cum = weights[order].cumsum(dim=0)                                   # [M, n]
+    first = (cum >= 0.5 * weights.sum()).to(torch.int8).argmax(dim=0)   # [n]
+    return values.gather(0, first.unsqueeze(0)).squeeze(0)
 
 
 def _pieces_norm(x: torch.Tensor, pieces: Sequence[tuple[int, int]]) -> float:

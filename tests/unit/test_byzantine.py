@@ -142,3 +142,31 @@ def test_a_recovering_shard_adopts_a_copy_two_learners_agree_on_not_a_lone_membe
     assert choose_copy({"a": (4, 1), "b": (4, 1)}, own_version=5, lone_limit=10) is None
     # one learner, one copy within the limit: adopted (the only source there is)
     assert choose_copy({"a": (8, 3)}, own_version=5, lone_limit=10) == (8, 3)
+
+
+def test_buffers_take_the_median_so_a_flipped_answer_cannot_drive_a_running_variance_below_zero():
+    """A BatchNorm fragment: weights, a running variance and the batch counter. One answer of five
+    flips its update 8 x (running variance to -7, the counter to 2^31): the merged variance stays
+    the honest learners' and positive, the counter an honest one."""
+    spans = [(0, 8, "param"), (8, 12, "buffer"), (12, 13, "int_buffer")]
+    theta = torch.zeros(13)
+    theta[8:12], theta[12] = 1.0, 100.0                       # Θ: variance 1, counter 100
+    answers = []
+    for h, var in enumerate((1.05, 1.1, 0.95, 1.0)):          # learners' values θ_m; δ_m = θ_m − base
+        value = theta.clone()
+        value[:8] += 0.01
+        value[8:12], value[12] = var, 110.0 + h
+        answers.append((f"h{h}", theta, value - theta, 12.0))
+    evil = theta.clone()
+    evil[8:12], evil[12] = -7.0, 2.0 ** 31
+    answers.append(("evil", theta, evil - theta, 12.0))
+    w, _ = fair_weights([1.0] * 5, [1.0] * 5)
+    acc = OuterAccumulator(13, spans, "rda", robust_buffers=True)
+    fold_round(acc, theta, answers, w.tolist(), NormClipper(), buffer_ceiling=None)
+    new = theta - acc.result()
+    assert bool((new[8:12] >= 0.95).all()) and bool((new[8:12] <= 1.1).all()), new[8:12]
+    assert 110.0 <= float(new[12]) <= 113.0
+    plain = OuterAccumulator(13, spans, "rda")                # the average and the largest value
+    fold_round(plain, theta, answers, w.tolist(), NormClipper(), buffer_ceiling=None)
+    old = theta - plain.result()
+    assert float(old[8:12].min()) < 0.0 and float(old[12]) == 2.0 ** 31
