@@ -310,7 +310,8 @@ class Broker:
 
     def _on_subscription(self, frames: list[zmq.Frame]) -> None:
         """One message from a subscriber (manual XPUB): a (un)subscription applied to its pipe
-        within its member's cap, passed upstream once per topic; anything else is dropped."""
+        within its member's cap, a topic passed upstream once (``broker.limits.Subscriptions``);
+        anything else is dropped."""
         data = bytes(frames[0].buffer) if len(frames) == 1 else b""
         if not data or data[0] not in (0, 1):
             self._count("malformed")
@@ -320,9 +321,7 @@ class Broker:
         except (zmq.ZMQError, AttributeError):
             user = ""
         topic = data[1:]
-        if not user:          # libzmq: the last subscriber holding the topic is gone
-            if data[0] == 0 and self.subs.released(topic):
-                self.xsub.send(data)
+        if not user:          # libzmq: a subscriber disconnected (its pipe's filter is gone already)
             return
         verdict = self.subs.subscribe(user, topic) if data[0] == 1 else self.subs.unsubscribe(user, topic)
         if verdict.reason is not None:

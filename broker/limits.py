@@ -5,10 +5,7 @@
   are named by the allow list, so the table holds at most one bucket per listed key.
 - ``Subscriptions``: the distinct topics each member holds, at most ``cap``, each at most
   ``max_topic_bytes`` long. The broker's XPUB runs in manual mode: a subscription takes effect
-  (and goes upstream to the publishers) only when ``subscribe`` says so. Upstream, a topic is sent
-  on its first holder and withdrawn when libzmq reports its last holder gone (an unsubscription
-  without a member: a subscriber disconnected) or its last holder unsubscribed: the XSUB side sees
-  each topic once, as it did without manual mode.
+  (and goes upstream to the publishers, once per topic) only when ``subscribe`` says so.
 
 Owning thread: the broker's loop (``Broker.poll_once``); nothing else reads or writes these.
 """
@@ -86,13 +83,21 @@ class Verdict:
 
 
 class Subscriptions:
-    """The topics held by each member and by anyone (see the module docstring)."""
+    """The distinct topics each member has held (at most ``cap``) and the topics sent upstream.
+
+    libzmq reports a subscriber's disconnection as one unsubscription per topic of that pipe,
+    without the member and whether or not other pipes still hold the topic (or whether the broker
+    had applied it), so a topic is never withdrawn upstream on such a report: a topic goes
+    upstream once, on its first holder, and stays. A member's topics count toward its cap for its
+    lifetime (an unsubscription applies to its pipe but does not free room): the publishers then
+    hold at most ``cap`` topics per member name, whatever members subscribe, unsubscribe or
+    reconnect."""
 
     def __init__(self, cap: int, max_topic_bytes: int = MAX_TOPIC_BYTES) -> None:
         self.cap = cap
         self.max_topic_bytes = max_topic_bytes
         self.by_member: dict[str, set[bytes]] = {}
-        self.holders: dict[bytes, set[str]] = {}
+        self.upstream: set[bytes] = set()
 
     def subscribe(self, member: str, topic: bytes) -> Verdict:
         if len(topic) > self.max_topic_bytes:
@@ -101,33 +106,10 @@ class Subscriptions:
         if topic not in mine and len(mine) >= self.cap:
             return Verdict(False, False, "too_many_subscriptions")
         mine.add(topic)
-        holders = self.holders.setdefault(topic, set())
-        first = not holders
-        holders.add(member)
+        first = topic not in self.upstream
+        self.upstream.add(topic)
         return Verdict(True, first)
 
     def unsubscribe(self, member: str, topic: bytes) -> Verdict:
-        """A member's own unsubscription: applied if it held the topic; upstream when no one else does."""
-        mine = self.by_member.get(member, set())
-        if topic not in mine:
-            return Verdict(False, False)
-        mine.discard(topic)
-        return Verdict(True, self._drop_holder(topic, member))
-
-    def released(self, topic: bytes) -> bool:
-        """libzmq reports no subscriber holds ``topic`` any more (the last one disconnected):
-        forget it everywhere; True when it had gone upstream (withdraw it there)."""
-        holders = self.holders.pop(topic, None)
-        for member in holders or ():
-            self.by_member.get(member, set()).discard(topic)
-        return holders is not None
-
-    def _drop_holder(self, topic: bytes, member: str) -> bool:
-        holders = self.holders.get(topic)
-        if holders is None:
-            return False
-        holders.discard(member)
-        if holders:
-            return False
-        del self.holders[topic]
-        return True
+        """A member's own unsubscription: applied to its pipe if it held the topic; never upstream."""
+        return Verdict(topic in self.by_member.get(member, ()), False)

@@ -390,7 +390,8 @@ class NetworkThread:
                         self.log.warning("learner.bad_shard_endpoint", shards=client.bad_endpoints)
                 self.send(pub, client, unsent_fetch, peer)
                 self._continue_serve(peer)
-                wait_ms = STAGED_POLL_MS if self._staged else POLL_MS if self._wake_fd is not None else 5
+                # a state in flight is fed as the joiner's queue drains: poll briefly meanwhile
+                wait_ms = STAGED_POLL_MS if self._staged or self._serving else POLL_MS if self._wake_fd is not None else 5
                 for sock, _ in poller.poll(wait_ms):
                     if sock == self._wake_fd:
                         self._wake.drain_wakeups()   # what was put is sent at the top of the loop

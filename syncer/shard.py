@@ -494,7 +494,11 @@ class Shard:
         self.pub.connect(self.endpoints.broker_pub)
         self.router = keep_alive(self._ctx.socket(zmq.ROUTER))
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.SNDHWM, 10_000)
+        # a requester that does not read holds at most two replies of every owned fragment (each
+        # reply's frames are shared by every requester of that version): a joiner asks for all at once
+        chunk = self.options.reply_chunk_values
+        replies = sum(1 if chunk <= 0 else -(-f.spec.numel // chunk) for f in self.frags.values())
+        self.router.setsockopt(zmq.SNDHWM, 2 * replies + 16)
         self.router.setsockopt(zmq.MAXMSGSIZE, wire.HEADER_SLACK_BYTES)
         if sec is not None:
             sec.server(self.router, "shard")

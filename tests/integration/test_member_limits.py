@@ -211,3 +211,66 @@ def test_a_flood_beyond_a_members_rate_is_dropped_and_an_honest_members_answers_
     assert alices == 10, (alices, b.stats.refused)
     assert mallorys <= 68 + 10 * elapsed + 10, (mallorys, elapsed)
     assert b.stats.refused["rate_limited"] >= 1000, b.stats.refused
+
+
+def test_a_peer_that_never_reads_gets_one_state_in_flight_not_one_per_second(ctx):
+    """A learner's real network thread serving a 64 MiB state: a client that asks every 20 ms and
+    reads nothing makes it snapshot once (the serve waits for the reader; the rest are "busy"),
+    not once per second with every state queued."""
+    from common.redis_server import free_port
+    from learner.network import PeerState, PeerStateWanted
+    ep = Endpoints(run_id="r", broker_pub=f"tcp://127.0.0.1:{free_port()}", broker_sub=f"tcp://127.0.0.1:{free_port()}")
+    nt, inbox = _learner_thread(ep, [8], shards=1)
+    runner = threading.Thread(target=nt.run, daemon=True)
+    runner.start()
+    wanted = []
+
+    def training() -> None:            # the training thread's part: a fresh snapshot per request
+        while not nt.stop.is_set():
+            try:
+                item = inbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if isinstance(item, PeerStateWanted):
+                wanted.append(item)
+                nt.outbox.put(PeerState(item.identity, item.requester,
+                                        {"model": {"w": torch.zeros(16 << 20)}, "optimizer": {"state": {}},
+                                         "versions": [0]}))
+    threading.Thread(target=training, daemon=True).start()
+    try:
+        wait_until(lambda: nt.peer_endpoint, 10, what="the peer endpoint bound")
+        asker = ctx.socket(zmq.DEALER)
+        asker.setsockopt(zmq.LINGER, 0)
+        asker.setsockopt(zmq.RCVHWM, 1)        # takes nothing from the connection once one message waits
+        asker.connect(nt.peer_endpoint)
+        wait_until(lambda: asker.send_multipart([b"state?", b"mallory"]) or nt.peer_requests_refused >= 150, 30,
+                   interval_s=0.02, what="3 s of requests")
+        assert len(wanted) == 1, f"{len(wanted)} snapshots for a client that never read"
+        assert nt._serving is not None and nt._serving["next"] < len(nt._serving["pieces"])
+    finally:
+        nt.stop.set()
+        runner.join(10)
+
+
+def test_a_subscriber_that_leaves_does_not_cut_another_members_subscription(make_cluster, ctx):
+    """libzmq reports a subscriber's disconnection without naming it: the topic another member
+    still holds must keep flowing (it goes upstream once and stays)."""
+    cluster = make_cluster(ASYNC, secure=True, broker={"shards": 1})
+    ep, run = cluster.endpoints, cluster.endpoints.run_id
+    create_keys(ep.keys_dir, learners=["alice", "bob"], broker=False, monitors=())
+    subs = {}
+    for name in ("alice", "bob"):
+        subs[name] = _socket(ctx, zmq.SUB, ep.keys_dir, name, ep.broker_sub)
+        subs[name].setsockopt(zmq.SUBSCRIBE, wire.topic_prefix(run, wire.OPEN))
+    pub = _socket(ctx, zmq.PUB, ep.keys_dir, "shard0", ep.broker_pub)
+    opened = lambda: pub.send_multipart(wire.encode(kind=wire.OPEN, run=run, sender="shard0", fragment=0))  # noqa: E731
+    for name in ("alice", "bob"):
+        wait_until(lambda: opened() or subs[name].poll(50), 10, what=f"{name} subscribed")
+    _drain(subs["bob"], 100)
+    before = cluster.broker.stats.subscriptions
+    subs["alice"].close(linger=0)
+    wait_until(lambda: cluster.broker.stats.subscriptions > before, 10, what="alice's leaving seen by the broker")
+    _drain(subs["bob"], 100)
+    for _ in range(5):
+        opened()
+    assert len(_drain(subs["bob"], 500)) == 5

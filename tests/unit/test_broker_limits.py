@@ -50,13 +50,11 @@ def test_subscriptions_beyond_the_cap_are_refused_and_a_topic_goes_upstream_once
     subs = Subscriptions(cap=3, max_topic_bytes=16)
     assert [subs.subscribe("m", b"t%d" % i).honor for i in range(5)] == [True, True, True, False, False]
     assert subs.subscribe("m", b"t9").reason == "too_many_subscriptions"
-    assert subs.subscribe("m", b"t0").honor                         # one it holds: applied again (a new pipe)
+    assert subs.subscribe("m", b"t0") == Verdict(True, False)      # one it holds: applied again (a new pipe)
     assert subs.subscribe("m", b"x" * 17).reason == "topic_too_long"
-    v = subs.subscribe("h", b"t0")
-    assert v.honor and not v.forward                                # already upstream
-    assert subs.unsubscribe("m", b"t0") == Verdict(True, False)    # h still holds it
-    assert subs.unsubscribe("h", b"t0") == Verdict(True, True)     # the last holder: withdrawn upstream
-    assert subs.unsubscribe("h", b"t0") == Verdict(False, False)   # not held any more
-    assert b"t0" not in subs.holders
-    assert subs.released(b"t1") and b"t1" not in subs.by_member["m"]
-    assert not subs.released(b"t4")                                 # never went upstream: nothing to withdraw
+    assert subs.subscribe("h", b"t0") == Verdict(True, False)      # another member: applied, already upstream
+    assert subs.subscribe("h", b"u") == Verdict(True, True)        # a new topic: upstream once
+    assert subs.unsubscribe("m", b"t0") == Verdict(True, False)    # applied to its pipe, never withdrawn upstream
+    assert subs.unsubscribe("m", b"t9") == Verdict(False, False)   # never held
+    assert subs.subscribe("m", b"t8").reason == "too_many_subscriptions"   # unsubscribing frees no room
+    assert subs.upstream == {b"t0", b"t1", b"t2", b"u"}
