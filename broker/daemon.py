@@ -84,9 +84,11 @@ class BrokerOptions:
             check_value("broker.redis_url", self.redis_url, redis_url_problem)
         for name in ("shards", "fragments", "max_subscriptions"):
             if not 0 <= getattr(self, name) <= MAX_COUNT:
-                raise ConfigError(f"broker.{name} must be in [0, {MAX_COUNT}], got {getattr(self, name)}")
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"broker.{name} ({flag}) must be in [0, {MAX_COUNT}], got {getattr(self, name)}")
         if self.max_message_bytes < 1024:
-            raise ConfigError(f"broker.max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+            raise ConfigError(f"broker.max_message_bytes (--max-message-mb) must be >= 1024 bytes, "
+                              f"got {self.max_message_bytes}")
 
 
 MAX_COUNT = 1 << 20
