@@ -315,6 +315,11 @@ def cmd_broker(args: argparse.Namespace) -> int:
     _setup_logging(args)
     cfg = _resolve(args)
     _security_check(cfg.endpoints, args, "broker", "broker")
+    if cfg.endpoints.keys_dir and not args.shards and not args.run_id:
+        print("ddloco broker: with CURVE keys it forwards a shard's messages only from the fragment's owner, so it "
+              "needs the run's shard count: pass --shards S, or --run-id (and --redis-url) to read it from the run's "
+              "config", file=sys.stderr)
+        return EXIT_USAGE
     if args.run_id:  # its counters go to the run's Redis
         _check_redis_answers(args, cfg.endpoints.redis_url)
     stop = threading.Event()

@@ -274,3 +274,15 @@ def test_a_subscriber_that_leaves_does_not_cut_another_members_subscription(make
     for _ in range(5):
         opened()
     assert len(_drain(subs["bob"], 500)) == 5
+
+
+def test_a_keyed_broker_without_a_shard_count_refuses_to_start(tmp_path):
+    """It would refuse every shard message: one line and exit 2 instead of a run that never merges."""
+    import subprocess
+    import sys
+    create_keys(tmp_path / "k", shards=1)
+    res = subprocess.run([sys.executable, "-m", "ddloco", "broker", "--keys", str(tmp_path / "k"),
+                          "--xsub", "tcp://127.0.0.1:0", "--xpub", "tcp://127.0.0.1:0"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "--shards S, or --run-id" in res.stderr, res.stderr[-2000:]
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
