@@ -82,6 +82,9 @@ class FragmentClient:
         self._partial: dict[int, _Assembly] = {}
         self.chunks = 0
         """Chunks received (replies of fragments larger than the shard's chunk size)."""
+        self.asked: set[int] = set()
+        """Fragments requested and not yet received whole: a reply for any other is dropped (``unasked``)."""
+        self.unasked = 0
         self.not_owner = 0
         """Replies dropped: from a shard that does not own the fragment (each socket is a CURVE
         client of one shard's key, so a reply on it is that shard's)."""
@@ -145,6 +148,7 @@ class FragmentClient:
             s.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             return False
+        self.asked.add(fragment)
         return True
 
     def receive(self, sock: zmq.Socket) -> list[wire.Message]:
@@ -165,11 +169,16 @@ class FragmentClient:
             elif not self._from_owner(sock, msg):
                 self.not_owner += 1
                 self.malformed += 1
+            elif msg.fragment not in self.asked:
+                self.unasked += 1
+                self.malformed += 1
             elif not msg.is_chunk:
+                self.asked.discard(msg.fragment)
                 out.append(msg)
             else:
                 whole = self._assemble(msg)
                 if whole is not None:
+                    self.asked.discard(msg.fragment)
                     out.append(whole)
 
     def _from_owner(self, sock: zmq.Socket, msg: wire.Message) -> bool:

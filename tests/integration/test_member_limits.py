@@ -116,7 +116,8 @@ def test_a_learner_drops_a_shards_message_about_a_fragment_it_does_not_own(ctx):
 
 
 def test_a_fragment_reply_from_a_shard_that_does_not_own_it_is_dropped(ctx):
-    """A fragment fetched by RPC is taken only from its owner's socket and in the owner's name."""
+    """A fragment fetched by RPC is taken only from its owner's socket, in the owner's name, and
+    only while it is asked for."""
     from common.redis_server import free_port
     from common.rpc import FragmentClient
     endpoint = f"tcp://127.0.0.1:{free_port()}"
@@ -125,10 +126,10 @@ def test_a_fragment_reply_from_a_shard_that_does_not_own_it_is_dropped(ctx):
     router.bind(endpoint)
     client = FragmentClient(ctx, run_id="r", sender="l0", numels=[8, 8, 8, 8])
     client.set_endpoints(2, {0: endpoint})                # shard0 of 2 owns fragments 0 and 2
-    assert client.request(0)
+    assert client.request(0) and client.request(2)
     assert router.poll(5000)
     who = router.recv_multipart()[0]
-    for sender, fragment in (("shard1", 0), ("shard0", 1), ("shard0", 2)):
+    for sender, fragment in (("shard1", 0), ("shard0", 1), ("shard0", 2), ("shard0", 2)):
         router.send_multipart([who, *_frag("r", sender, fragment)])
     sock = client.sockets[0]
     got: list = []
@@ -136,6 +137,7 @@ def test_a_fragment_reply_from_a_shard_that_does_not_own_it_is_dropped(ctx):
     while sock.poll(200):
         got.extend(client.receive(sock))
     assert [m.fragment for m in got] == [2] and client.not_owner == 2
+    assert client.unasked == 1                 # the second copy of 2: not asked any more
     client.close()
 
 
