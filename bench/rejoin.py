@@ -90,7 +90,8 @@ def main(argv: Sequence[str]) -> int:
         r = control.connect(redis_srv.url)
         keys = Keys("rejoin")
         try:
-            start("broker", "broker", "--xsub", f"tcp://127.0.0.1:{pub}", "--xpub", f"tcp://127.0.0.1:{sub}")
+            start("broker", "broker", "--xsub", f"tcp://127.0.0.1:{pub}", "--xpub", f"tcp://127.0.0.1:{sub}",
+                  "--shards", str(args.syncers))
             for k in range(args.syncers):
                 start(f"s{k}", "syncer", *net, "--shard", str(k), "--shards", str(args.syncers),
                       "--checkpoint-dir", str(work / "ck"))

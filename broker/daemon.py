@@ -10,6 +10,14 @@ With CURVE keys (``keys_dir``) both sockets are CURVE servers: only the run's li
 (refused handshakes are counted, ``auth_failures``), and a published message goes on only if its
 kind suits the publisher's role and its header names the publisher as sender
 (``common.security.authorize``); everything else is dropped and counted by reason (``refused``).
+
+What one member can cost it is bounded too (``broker.limits``, docs/SECURITY.md): a shard's
+``open``/``frag``/``need`` goes on only from the fragment's owner (``not_owner``; refused while S
+is unknown, ``shards_unknown``); every frame is at most ``max_message_bytes`` (libzmq drops the
+connection of a publisher that sends a larger one) and a subscription at most 1 KiB; each
+member's messages pass a token bucket of its role (``rate_limited``); each member holds at most
+``max_subscriptions`` topics (the XPUB is manual: the broker applies a subscription only within
+that cap, ``too_many_subscriptions``).
 """
 from __future__ import annotations
 
@@ -21,10 +29,11 @@ from typing import Any
 import zmq
 
 from common import metrics, wire
-from common.config import check_value, endpoint_problem, redis_url_problem
+from common.config import ConfigError, check_value, endpoint_problem, redis_url_problem
 from common.log import get_logger
 from common.links import keep_alive
-from common.security import Security, ZapHandler, authorize
+from common.security import Security, ZapHandler, authorize, owner_refusal
+from broker import limits
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,12 +63,42 @@ class BrokerOptions:
     free port, logged)."""
     metrics_host: str = "127.0.0.1"
     """Address of the metrics endpoint (0.0.0.0: every interface, e.g. in a container)."""
+    shards: int = 0
+    """S, the run's shard count (fragment p is owned by ``shard<p % S>``); 0: read from the run's
+    config in Redis (``--run-id``). Until S is known, shards' messages are refused (CURVE only)."""
+    fragments: int = 0
+    """P, the run's fragment count, which sizes the rate limits and the subscription cap; 0: read
+    from the run's config in Redis, else ``DEFAULT_FRAGMENTS`` is assumed."""
+    max_message_bytes: int = 128 << 20
+    """Largest frame a publisher may send (ZMQ_MAXMSGSIZE: a larger one drops its connection). The
+    largest legitimate frame is the largest fragment at fp32 plus its header
+    (``common.wire.max_frame_bytes``; `ddloco up` passes it); the default holds fragments of up to
+    32 M values."""
+    max_subscriptions: int = 0
+    """Topics a member may hold (CURVE only); 0: ``2 x P + 16`` (``broker.limits.subscription_cap``)."""
 
     def __post_init__(self) -> None:
         check_value("broker.xsub_bind", self.xsub_bind, endpoint_problem)
         check_value("broker.xpub_bind", self.xpub_bind, endpoint_problem)
         if self.redis_url:
             check_value("broker.redis_url", self.redis_url, redis_url_problem)
+        for name in ("shards", "fragments", "max_subscriptions"):
+            if not 0 <= getattr(self, name) <= MAX_COUNT:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"broker.{name} ({flag}) must be in [0, {MAX_COUNT}], got {getattr(self, name)}")
+        if self.max_message_bytes < 1024:
+            raise ConfigError(f"broker.max_message_bytes (--max-message-mb) must be >= 1024 bytes, "
+                              f"got {self.max_message_bytes}")
+
+
+MAX_COUNT = 1 << 20
+"""Largest S or P the broker accepts (from its options or the run's config in Redis)."""
+DEFAULT_FRAGMENTS = 64
+"""P assumed for the limits when neither the options nor Redis tell it."""
+MAX_SUBSCRIPTION_BYTES = 1024
+"""ZMQ_MAXMSGSIZE of the XPUB side: subscribers send only subscriptions (1 byte + a short topic)."""
+MAX_FRAMES = 16
+"""A message of more frames is dropped (``too_many_frames``): topic, header and a codec's frames."""
 
 
 KNOWN_KINDS = frozenset(wire.KINDS)
@@ -101,6 +140,12 @@ class Broker:
         self.zap: ZapHandler | None = None
         self._handshake_failures: dict[str, int] = {}
         self.metrics: metrics.MetricsServer | None = None
+        self.shards = options.shards
+        """S as known now (0: unknown); pinned once known (a later change in Redis is logged, not followed)."""
+        self.fragments = options.fragments
+        self.rates = limits.RateLimits(limits.member_rates(self.fragments or DEFAULT_FRAGMENTS))
+        self.subs = limits.Subscriptions(options.max_subscriptions
+                                         or limits.subscription_cap(self.fragments or DEFAULT_FRAGMENTS))
 
     def __enter__(self) -> "Broker":
         self._ctx = zmq.Context()
@@ -115,9 +160,14 @@ class Broker:
             s.setsockopt(zmq.RCVHWM, self.options.hwm_messages)
             if self.security is not None:
                 self.security.server(s, "broker")
+        self.xsub.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
+        self.xpub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
+        if self.security is not None:   # subscriptions applied by the broker, per member (broker.limits)
+            self.xpub.setsockopt(zmq.XPUB_MANUAL, 1)
         if self.options.redis_url and self.options.run_id:
             from common import control
             self._redis = control.connect(self.options.redis_url)
+            self._read_run_facts()
         self.xsub.bind(self.options.xsub_bind)
         self.xpub.bind(self.options.xpub_bind)
         self.xsub_endpoint = self.xsub.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -132,7 +182,9 @@ class Broker:
             for m in self._monitors:
                 self.poller.register(m, zmq.POLLIN)
         self.log.info("broker.started", xsub=self.xsub_endpoint, xpub=self.xpub_endpoint,
-                      hwm=self.options.hwm_messages, curve=self.security is not None)
+                      hwm=self.options.hwm_messages, curve=self.security is not None, shards=self.shards,
+                      fragments=self.fragments, max_message_bytes=self.options.max_message_bytes,
+                      max_subscriptions=self.subs.cap)
         if self.security is None:
             self.log.warning("broker.insecure", detail="no CURVE: anyone who reaches these ports can publish "
                              "and subscribe (--insecure)")
@@ -188,7 +240,7 @@ class Broker:
                 except zmq.Again:
                     break
                 if self.security is not None:
-                    reason = self._refusal(frames)
+                    reason = self._refusal(frames) or self._limit_refusal(frames)
                     if reason is not None:
                         self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
                         continue
@@ -211,11 +263,14 @@ class Broker:
         if self.xpub in events:
             while True:
                 try:
-                    sub = self.xpub.recv_multipart(zmq.NOBLOCK)
+                    sub = self.xpub.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 self.stats.subscriptions += 1
-                self.xsub.send_multipart(sub)
+                if self.security is None:
+                    self.xsub.send_multipart(sub)
+                else:
+                    self._on_subscription(sub)
         self._maybe_log_stats()
         return n
 
@@ -241,12 +296,76 @@ class Broker:
             user = ""
         return authorize(user or "", bytes(frames[0].buffer), bytes(frames[1].buffer))
 
+    def _count(self, reason: str) -> None:
+        self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
+
+    def _limit_refusal(self, frames: list[zmq.Frame]) -> str | None:
+        """After the role rules: the owner rule, the frame count and the member's rate."""
+        if len(frames) > MAX_FRAMES:
+            return "too_many_frames"
+        user = frames[0].get("User-Id") or ""
+        reason = owner_refusal(user, bytes(frames[0].buffer), self.shards)
+        if reason is not None:
+            return reason
+        role = user.partition(":")[0]
+        return None if self.rates.allow(user, role, time.monotonic()) else "rate_limited"
+
+    def _on_subscription(self, frames: list[zmq.Frame]) -> None:
+        """One message from a subscriber (manual XPUB): a (un)subscription applied to its pipe
+        within its member's cap, a topic passed upstream once (``broker.limits.Subscriptions``);
+        anything else is dropped."""
+        data = bytes(frames[0].buffer) if len(frames) == 1 else b""
+        if not data or data[0] not in (0, 1):
+            self._count("malformed")
+            return
+        try:
+            user = frames[0].get("User-Id") or ""
+        except (zmq.ZMQError, AttributeError):
+            user = ""
+        topic = data[1:]
+        if not user:          # libzmq: a subscriber disconnected (its pipe's filter is gone already)
+            return
+        verdict = self.subs.subscribe(user, topic) if data[0] == 1 else self.subs.unsubscribe(user, topic)
+        if verdict.reason is not None:
+            self._count(verdict.reason)
+        if verdict.honor:
+            self.xpub.setsockopt(zmq.SUBSCRIBE if data[0] == 1 else zmq.UNSUBSCRIBE, topic)
+        if verdict.forward:
+            self.xsub.send(data)
+
+    def _read_run_facts(self) -> None:
+        """S and P from the run's config in Redis, until both are known (then pinned)."""
+        import json
+        import redis as redis_lib
+        from common.keys import Keys
+        if self.shards and self.fragments:
+            return
+        try:
+            shards, blob = self._redis.hmget(Keys(self.options.run_id).config, ["shards", "blob"])
+        except redis_lib.RedisError:
+            return
+        s = _count_value(shards)
+        if not self.shards and s:
+            self.shards = s
+            self.log.info("broker.shards", shards=s, source="redis")
+        try:
+            p = _count_value(json.loads(blob)["config"]["algo"]["fragments"]) if blob else 0
+        except (ValueError, KeyError, TypeError):
+            p = 0
+        if not self.fragments and p:
+            self.fragments = p
+            self.rates = limits.RateLimits(limits.member_rates(p))
+            if not self.options.max_subscriptions:
+                self.subs.cap = limits.subscription_cap(p)
+            self.log.info("broker.fragments", fragments=p, max_subscriptions=self.subs.cap, source="redis")
+
     def _maybe_log_stats(self) -> None:
         now = time.monotonic()
         if self.zap is not None:
             self.stats.auth_failures = {**self.zap.failures, **self._handshake_failures}
         if self._redis is not None and now - self._last_redis >= 1.0:
             self._last_redis = now
+            self._read_run_facts()
             self._publish_stats()
         last_t, last_n = self._last_stats
         if now - last_t >= self.options.stats_interval_s and self.stats.messages != last_n:
@@ -263,9 +382,21 @@ class Broker:
             self._redis.hset(Keys(self.options.run_id).broker, mapping={
                 "messages": st.messages, "bytes": st.bytes, "refused": json.dumps(st.refused),
                 "auth_failures": sum(st.auth_failures.values()), "auth_failures_by_reason": json.dumps(st.auth_failures),
-                "curve": int(self.security is not None), "updated_at": time.time()})
+                "curve": int(self.security is not None), "updated_at": time.time(),
+                "limits": json.dumps({"shards": self.shards, "fragments": self.fragments,
+                                      "max_message_bytes": self.options.max_message_bytes,
+                                      "max_subscriptions": self.subs.cap})})
         except redis_lib.RedisError:
             pass  # Redis restarting: the next second writes it again
+
+
+def _count_value(raw: Any) -> int:
+    """A count read from Redis (S or P): an int in [1, MAX_COUNT], else 0 (unknown)."""
+    try:
+        v = int(raw)
+    except (TypeError, ValueError):
+        return 0
+    return v if 1 <= v <= MAX_COUNT else 0
 
 
 def run_broker(options: BrokerOptions, stop: threading.Event) -> BrokerStats:

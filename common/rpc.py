@@ -21,7 +21,7 @@ from common import entries
 from common.fragments import owner
 from common.keys import Keys
 from common.links import keep_alive
-from common.security import SecurityError
+from common.security import SecurityError, owner_name, sent_by_owner
 
 
 class _Assembly:
@@ -83,6 +83,12 @@ class FragmentClient:
         self._partial: dict[int, _Assembly] = {}
         self.chunks = 0
         """Chunks received (replies of fragments larger than the shard's chunk size)."""
+        self.asked: set[int] = set()
+        """Fragments requested and not yet received whole: a reply for any other is dropped (``unasked``)."""
+        self.unasked = 0
+        self.not_owner = 0
+        """Replies dropped: from a shard that does not own the fragment (each socket is a CURVE
+        client of one shard's key, so a reply on it is that shard's)."""
 
     def set_endpoints(self, shards: int, endpoints: dict[int, str]) -> None:
         """(Re)connect to the shards' advertised endpoints; a moved shard gets a new socket."""
@@ -99,6 +105,8 @@ class FragmentClient:
             s = keep_alive(self.ctx.socket(zmq.DEALER))
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.RCVHWM, 10_000)
+            if self.numels:   # a reply frame is at most a whole fragment at fp32
+                s.setsockopt(zmq.MAXMSGSIZE, wire.max_frame_bytes(max(self.numels)))
             try:
                 if self.security is not None:
                     self.security.client(s, f"shard{k}")
@@ -142,6 +150,7 @@ class FragmentClient:
             s.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             return False
+        self.asked.add(fragment)
         return True
 
     def receive(self, sock: zmq.Socket) -> list[wire.Message]:
@@ -159,12 +168,26 @@ class FragmentClient:
                 continue
             if msg.kind != wire.FRAG:
                 self.malformed += 1
+            elif not self._from_owner(sock, msg):
+                self.not_owner += 1
+                self.malformed += 1
+            elif msg.fragment not in self.asked:
+                self.unasked += 1
+                self.malformed += 1
             elif not msg.is_chunk:
+                self.asked.discard(msg.fragment)
                 out.append(msg)
             else:
                 whole = self._assemble(msg)
                 if whole is not None:
+                    self.asked.discard(msg.fragment)
                     out.append(whole)
+
+    def _from_owner(self, sock: zmq.Socket, msg: wire.Message) -> bool:
+        """The reply came on the socket of the fragment's owner and names it as sender."""
+        k = next((k for k, s in self.sockets.items() if s is sock), None)
+        return k is not None and sent_by_owner(msg.sender, msg.fragment, self.shards) \
+            and msg.sender == owner_name(k, self.shards)
 
     def _assemble(self, msg: wire.Message) -> wire.Message | None:
         """Add one chunk; the whole value once its last chunk is here."""

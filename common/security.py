@@ -269,6 +269,8 @@ class ZapHandler(threading.Thread):
 
 
 REFUSE_REASONS = ("unauthenticated", "wrong_role", "sender_mismatch", "unknown_kind", "malformed")
+LIMIT_REASONS = ("not_owner", "shards_unknown", "rate_limited", "too_many_frames")
+"""Further refusals of the broker (``owner_refusal``, ``broker.limits``), counted with the above."""
 
 
 def authorize(user_id: str, topic: bytes, header: bytes) -> str | None:
@@ -294,6 +296,42 @@ def authorize(user_id: str, topic: bytes, header: bytes) -> str | None:
     if sender != name:
         return "sender_mismatch" if isinstance(sender, str) else "malformed"
     return None
+
+
+OWNED_KINDS = ("open", "frag", "need")
+"""Kinds a shard publishes about one fragment: only the fragment's owner may."""
+
+
+def owner_name(fragment: int, shards: int) -> str:
+    """The member that owns ``fragment`` in a run of ``shards`` shards: ``shard<p % S>``."""
+    return f"shard{fragment % shards}"
+
+
+def topic_fragment(topic: bytes) -> int | None:
+    """The fragment number of a topic ``<run>|<kind>.<pppp>`` (None if it has none)."""
+    digits = topic.rpartition(b".")[2]
+    return int(digits) if 0 < len(digits) <= 9 and digits.isdigit() else None
+
+
+def owner_refusal(user_id: str, topic: bytes, shards: int) -> str | None:
+    """Broker rule after ``authorize``: a shard's ``open``/``frag``/``need`` goes on only from the
+    fragment's owner. None when allowed; ``shards_unknown`` while the broker does not know S
+    (refused: an unknown S must not let any shard speak for every fragment); ``not_owner``."""
+    kind = topic.partition(b"|")[2].partition(b".")[0].decode(errors="replace")
+    if kind not in OWNED_KINDS:
+        return None
+    if shards < 1:
+        return "shards_unknown"
+    fragment = topic_fragment(topic)
+    if fragment is None or user_id.partition(":")[2] != owner_name(fragment, shards):
+        return "not_owner"
+    return None
+
+
+def sent_by_owner(sender: str, fragment: int, shards: int) -> bool:
+    """A learner's check of a shard's message (the broker verified ``sender`` is the publisher's
+    key): True only when ``sender`` owns ``fragment`` and S is known."""
+    return shards >= 1 and fragment >= 0 and sender == owner_name(fragment, shards)
 
 
 def redis_acl_rules(run_id: str) -> str:

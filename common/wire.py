@@ -248,6 +248,16 @@ def decode(frames: Sequence[Any], *, expect_run: str | None = None) -> Message:
                    payload=payload, offset=offset, of=of, final=final)
 
 
+HEADER_SLACK_BYTES = 64 << 10
+"""Room for a header (msgpack, well under 1 KiB) and a topic, above the largest payload frame."""
+
+
+def max_frame_bytes(largest_numel: int) -> int:
+    """ZMQ_MAXMSGSIZE of a socket receiving fragments: the largest legitimate frame of a run is a
+    fragment's values at fp32 (4 bytes each: every codec's frames are smaller) plus slack."""
+    return 4 * max(0, int(largest_numel)) + HEADER_SLACK_BYTES
+
+
 def message_nbytes(frames: Sequence[Any]) -> int:
     """Total bytes of a frame list (for counters)."""
     return sum(len(memoryview(_frame_bytes(f))) for f in frames)

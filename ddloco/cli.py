@@ -316,13 +316,20 @@ def cmd_broker(args: argparse.Namespace) -> int:
     _setup_logging(args)
     cfg = _resolve(args)
     _security_check(cfg.endpoints, args, "broker", "broker")
+    if cfg.endpoints.keys_dir and not args.shards and not args.run_id:
+        print("ddloco broker: with CURVE keys it forwards a shard's messages only from the fragment's owner, so it "
+              "needs the run's shard count: pass --shards S, or --run-id (and --redis-url) to read it from the run's "
+              "config", file=sys.stderr)
+        return EXIT_USAGE
     if args.run_id:  # its counters go to the run's Redis
         _check_redis_answers(args, cfg.endpoints.redis_url)
     stop = threading.Event()
     install_stop_handlers(stop)
     try:
         run_broker(override(BrokerOptions(xsub_bind=args.xsub, xpub_bind=args.xpub, hwm_messages=args.hwm,
-                                          keys_dir=cfg.endpoints.keys_dir,
+                                          keys_dir=cfg.endpoints.keys_dir, shards=args.shards,
+                                          fragments=args.fragments, max_subscriptions=args.max_subscriptions,
+                                          max_message_bytes=int(args.max_message_mb * (1 << 20)),
                                           redis_url=cfg.endpoints.redis_url if args.run_id else "",
                                           run_id=args.run_id or ""), **_metrics(args)), stop)
     except SecurityError as e:
@@ -839,6 +846,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_metrics(p)
     p.add_argument("--hwm", type=int, default=200, help="high-water mark per direction and subscriber "
                    "(messages; bounds the broker's memory for a subscriber that stops reading; default 200)")
+    p.add_argument("--shards", type=int, default=0, help="the run's shard count S: a shard's open/frag/need "
+                   "goes on only from the fragment's owner, shard<p %% S> (default: read from the run's config in "
+                   "Redis with --run-id; while unknown, shards' messages are refused)")
+    p.add_argument("--fragments", type=int, default=0, help="the run's fragment count P, which sizes the "
+                   "per-member rate limits and subscription cap (default: from the run's config in Redis, else 64)")
+    p.add_argument("--max-message-mb", type=float, default=128.0, help="largest frame a publisher may send, in "
+                   "MiB: the largest fragment at fp32 plus its header (a larger one drops the sender's connection; "
+                   "`ddloco up` sets it from the model; default 128)")
+    p.add_argument("--max-subscriptions", type=int, default=0, help="topics one member may subscribe to "
+                   "(default 2 x P + 16)")
     p.set_defaults(func=cmd_broker)
 
     p = sub.add_parser("syncer", help="run one syncer shard daemon",

@@ -683,13 +683,14 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
     ``broker_sub`` the broker's endpoints (empty: free ports on 127.0.0.1)."""
     from common.redis_server import EmbeddedRedis, free_port
     from common.fragments import model_plan, state_tensors
+    from common.wire import max_frame_bytes
     from tasks.contract import bind_task, build_model, check_task
     up = cfg.up
     broker = broker_endpoints(broker_pub, broker_sub)   # a port in use: refused before anything starts
     # every refusal (task cannot load, P does not fit, bad batch or loss) before anything starts
     task, run = bind_task(cfg.run)
     model = build_model(task, run.task.seed)
-    model_plan(model, task.embedding_names, run.algo.fragments)
+    plan = model_plan(model, task.embedding_names, run.algo.fragments)
     check_task(task, model, seed=run.task.seed)
     cfg = replace(cfg, run=run)
     previous: dict[str, Any] = json.loads((resume / STATE_FILE).read_text()) if resume is not None else {}
@@ -828,6 +829,8 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
         sup.fork_spares = hasattr(os, "fork") and resolve_device(cfg.learner.device).type == "cpu"
         sup.add(Child("broker", _ddloco("broker", *common_args, "--xsub", broker.xsub_bind,
                                         "--xpub", broker.xpub_bind, "--run-id", endpoints.run_id,
+                                        "--shards", str(up.syncers), "--fragments", str(len(plan)),
+                                        "--max-message-mb", str(max_frame_bytes(max(f.numel for f in plan)) / (1 << 20)),
                                         *metrics_args("broker")),
                       log("broker")))
         for k in range(up.syncers):

@@ -23,6 +23,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import msgpack
 import torch
 import zmq
 
@@ -30,7 +31,7 @@ from common import quant, wire
 from common.config import Endpoints
 from common.links import keep_alive
 from common.rpc import FragmentClient
-from common.security import Security, SecurityError
+from common.security import Security, SecurityError, sent_by_owner
 
 CHUNK_BYTES = 1 << 20
 """Peer state travels in chunks of this size (the I/O thread interleaves other traffic)."""
@@ -39,6 +40,13 @@ PEER_SERVE_INTERVAL_S = 1.0
 """A learner serves its state to joining peers at most this often (others get "busy" and load
 from the shards)."""
 """A peer announcing more than this is refused (a garbled header must not allocate it)."""
+PEER_SNDHWM = 16
+"""Messages (chunks of CHUNK_BYTES) queued for one joining peer: a state is sent as the peer reads
+it, so a peer that does not read costs at most this many chunks plus the one snapshot in flight."""
+PEER_STALL_S = 30.0
+"""A state whose reader took nothing for this long is abandoned (``peer_serves_abandoned``)."""
+PEER_MAX_FRAME_BYTES = 64 << 20
+"""ZMQ_MAXMSGSIZE of a joiner's socket: a chunk, or the state's skeleton (msgpack, ~100 bytes a tensor)."""
 
 
 @dataclass(frozen=True)
@@ -296,6 +304,13 @@ class NetworkThread:
         self._asks: dict[zmq.Socket, dict[str, Any]] = {}
         self._serve_pending = False
         self._last_serve_at = -1e9
+        self._serving: dict[str, Any] | None = None
+        """The state being sent (identity, pieces left, last progress): one at a time, paced by the reader."""
+        self.peer_serves_abandoned = 0
+        self.not_owner = 0
+        """Shards' messages (open, frag, need) whose sender does not own the fragment: dropped."""
+        self.shards = 0
+        """S as the network thread last read it (fragment p is owned by shard<p % S>)."""
         self.peer_requests_refused = 0
         """State requests answered "busy": one serve at a time, at most one per PEER_SERVE_INTERVAL_S
         (a member asking in a loop must not make us snapshot and queue states without end)."""
@@ -328,6 +343,7 @@ class NetworkThread:
         sub = keep_alive(ctx.socket(zmq.SUB))
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 10_000)
+        sub.setsockopt(zmq.MAXMSGSIZE, wire.max_frame_bytes(max(self.numels, default=0)))
         if sec is not None:
             sec.client(sub, "broker")
         sub.connect(self.endpoints.broker_sub)
@@ -337,13 +353,16 @@ class NetworkThread:
         pub = keep_alive(ctx.socket(zmq.PUB))
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 1_000)
+        pub.setsockopt(zmq.MAXMSGSIZE, wire.HEADER_SLACK_BYTES)   # it receives subscriptions only
         if sec is not None:
             sec.client(pub, "broker")
         pub.connect(self.endpoints.broker_pub)
         client = FragmentClient(ctx, run_id=run, sender=self.id, security=sec, numels=self.numels)
         peer = keep_alive(ctx.socket(zmq.ROUTER))
         peer.setsockopt(zmq.LINGER, 0)
-        peer.setsockopt(zmq.SNDHWM, 0)  # a state in flight is bounded by its size, not dropped
+        peer.setsockopt(zmq.SNDHWM, PEER_SNDHWM)    # sent as the joiner reads (``_continue_serve``)
+        peer.setsockopt(zmq.ROUTER_MANDATORY, 1)    # a full queue says so (EAGAIN), never drops silently
+        peer.setsockopt(zmq.MAXMSGSIZE, wire.HEADER_SLACK_BYTES)   # requests: a few bytes
         if sec is not None:
             sec.server(peer, "peer")
         peer.bind(self.peer_bind)
@@ -362,6 +381,7 @@ class NetworkThread:
         try:
             while not self.stop.is_set():
                 shards, eps = self.shard_endpoints()
+                self.shards = shards
                 if client.differs(shards, eps):
                     bad = dict(client.bad_endpoints)
                     client.set_endpoints(shards, eps)
@@ -369,7 +389,9 @@ class NetworkThread:
                     if self.log is not None and client.bad_endpoints and client.bad_endpoints != bad:
                         self.log.warning("learner.bad_shard_endpoint", shards=client.bad_endpoints)
                 self.send(pub, client, unsent_fetch, peer)
-                wait_ms = STAGED_POLL_MS if self._staged else POLL_MS if self._wake_fd is not None else 5
+                self._continue_serve(peer)
+                # a state in flight is fed as the joiner's queue drains: poll briefly meanwhile
+                wait_ms = STAGED_POLL_MS if self._staged or self._serving else POLL_MS if self._wake_fd is not None else 5
                 for sock, _ in poller.poll(wait_ms):
                     if sock == self._wake_fd:
                         self._wake.drain_wakeups()   # what was put is sent at the top of the loop
@@ -403,7 +425,7 @@ class NetworkThread:
                 return
             if isinstance(item, PeerState):
                 self.serve_state(peer, item)
-                self._serve_pending = False
+                self._serve_pending = self._serving is not None
                 continue
             if isinstance(item, AskPeer):
                 self.ask_peer(item)
@@ -466,6 +488,9 @@ class NetworkThread:
                 continue
             if msg.fragment >= len(self.numels):
                 self.malformed += 1
+            elif not sent_by_owner(msg.sender, msg.fragment, self.shards):   # every kind here is a shard's
+                self.not_owner += 1
+                self.malformed += 1
             elif msg.kind == wire.OPEN:
                 self.inbox.put(RoundOpened(msg.fragment, msg.epoch, msg.round, msg.attempt, msg.version))
             elif msg.kind == wire.FRAG:
@@ -501,7 +526,7 @@ class NetworkThread:
                 continue
             now = time.monotonic()
             if self._serve_pending or now - self._last_serve_at < PEER_SERVE_INTERVAL_S:
-                peer.send_multipart([frames[0], b"busy"])   # one state at a time: the joiner asks the shards
+                self._peer_send(peer, [frames[0], b"busy"])   # one state at a time: the joiner asks the shards
                 self.peer_requests_refused += 1
                 continue
             self._serve_pending = True
@@ -513,7 +538,7 @@ class NetworkThread:
         CHUNK_BYTES handed to ZeroMQ without a copy (its I/O thread sends them, without the GIL),
         each with its CRC32."""
         if item.state is None:
-            peer.send_multipart([item.identity, b"busy"])
+            self._peer_send(peer, [item.identity, b"busy"])
             return
         import msgpack
         t0 = time.perf_counter()
@@ -523,11 +548,11 @@ class NetworkThread:
         pieces = [(i, off, v[off:off + CHUNK_BYTES]) for i, v in enumerate(views)
                   for off in range(0, max(len(v), 1), CHUNK_BYTES)]
         nbytes = sum(len(v) for v in views)
-        peer.send_multipart([item.identity, b"state", msgpack.packb(
-            {"skeleton": skeleton, "sizes": [len(v) for v in views], "pieces": len(pieces)})])
-        for i, off, piece in pieces:
-            peer.send_multipart([item.identity, b"chunk", msgpack.packb([i, off, zlib.crc32(piece)]), piece],
-                                copy=False)
+        if not self._peer_send(peer, [item.identity, b"state", msgpack.packb(
+                {"skeleton": skeleton, "sizes": [len(v) for v in views], "pieces": len(pieces)})]):
+            return
+        self._serving = {"identity": item.identity, "pieces": pieces, "next": 0, "progress_at": time.monotonic()}
+        self._continue_serve(peer)
         self.stats.bytes_up += nbytes
         if self.log is not None:
             self.log.info("learner.bootstrap_served", to=item.requester, bytes=nbytes, chunks=len(pieces),
@@ -536,10 +561,40 @@ class NetworkThread:
                           send_s=round(time.perf_counter() - t0, 4),
                           versions_max=max(item.state["versions"]) if item.state["versions"] else -1)
 
+    def _peer_send(self, peer: zmq.Socket, frames: list, copy: bool = True) -> bool:
+        """Never blocks: False when the joiner's queue is full (it does not read) or it is gone."""
+        try:
+            peer.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+            return True
+        except zmq.ZMQError:   # EAGAIN: PEER_SNDHWM chunks wait for it; EHOSTUNREACH: disconnected
+            return False
+
+    def _continue_serve(self, peer: zmq.Socket) -> None:
+        """Send the state in flight as far as the joiner's queue takes it; abandon it (the snapshot
+        freed) when the joiner has taken nothing for PEER_STALL_S."""
+        srv = self._serving
+        if srv is None:
+            return
+        pieces = srv["pieces"]
+        while srv["next"] < len(pieces):
+            i, off, piece = pieces[srv["next"]]
+            if not self._peer_send(peer, [srv["identity"], b"chunk", msgpack.packb([i, off, zlib.crc32(piece)]),
+                                          piece], copy=False):
+                break
+            srv["next"] += 1
+            srv["progress_at"] = time.monotonic()
+        done = srv["next"] >= len(pieces)
+        if done or time.monotonic() - srv["progress_at"] > PEER_STALL_S:
+            if not done:
+                self.peer_serves_abandoned += 1
+            self._serving = None
+            self._serve_pending = False
+
     def ask_peer(self, item: AskPeer) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, PEER_MAX_FRAME_BYTES)
         if self.security is not None:
             try:
                 self.security.client(sock, item.peer)

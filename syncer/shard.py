@@ -499,6 +499,10 @@ class Shard:
         self.sub = keep_alive(self._ctx.socket(zmq.SUB))
         self.sub.setsockopt(zmq.RCVHWM, 10_000)
         self.sub.setsockopt(zmq.LINGER, 0)
+        # the largest legitimate frame: an owned fragment at fp32 (a `have`); requests and
+        # subscriptions are small (a larger frame drops the sender's connection)
+        self.sub.setsockopt(zmq.MAXMSGSIZE, wire.max_frame_bytes(max((f.spec.numel for f in self.frags.values()),
+                                                                     default=0)))
         if sec is not None:
             sec.client(self.sub, "broker")
         self.sub.connect(self.endpoints.broker_sub)
@@ -508,12 +512,18 @@ class Shard:
         self.pub = keep_alive(self._ctx.socket(zmq.PUB))
         self.pub.setsockopt(zmq.SNDHWM, 10_000)
         self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.MAXMSGSIZE, wire.HEADER_SLACK_BYTES)
         if sec is not None:
             sec.client(self.pub, "broker")
         self.pub.connect(self.endpoints.broker_pub)
         self.router = keep_alive(self._ctx.socket(zmq.ROUTER))
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.SNDHWM, 10_000)
+        # a requester that does not read holds at most two replies of every owned fragment (each
+        # reply's frames are shared by every requester of that version): a joiner asks for all at once
+        chunk = self.options.reply_chunk_values
+        replies = sum(1 if chunk <= 0 else -(-f.spec.numel // chunk) for f in self.frags.values())
+        self.router.setsockopt(zmq.SNDHWM, 2 * replies + 16)
+        self.router.setsockopt(zmq.MAXMSGSIZE, wire.HEADER_SLACK_BYTES)
         if sec is not None:
             sec.server(self.router, "shard")
         self.router.bind(self.options.rpc_bind)

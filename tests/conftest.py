@@ -199,7 +199,8 @@ def make_cluster(redis_server: EmbeddedRedis, tmp_path) -> Iterator[Callable[...
         ep = Endpoints(run_id=run_id, redis_url=redis_server.url, broker_pub=f"tcp://127.0.0.1:{free_port()}",
                        broker_sub=f"tcp://127.0.0.1:{free_port()}", keys_dir=keys_dir)
         c = Cluster(endpoints=ep, run=run, task=task or tiny_task(), checkpoint_dir=str(tmp_path / "ckpt"))
-        c.start_broker(**(broker or {}))
+        # a secure broker learns S (for the owner rule) from the run's config in Redis
+        c.start_broker(**{**({"redis_url": redis_server.url, "run_id": run_id} if secure else {}), **(broker or {})})
         made.append(c)
         return c
 

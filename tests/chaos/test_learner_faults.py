@@ -38,11 +38,14 @@ class Daemons:
         self.net = ["--redis-url", redis_url, "--broker-pub", self.xsub, "--broker-sub", self.xpub,
                     "--run-id", "chaos", "--log-format", "json"]
         self.tmp = tmp_path
+        self.redis_url = redis_url
         self.procs: dict[str, subprocess.Popen] = {}
         self.keys = tmp_path / "keys"    # secure by default: CURVE keys for every member
         create_keys(self.keys, shards=2)
 
     def start(self, name: str, *argv: str) -> subprocess.Popen:
+        if argv[0] == "broker":   # the run's shard count (the owner rule) from its config in Redis
+            argv = (*argv, "--redis-url", self.redis_url, "--run-id", "chaos")
         if argv[0] == "learner" and "--learner-id" in argv:   # a listed key for every learner id
             create_keys(self.keys, learners=[argv[argv.index("--learner-id") + 1]], broker=False, monitors=())
         log = open(self.tmp / f"{name}.log", "ab")
