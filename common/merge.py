@@ -245,13 +245,11 @@ class OuterAccumulator:
         return quant._kernels is not None and all(t.device.type == "cpu" and t.dtype == torch.float32
                                                   and t.is_contiguous() for t in (theta, base, delta, self.mean))
 
-    def sample(self, delta: torch.Tensor) -> torch.Tensor:
-        """−δ_m at the sample positions (float64): the direction of the learner's own steps since
-        its base, cheaply. Not Δ_m: an answer on an older base carries the merges since then in
-        Δ_m (Θ − base), which points against the others for an honest learner too."""
+    def sample(self, theta: torch.Tensor, base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Δ_m = Θ − (base + δ_m) at the sample positions (returned as float64): its direction, cheaply."""
         if not self._sample:
             return torch.zeros(0, dtype=torch.float64)
-        return -torch.cat([delta[a:b].cpu() for a, b in self._sample]).double()
+        return torch.cat([(theta[a:b] - base[a:b] - delta[a:b]).cpu() for a, b in self._sample]).double()
 
     def measure(self, theta: torch.Tensor, base: torch.Tensor, delta: torch.Tensor,
                 buf: torch.Tensor | None = None) -> "Measured":

@@ -253,10 +253,10 @@ def fair_weights(c_tokens: list[float], c_steps: list[float]) -> tuple[torch.Ten
 
 def against_consensus(samples: Sequence[torch.Tensor | None], weights: Sequence[float]) -> set[int]:
     """The answers that point against the round's consensus, to be left out: with at least
-    ``ROUND_MIN_ANSWERS`` answers, answer m whose (sampled) steps −δ_m have a negative cosine
-    with the weighted sum of the *other* answers' unit vectors. Honest learners of one round
-    start from nearly the same value and train on the same distribution: their own steps agree in
-    sign; a flipped one (−k × an honest step) is opposite. An answer
+    ``ROUND_MIN_ANSWERS`` answers, answer m whose (sampled) outer gradient has a negative cosine
+    with the weighted sum of the *other* answers' unit vectors (the direction RDA would take
+    without it). Honest answers of one round start from the same value and train on the same
+    distribution: they agree in sign; a flipped one (−k × an honest step) is opposite. An answer
     that is only orthogonal stays, with its weight and norm bounds."""
     rows = [(i, s, float(w)) for i, (s, w) in enumerate(zip(samples, weights)) if s is not None and w > 0]
     units = []
@@ -290,8 +290,8 @@ def fold_round(acc: Any, theta: torch.Tensor, answers: Sequence[tuple[str, torch
     for _, base, delta, _ in answers:
         ok = buffer_ceiling is None or acc.buffers_within(theta, base, delta, buffer_ceiling)
         measured.append(acc.measure(theta, base, delta, buf=buf) if ok else None)
-    against = against_consensus([acc.sample(delta) if m is not None else None
-                                 for (_, _, delta, _), m in zip(answers, measured)], list(weights))
+    against = against_consensus([acc.sample(theta, base, delta) if m is not None else None
+                                 for (_, base, delta, _), m in zip(answers, measured)], list(weights))
     if against_out is not None:
         against_out.update(against)
     measured = [None if i in against else m for i, m in enumerate(measured)]
