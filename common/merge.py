@@ -110,10 +110,6 @@ class Measured:
     """The C kernels' per-segment sums of squares (numpy float64), or None (no kernels)."""
 
 
-SAMPLE_VALUES = 4096
-"""Positions of a fragment's parameters where answers' directions are compared (common.robust)."""
-
-
 class OuterAccumulator:
     """The merged outer gradient Δ of one fragment, one contributor at a time.
 
@@ -168,10 +164,6 @@ class OuterAccumulator:
         starts = {int(a): k for k, a in enumerate(self._segments[:, 0])} if len(self._segments) else {}
         self._rda_segment = [(i, starts[a]) for i, (a, b, _) in enumerate(self.pieces) if self.rda[i] and b > a]
         self._bounded_segments = np.array([starts[a] for a, _ in self._bounded], dtype=np.int64)
-        self._sample = _sample_blocks(self._bounded)
-        """Evenly spread blocks of the parameter pieces, about SAMPLE_VALUES values in all: where an
-        answer's direction is compared with the others' (``sample``); contiguous, so reading them
-        costs what their bytes cost."""
 
     def bounded_norm(self, x: torch.Tensor) -> float:
         """‖x‖ over the parameter pieces of the fragment (param, embedding), in float64: the norm a
@@ -245,12 +237,6 @@ class OuterAccumulator:
         return quant._kernels is not None and all(t.device.type == "cpu" and t.dtype == torch.float32
                                                   and t.is_contiguous() for t in (theta, base, delta, self.mean))
 
-    def sample(self, theta: torch.Tensor, base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Δ_m = Θ − (base + δ_m) at the sample positions (returned as float64): its direction, cheaply."""
-        if not self._sample:
-            return torch.zeros(0, dtype=torch.float64)
-        return torch.cat([(theta[a:b] - base[a:b] - delta[a:b]).cpu() for a, b in self._sample]).double()
-
     def measure(self, theta: torch.Tensor, base: torch.Tensor, delta: torch.Tensor,
                 buf: torch.Tensor | None = None) -> "Measured":
         """First pass over an answer: ‖Δ_m‖ over the parameter pieces (what a bound sees), and
@@ -320,24 +306,6 @@ class OuterAccumulator:
             if direction_norm >= eps * self.weight_sum and direction_norm > 0:
                 torch.mul(direction, self.radius[i] / direction_norm, out=merged[start:stop])
         return merged
-
-
-def _sample_blocks(pieces: Sequence[tuple[int, int]], blocks: int = 16) -> list[tuple[int, int]]:
-    """``blocks`` ranges of SAMPLE_VALUES / blocks values, evenly spread over the concatenation
-    of ``pieces`` (all of it when that is smaller)."""
-    total = sum(b - a for a, b in pieces)
-    if total <= SAMPLE_VALUES:
-        return [(a, b) for a, b in pieces if b > a]
-    size, out = SAMPLE_VALUES // blocks, []
-    starts = [k * (total - size) // (blocks - 1) for k in range(blocks)]   # offsets in the concatenation
-    at, i = 0, 0
-    for a, b in pieces:
-        while i < len(starts) and starts[i] < at + (b - a):
-            lo = a + (starts[i] - at)
-            out.append((lo, min(lo + size, b)))                           # cut at the piece's end
-            i += 1
-        at += b - a
-    return out
 
 
 def weighted_median_rows(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-REASONS = ("nonfinite_delta", "tokens_claim", "steps_claim", "clipped", "against_consensus")
+REASONS = ("nonfinite_delta", "tokens_claim", "steps_claim", "clipped")
 TIME_SLACK = 1.5
 """Steps an answer may claim per step time of the learner since its base was merged (a learner's
 step-time EMA lags its current speed; 1.5 leaves room for a 50 % speed-up)."""
@@ -251,53 +251,20 @@ def fair_weights(c_tokens: list[float], c_steps: list[float]) -> tuple[torch.Ten
     return (raw / raw.sum()).to(torch.float32), capped
 
 
-def against_consensus(samples: Sequence[torch.Tensor | None], weights: Sequence[float]) -> set[int]:
-    """The answers that point against the round's consensus, to be left out: with at least
-    ``ROUND_MIN_ANSWERS`` answers, answer m whose (sampled) outer gradient has a negative cosine
-    with the weighted sum of the *other* answers' unit vectors (the direction RDA would take
-    without it). Honest answers of one round start from the same value and train on the same
-    distribution: they agree in sign; a flipped one (−k × an honest step) is opposite. An answer
-    that is only orthogonal stays, with its weight and norm bounds."""
-    rows = [(i, s, float(w)) for i, (s, w) in enumerate(zip(samples, weights)) if s is not None and w > 0]
-    units = []
-    for i, s, w in rows:
-        n = float(torch.linalg.vector_norm(s))
-        if n > 0 and math.isfinite(n):
-            units.append((i, s / n, w))
-    if len(units) < ROUND_MIN_ANSWERS:
-        return set()
-    total = sum(w * u for _, u, w in units)
-    out = set()
-    for i, u, w in units:
-        if float(u @ (total - w * u)) < 0.0:
-            out.add(i)
-    return out if len(out) < len(units) / 2 else set()   # never the majority: then there is no consensus
-
-
 def fold_round(acc: Any, theta: torch.Tensor, answers: Sequence[tuple[str, torch.Tensor, torch.Tensor, float | None]],
                weights: Sequence[float], clipper: NormClipper, *, buf: torch.Tensor | None = None,
-               buffer_ceiling: float | None = None, against_out: set[int] | None = None) -> list[float]:
+               buffer_ceiling: float | None = None) -> list[float]:
     """The robust merge of one round into ``acc`` (a ``common.merge.OuterAccumulator``).
     ``answers``: (learner, its base value, its δ_m, the steps that may stretch its bound) with
     ŵ ``weights``. Two passes over the answers, as many as a plain merge makes: first every
     Δ_m = Θ − (base + δ_m) is measured (its norm over the parameter pieces); then each is scaled
     to the lower of the clipper's bound (history) and the round's own (``round_bound``) and
-    folded in. An answer moving float buffers beyond ``buffer_ceiling``, or pointing against the
-    others (``against_consensus``), is left out, and the others' weights scaled to sum to 1 again.
-    Returns each answer's scale (1: as sent; 0: left out); ``against_out`` gets the indices of
-    those left out as against the consensus."""
+    folded in. An answer moving float buffers beyond ``buffer_ceiling`` is left out. Returns
+    each answer's scale (1: as sent; 0: left out)."""
     measured = []
     for _, base, delta, _ in answers:
         ok = buffer_ceiling is None or acc.buffers_within(theta, base, delta, buffer_ceiling)
         measured.append(acc.measure(theta, base, delta, buf=buf) if ok else None)
-    against = against_consensus([acc.sample(theta, base, delta) if m is not None else None
-                                 for (_, base, delta, _), m in zip(answers, measured)], list(weights))
-    if against_out is not None:
-        against_out.update(against)
-    measured = [None if i in against else m for i, m in enumerate(measured)]
-    kept = sum(float(w) for w, m in zip(weights, measured) if m is not None)
-    if 0.0 < kept < sum(float(w) for w in weights):     # answers left out: the others' weights sum to 1 again
-        weights = [float(w) / kept for w in weights]
     limit = round_bound([m.norm if m is not None else math.nan for m in measured], list(weights))
     reference: list[float] = []   # the fragment's own norm: only the clipper's warm-up needs it
     scales = []

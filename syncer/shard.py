@@ -147,8 +147,6 @@ class _MergeResult:
     clipped: list[str]
     seconds: float
     every_answer_dropped: bool = False
-    opposed: list[str] = field(default_factory=list)
-    """Answers left out as pointing against the round's others (common.robust.against_consensus)."""
 
 
 @dataclass
@@ -225,7 +223,7 @@ class ShardStats:
 
     @property
     def dropped(self) -> int:
-        refused = self.rejected.get("nonfinite_delta", 0) + self.rejected.get("against_consensus", 0)  # the others are cut, still merged
+        refused = self.rejected.get("nonfinite_delta", 0)   # the others are cut, still merged
         return self.malformed + self.late_answers + self.stale_base + self.wrong_run + self.nonfinite_rounds + refused
 
 
@@ -1097,20 +1095,16 @@ class Shard:
         # the replica (master − replica) is carried, never mistaken for a gradient. Robust: each Δ_m
         # is scaled down to the lower of a few times its learners' median norm and twice the round's
         # weighted median (or, before either exists, dropped when far larger than the fragment)
-        against: set[int] = set()
         scales = fold_round(acc, f.theta, [(a.sender, f.history[a.base], a.delta, a.clip_steps) for a in job.answers],
-                            job.weights.tolist(), f.clipper, buf=scratch[2], buffer_ceiling=buffer_ceiling,
-                            against_out=against)
-        clipped = [a.sender for i, (a, scale) in enumerate(zip(job.answers, scales)) if scale != 1.0 and i not in against]
-        opposed = [job.answers[i].sender for i in sorted(against)]
+                            job.weights.tolist(), f.clipper, buf=scratch[2], buffer_ceiling=buffer_ceiling)
+        clipped = [a.sender for a, scale in zip(job.answers, scales) if scale != 1.0]
         if acc.count == 0:                                       # every answer dropped: no merge
-            return _MergeResult(None, None, None, [], clipped, time.perf_counter() - t0, every_answer_dropped=True,
-                               opposed=opposed)
+            return _MergeResult(None, None, None, [], clipped, time.perf_counter() - t0, every_answer_dropped=True)
         theta, momentum = outer_step(master, f.momentum, acc.result(), f.spec.spans, algo, merges_done=job.version)
         if not bool(torch.isfinite(theta).all()):   # a diverged learner must not poison Θ
-            return _MergeResult(None, None, None, [], clipped, time.perf_counter() - t0, opposed=opposed)
+            return _MergeResult(None, None, None, [], clipped, time.perf_counter() - t0)
         replica, master, frames = self._broadcast_merged(f, theta, job.version, job.epoch)
-        return _MergeResult(replica, master, momentum, frames, clipped, time.perf_counter() - t0, opposed=opposed)
+        return _MergeResult(replica, master, momentum, frames, clipped, time.perf_counter() - t0)
 
     def _merge_scratch(self, numel: int) -> tuple[torch.Tensor, ...]:
         """The merge accumulator's two buffers and one for an answer's outer gradient, ``numel``
@@ -1153,8 +1147,6 @@ class Shard:
         f.merging = None
         for sender in res.clipped:
             self._reject("clipped", sender, f.spec.index)
-        for sender in res.opposed:
-            self._reject("against_consensus", sender, f.spec.index)
         if res.replica is None:
             if res.every_answer_dropped:              # by the clipper: nothing to merge, Θ as it was
                 self.log.warning("syncer.merge_dropped_every_answer_clipped", fragment=f.spec.index,

@@ -170,19 +170,3 @@ def test_buffers_take_the_median_so_a_flipped_answer_cannot_drive_a_running_vari
     fold_round(plain, theta, answers, w.tolist(), NormClipper(), buffer_ceiling=None)
     old = theta - plain.result()
     assert float(old[8:12].min()) < 0.0 and float(old[12]) == 2.0 ** 31
-
-
-def test_an_answer_pointing_against_the_others_is_left_out_and_the_rest_weigh_as_a_whole():
-    from common.robust import against_consensus
-    rng = torch.Generator().manual_seed(3)
-    d = torch.randn(4096, generator=rng, dtype=torch.float64)
-    honest = [d + 1.5 * torch.randn(4096, generator=rng, dtype=torch.float64) for _ in range(4)]
-    assert against_consensus(honest, [0.25] * 4) == set()
-    assert against_consensus([*honest, -3.0 * d], [0.2] * 5) == {4}
-    orthogonal = torch.randn(4096, generator=rng, dtype=torch.float64)
-    orthogonal -= (orthogonal @ d) / (d @ d) * d
-    assert against_consensus([*honest, orthogonal + 0.2 * d], [0.2] * 5) == set()   # not against: kept, bounded
-    assert against_consensus([honest[0], -d], [0.5, 0.5]) == set()                  # two: no consensus to speak of
-    # the minority is what is left out, never the majority
-    assert against_consensus([d, d, -d, -d, -d], [0.2] * 5) == {0, 1}
-    assert against_consensus([d, -d, -d, d], [0.25] * 4) == set()
