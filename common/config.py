@@ -441,10 +441,10 @@ class SyncerOptions:
     first batch × inner_grad_accum)."""
     max_steps_factor: int = 8
     """Robust merge: an answer weighs as at most this × H × (versions since its base + 1) steps."""
-    min_answers: int = 3
+    min_answers: int = 4
     """Robust merge: a round merges only once min(this, learners answering) members answered (for
     up to ``min_answers_wait_periods`` round periods; then the quorum K), so no one member fills
-    a quorum. 1: the quorum K alone."""
+    a quorum and a hostile one weighs at most a quarter of a round. 1: the quorum K alone."""
     min_answers_wait_periods: float = 2.0
     """How long (× H × the slowest learner's step time) a round waits for ``min_answers``."""
     downtime_gap_s: float = 5.0

@@ -110,7 +110,7 @@ LEARNER_SAMPLES = 8
 """Recent outer-gradient norms kept per learner and fragment (``NormClipper``)."""
 LEARNERS_TRACKED = 1024
 """Learners a fragment's clipper keeps samples of (the least recently seen are forgotten first)."""
-ROUND_FACTOR = 2.0
+ROUND_FACTOR = 1.5
 """In a round of at least ``ROUND_MIN_ANSWERS`` answers, each outer gradient is clipped to this ×
 the round's weighted median norm (the norm of an honest answer while fewer than half the weight
 is hostile)."""

@@ -1093,7 +1093,7 @@ class Shard:
         # Δ_m = Θ_p − (Θ_p^{base_m} + δ_m) against the replica every learner holds (the learner's own
         # value is built on it); the step is taken from the master, so what quantization left out of
         # the replica (master − replica) is carried, never mistaken for a gradient. Robust: each Δ_m
-        # is scaled down to the lower of a few times its learners' median norm and twice the round's
+        # is scaled down to the lower of a few times its learners' median norm and 1.5 × the round's
         # weighted median (or, before either exists, dropped when far larger than the fragment)
         scales = fold_round(acc, f.theta, [(a.sender, f.history[a.base], a.delta, a.clip_steps) for a in job.answers],
                             job.weights.tolist(), f.clipper, buf=scratch[2], buffer_ceiling=buffer_ceiling)
