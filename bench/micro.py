@@ -120,7 +120,7 @@ def bench_merge(numel: int, repeats: int, learners: Sequence[int] = (2, 4, 8)) -
 
         def merge() -> None:
             w, _ = fair_weights(tokens, steps)
-            acc = OuterAccumulator(n, spans, "rda", scratch=scratch[:2], robust_buffers=True)
+            acc = OuterAccumulator(n, spans, "rda", scratch=scratch[:2], robust_buffers=True, robust_radius=True)
             fold_round(acc, theta, answers, w.tolist(), clipper, buf=scratch[2])
             outer_step(theta, mom, acc.result(), spans, algo)
 

@@ -120,14 +120,18 @@ class OuterAccumulator:
 
     def __init__(self, numel: int, spans: Sequence[tuple[int, int, str | bool]], rule: str = "rda",
                  device: torch.device | str | None = None,
-                 scratch: tuple[torch.Tensor, torch.Tensor] | None = None, robust_buffers: bool = False) -> None:
+                 scratch: tuple[torch.Tensor, torch.Tensor] | None = None, robust_buffers: bool = False,
+                 robust_radius: bool = False) -> None:
         """``scratch``: two fp32 buffers of ``numel`` to accumulate in (zeroed here; reusing them
         across merges of a fragment spares fresh memory's page faults). ``result()`` returns the
         first one: use it before the next merge reuses it. ``robust_buffers``: buffers (float and
         integer) take the weighted median of the answers' values, coordinate by coordinate, instead
         of the weighted average (float) and the largest value (integer): a minority of answers
         cannot move a running variance below zero nor a counter to 2^31 (the buffers of each answer
-        are kept: M × the fragment's buffers, small beside its parameters)."""
+        are kept: M × the fragment's buffers, small beside its parameters). ``robust_radius``: an
+        RDA piece's length is the weighted median of the answers' norms (× the weight folded in),
+        not their weighted mean: a free rider's zeros cannot shorten the step, nor a long answer
+        lengthen it."""
         if rule not in MERGE_RULES:
             raise ValueError(f"merge rule must be one of {MERGE_RULES}, got {rule!r}")
         _check_spans(spans, numel)
@@ -144,6 +148,9 @@ class OuterAccumulator:
             self.mean = torch.zeros(numel, dtype=torch.float32, device=device)
             self.direction = torch.zeros(numel, dtype=torch.float32, device=device) if any(self.rda) else None
         self.radius = [0.0] * len(self.pieces)
+        self._robust_radius = robust_radius
+        self._piece_norms: list[tuple[float, list[float]]] = []
+        """(ŵ_m, the norms of its RDA pieces as folded) of every answer (``robust_radius``)."""
         self.weight_sum = 0.0
         self.count = 0
         self._ints = [(start, stop) for start, stop, kind in self.pieces if kind == "int_buffer"]
@@ -196,6 +203,8 @@ class OuterAccumulator:
                 if n > 0:
                     self.direction[self.pieces[i][0]:self.pieces[i][1]].add_(block, alpha=w / n)
                 self.radius[i] += w * n
+            if self._robust_radius:   # the non-empty pieces, as the kernel path records them
+                self._piece_norms.append((w, [n for i, n in zip(rda, norms) if self.pieces[i][1] > self.pieces[i][0]]))
         self._fold_ints(kept, [outer[a:b] for a, b in self._ints])
         self._keep_buffers(w, [outer[a:b] for a, b in self._buffer_pieces])
         self.weight_sum += abs(w)
@@ -266,6 +275,8 @@ class OuterAccumulator:
                                         self._segments, self._norms)
         for i, k in self._rda_segment:
             self.radius[i] += w * scale * float(self._norms[k])
+        if self._robust_radius and self._rda_segment:
+            self._piece_norms.append((w, [scale * float(self._norms[k]) for _, k in self._rda_segment]))
         if scale != 1.0:   # the kernel scaled every piece: float buffers take their whole Δ_m back
             for a, b in self._floats:
                 self.mean[a:b].add_(theta[a:b] - (base[a:b] + delta[a:b]), alpha=w * (1.0 - scale))
@@ -298,6 +309,12 @@ class OuterAccumulator:
             for a, b in self._buffer_pieces:
                 merged[a:b] = median[at:at + b - a].to(merged.dtype)
                 at += b - a
+        if self._piece_norms:   # the weighted median of the answers' norms, per RDA piece
+            rows = torch.tensor([n for _, n in self._piece_norms], dtype=torch.float64)            # [M, rda pieces]
+            medians = weighted_median_rows(rows, torch.tensor([w for w, _ in self._piece_norms], dtype=torch.float64))
+            for i, med in zip([i for i, on in enumerate(self.rda) if on and self.pieces[i][1] > self.pieces[i][0]],
+                              medians.tolist()):
+                self.radius[i] = med * self.weight_sum
         for i, (start, stop, _) in enumerate(self.pieces):
             if not self.rda[i]:
                 continue

@@ -1086,7 +1086,8 @@ class Shard:
         f, algo = job.fragment, self.run.algo
         master = f.theta if f.master is None else f.master      # the exact fp32 master
         scratch = self._merge_scratch(f.spec.numel)
-        acc = OuterAccumulator(f.spec.numel, f.spec.spans, algo.merge_rule, scratch=scratch[:2], robust_buffers=True)
+        acc = OuterAccumulator(f.spec.numel, f.spec.spans, algo.merge_rule, scratch=scratch[:2], robust_buffers=True,
+                               robust_radius=True)
         # float buffers (BatchNorm statistics) move by their own rule, not the norm bound; an answer
         # moving them by more than the warm-up ceiling × their norm is left out (a 1e30 variance)
         buffer_ceiling = f.clipper.ceiling_factor * max(acc.float_buffer_norm(f.theta), 1.0)

@@ -83,7 +83,7 @@ def _round(theta: torch.Tensor, honest_dir: torch.Tensor, rng: torch.Generator, 
         tokens.append(96 * 2048.0)
         steps.append(96.0)
     w, _ = fair_weights(tokens, steps)
-    acc = OuterAccumulator(n, [(0, n, "param")], rule)
+    acc = OuterAccumulator(n, [(0, n, "param")], rule, robust_buffers=True, robust_radius=True)
     fold_round(acc, theta, answers, w.tolist(), clipper)
     return acc.result().clone()
 
@@ -170,3 +170,23 @@ def test_buffers_take_the_median_so_a_flipped_answer_cannot_drive_a_running_vari
     fold_round(plain, theta, answers, w.tolist(), NormClipper(), buffer_ceiling=None)
     old = theta - plain.result()
     assert float(old[8:12].min()) < 0.0 and float(old[12]) == 2.0 ** 31
+
+
+def test_a_free_riders_zeros_do_not_shorten_the_step():
+    """RDA with the robust radius: the step's length is the weighted median of the answers' norms,
+    so zero answers at a quarter of the weight leave it as the honest answers make it (the
+    weighted mean shortened it by that quarter)."""
+    n = 256
+    rng = torch.Generator().manual_seed(5)
+    theta = torch.randn(n, generator=rng)
+    honest = [torch.randn(n, generator=rng) for _ in range(3)]
+    answers = [(f"h{i}", theta, -d, 12.0) for i, d in enumerate(honest)] + [("rider", theta, torch.zeros(n), 12.0)]
+    w = [0.25] * 4
+    lengths = {}
+    for robust in (False, True):
+        acc = OuterAccumulator(n, [(0, n, "param")], "rda", robust_radius=robust)
+        fold_round(acc, theta, answers, w, NormClipper())
+        lengths[robust] = float(torch.linalg.vector_norm(acc.result()))
+    honest_mean = sum(float(torch.linalg.vector_norm(d)) for d in honest) / 3
+    assert lengths[False] == pytest.approx(0.75 * honest_mean, rel=1e-4)
+    assert 0.9 * honest_mean < lengths[True] < 1.1 * honest_mean
