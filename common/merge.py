@@ -129,9 +129,9 @@ class OuterAccumulator:
         of the weighted average (float) and the largest value (integer): a minority of answers
         cannot move a running variance below zero nor a counter to 2^31 (the buffers of each answer
         are kept: M × the fragment's buffers, small beside its parameters). ``robust_radius``: an
-        RDA piece's length is the weighted median of the answers' norms (× the weight folded in),
-        not their weighted mean: a free rider's zeros cannot shorten the step, nor a long answer
-        lengthen it."""
+        RDA piece's length is the weighted mean of the norms of the answers that moved it (× the
+        weight folded in): a free rider's zeros cannot shorten the step (honest answers are
+        never zero: for them it is RDA as it is)."""
         if rule not in MERGE_RULES:
             raise ValueError(f"merge rule must be one of {MERGE_RULES}, got {rule!r}")
         _check_spans(spans, numel)
@@ -309,12 +309,14 @@ class OuterAccumulator:
             for a, b in self._buffer_pieces:
                 merged[a:b] = median[at:at + b - a].to(merged.dtype)
                 at += b - a
-        if self._piece_norms:   # the weighted median of the answers' norms, per RDA piece
+        if self._piece_norms:   # the weighted mean of the answers' non-zero norms, per RDA piece
             rows = torch.tensor([n for _, n in self._piece_norms], dtype=torch.float64)            # [M, rda pieces]
-            medians = weighted_median_rows(rows, torch.tensor([w for w, _ in self._piece_norms], dtype=torch.float64))
-            for i, med in zip([i for i, on in enumerate(self.rda) if on and self.pieces[i][1] > self.pieces[i][0]],
-                              medians.tolist()):
-                self.radius[i] = med * self.weight_sum
+            w = torch.tensor([w for w, _ in self._piece_norms], dtype=torch.float64).unsqueeze(1)  # [M, 1]
+            moved = (rows > 0).to(torch.float64) * w
+            lengths = (moved * rows).sum(0) / moved.sum(0).clamp_min(1e-300)
+            for i, length in zip([i for i, on in enumerate(self.rda) if on and self.pieces[i][1] > self.pieces[i][0]],
+                                 lengths.tolist()):
+                self.radius[i] = length * self.weight_sum
         for i, (start, stop, _) in enumerate(self.pieces):
             if not self.rda[i]:
                 continue
