@@ -33,6 +33,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from common.merge import contribution_weights, weighted_median_rows
+
 REASONS = ("nonfinite_delta", "tokens_claim", "steps_claim", "clipped")
 TIME_SLACK = 1.5
 """Steps an answer may claim per step time of the learner since its base was merged (a learner's
@@ -211,16 +213,9 @@ class NormClipper:
 
 
 def weighted_median(values: list[float], weights: list[float]) -> float:
-    """The lower weighted median: the smallest value at which the weight of the values at or
-    below it reaches half the total."""
-    pairs = sorted(zip(values, weights))
-    total = sum(w for _, w in pairs)
-    acc = 0.0
-    for v, w in pairs:
-        acc += w
-        if acc >= total / 2:
-            return v
-    return pairs[-1][0]
+    """The lower weighted median of ``values`` (``common.merge.weighted_median_rows``'s rule)."""
+    rows = torch.tensor(values, dtype=torch.float64).unsqueeze(1)          # [M, 1]
+    return float(weighted_median_rows(rows, torch.tensor(weights, dtype=torch.float64))[0])
 
 
 def round_bound(norms: list[float], weights: list[float]) -> float | None:
@@ -240,7 +235,6 @@ def fair_weights(c_tokens: list[float], c_steps: list[float]) -> tuple[torch.Ten
     of the round's positive raw weights, so no member, whatever it claims, weighs more than a
     typical one (with M answers of which f < M / 2 hostile, together at most f / M' of the
     round, M' the answers at or above the median). Returns (ŵ [M] float32, the indices capped)."""
-    from common.merge import contribution_weights
     raw = contribution_weights(c_tokens, c_steps).to(torch.float64)       # proportional to tokens² / steps
     positive = sorted(float(w) for w in raw if w > 0)
     if len(positive) < 2:
