@@ -23,9 +23,6 @@ COPY learner learner
 COPY syncer syncer
 COPY broker broker
 COPY ddloco ddloco
-COPY sim sim
-COPY bench bench
-COPY tasks tasks
 # your task module: put it next to examples/ (or mount it) and set DDLOCO_TASK=module:attr
 COPY examples examples
 # the optional C kernels (common/_qkernels.c) build only where the base image has a C compiler;

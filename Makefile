@@ -44,7 +44,7 @@ compose-check: $(STAMP)
 	$(BIN)/python docker/compose_check.py
 
 multihost: $(STAMP)
-	$(BIN)/python -m bench.multihost --json reports/multihost.json
+	$(BIN)/python -m ddloco.bench.multihost --json reports/multihost.json
 
 clean:
 	rm -rf $(VENV) reports runs *.egg-info

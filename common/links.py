@@ -3,7 +3,7 @@
 Without it, a link that goes dark (a cable, a VPN, a cloud route, a partition) leaves its TCP
 connection "established" while the kernel retransmits with exponential backoff: after a 15 s cut
 the next retransmission can come 10-25 s after the network is back, and a learner contributes
-nothing meanwhile (measured with `python -m bench.multihost`). ZMTP heartbeats declare such a
+nothing meanwhile (measured with `python -m ddloco.bench.multihost`). ZMTP heartbeats declare such a
 connection dead after ``HEARTBEAT_TIMEOUT_MS`` and ZeroMQ reconnects at once, retrying every
 ``RECONNECT_IVL_MS`` (no backoff: a restarted broker or shard is found within 0.1 s; an attempt
 at a dead address costs a SYN); a connect that hangs is abandoned after ``CONNECT_TIMEOUT_MS``

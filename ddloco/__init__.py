@@ -1,6 +1,6 @@
 """Decoupled DiLoCo. The public Python API (see ``ddloco.api`` for a whole run in one script):
 
-    from ddloco import Task                       # bring your model and data (tasks/contract.py)
+    from ddloco import Task                       # bring your model and data (common/task.py)
     ddloco.hash_data(arrays...)                   # Task(data_digest=...): the run refuses other data
     ddloco.embedded_redis()                       # a private Redis for a local run
     ddloco.run_broker(endpoints=..., stop=...)    # the ZeroMQ forwarder
@@ -20,8 +20,8 @@ _EXPORTS = {
     "RunConfig": "common.config", "SyncerOptions": "common.config", "TaskConfig": "common.config",
     "embedded_redis": "ddloco.api", "run_broker": "ddloco.api", "run_shard": "ddloco.api", "train": "ddloco.api",
     "load_global_model": "ddloco.export", "save_state": "ddloco.export",
-    "Task": "tasks.contract", "TaskError": "tasks.contract", "hash_data": "tasks.contract",
-    "load_task": "tasks.contract", "allow_tasks": "tasks.contract",
+    "Task": "common.task", "TaskError": "common.task", "hash_data": "common.task",
+    "load_task": "common.task", "allow_tasks": "common.task",
 }
 __all__ = sorted(_EXPORTS)
 

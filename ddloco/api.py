@@ -26,7 +26,7 @@ import threading
 from common.config import Endpoints, LearnerOptions, RunConfig, SyncerOptions
 from common.redis_server import EmbeddedRedis
 from learner.core import LearnerSummary
-from tasks.contract import Task
+from common.task import Task
 
 
 def embedded_redis(*, port: int = 0, log_dir: str | None = None) -> EmbeddedRedis:

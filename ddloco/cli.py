@@ -102,7 +102,7 @@ def _add_algo(p: argparse.ArgumentParser) -> None:
 
 def _task_from_args(args: argparse.Namespace, task: TaskConfig) -> TaskConfig:
     """--task / --task-arg, else DDLOCO_TASK / DDLOCO_TASK_ARGS, over the TOML [task] table."""
-    from tasks.contract import TaskError, parse_task_args
+    from common.task import TaskError, parse_task_args
     spec = getattr(args, "task", None) or os.environ.get("DDLOCO_TASK") or None
     items = getattr(args, "task_arg", None)
     if items is None and os.environ.get("DDLOCO_TASK_ARGS"):
@@ -196,7 +196,7 @@ def _run_and_task(cfg: ConfigFile, args: argparse.Namespace, *, starts_run: bool
     if starts_run or _algo_given(args):
         return cfg.run, None
     if _task_given(args):
-        from tasks.contract import allow_tasks, load_task
+        from common.task import allow_tasks, load_task
         allow_tasks([cfg.run.task.spec])   # named by this process: the run's spec may be recorded as it
         return None, load_task(cfg.run.task.spec, cfg.run.task.args)
     return None, None
@@ -678,7 +678,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
-    from bench.micro import main as bench_main
+    from ddloco.bench.micro import main as bench_main
     return bench_main(list(argv))
 
 
@@ -693,7 +693,7 @@ def cmd_export(argv: Sequence[str]) -> int:
 
 
 def cmd_sim(argv: Sequence[str]) -> int:
-    from sim.cli import main as sim_main
+    from ddloco.sim.cli import main as sim_main
     return sim_main(list(argv))
 
 
@@ -971,7 +971,7 @@ def _allow_tasks_from_env() -> None:
     run's config names them (a learner joining without --task); nothing from Redis is trusted."""
     raw = os.environ.get("DDLOCO_TASKS_ALLOWED", "")
     if raw.strip():
-        from tasks.contract import allow_tasks
+        from common.task import allow_tasks
         allow_tasks(raw.split(","))
 
 
@@ -980,7 +980,7 @@ def _usage_errors() -> tuple[type[BaseException], ...]:
     them only when those were imported (an error cannot come from a module never loaded), so
     that `status` or the broker do not import torch through `common.fragments` or the tasks."""
     out: list[type[BaseException]] = [ConfigError]
-    for module, name in (("common.fragments", "FragmentationError"), ("tasks.contract", "TaskError"),
+    for module, name in (("common.fragments", "FragmentationError"), ("common.task", "TaskError"),
                          ("common.security", "SecurityError")):
         if module in sys.modules:
             out.append(getattr(sys.modules[module], name))

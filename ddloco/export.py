@@ -12,7 +12,7 @@ name), loadable with ``strict=True`` into a fresh ``task.model()``. safetensors 
 format (no pickle: safe to load from anyone); ``pt`` is ``torch.save`` of the state dict.
 
 ``--recalibrate-bn N`` (default: the task's ``recalibrate_bn_batches``) re-estimates the running
-statistics of the model's normalization layers on N training batches (``tasks/running_stats.py``):
+statistics of the model's normalization layers on N training batches (``common/running_stats.py``):
 the merged statistics do not belong to the merged weights.
 """
 from __future__ import annotations
@@ -29,8 +29,8 @@ from common import control
 from common.config import RunConfig, run_config_from_dict
 from common.fragments import Fragment, model_plan, scatter, state_tensors
 from common.keys import Keys
-from tasks.contract import Task, TaskError, bind_task, build_model
-from tasks.running_stats import recalibrate
+from common.task import Task, TaskError, bind_task, build_model
+from common.running_stats import recalibrate
 
 FORMATS = ("safetensors", "pt")
 
@@ -150,7 +150,7 @@ def from_checkpoints(checkpoint_dir: str | Path, run_id: str | None = None, *, t
             versions[int(p)] = int(fs["version"])
     assert run is not None
     # a shard's checkpoint is the operator's file, and a shard records only a task spec it trusted
-    # (its own, a built-in or one allowed on its machine: tasks.contract.bind_task)
+    # (its own, a built-in or one allowed on its machine: common.task.bind_task)
     return _assemble(run, task, values, recalibrate_bn=recalibrate_bn, say=say, shared=False), versions
 
 
@@ -228,7 +228,7 @@ def main(argv: Sequence[str]) -> int:
     import redis
     from common.config import ConfigError, check_value, redis_url_problem
     from ddloco.cli import EXIT_FAILURE, EXIT_USAGE, check_redis_answers
-    from tasks.contract import ALLOWED_ENV, TaskNotAllowed, allow_tasks, load_task, parse_task_args
+    from common.task import ALLOWED_ENV, TaskNotAllowed, allow_tasks, load_task, parse_task_args
     from common.security import SecurityError
     allow_tasks(os.environ.get(ALLOWED_ENV, "").split(","))   # this machine's own list, never Redis
     try:

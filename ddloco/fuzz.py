@@ -248,7 +248,7 @@ def run_fuzz(endpoints: Endpoints, *, count: int, seconds: float, seed: int = 0,
     keys = Keys(endpoints.run_id)
     if numels is None:
         from common.fragments import model_plan
-        from tasks.contract import bind_task, build_model
+        from common.task import bind_task, build_model
         task, run = bind_task(control.fetch_run_config(r, keys, redis_url=endpoints.redis_url), shared=True)
         numels = [f.numel for f in model_plan(build_model(task, run.task.seed), task.embedding_names,
                                              run.algo.fragments)]

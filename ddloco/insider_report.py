@@ -244,7 +244,7 @@ def _task_figures(run: Any) -> tuple[list[int], float]:
     """The fragments' sizes and the shards' tokens-per-step bound, from the attacker's own copy of
     the task (its config file's, never the spec stored in Redis)."""
     from common.fragments import model_plan
-    from tasks.contract import bind_task, build_model, count_tokens
+    from common.task import bind_task, build_model, count_tokens
     task, run = bind_task(run)
     numels = [f.numel for f in model_plan(build_model(task, run.task.seed), task.embedding_names,
                                          run.algo.fragments)]

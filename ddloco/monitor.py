@@ -18,8 +18,8 @@ from common.fragments import model_plan, scatter, state_tensors
 from common.keys import Keys
 from common.rpc import fetch_fragments
 from common.security import Security
-from tasks.contract import Task, TaskError, build_model, evaluate
-from tasks.running_stats import recalibrate
+from common.task import Task, TaskError, build_model, evaluate
+from common.running_stats import recalibrate
 
 
 def _f(h: dict[str, str], k: str, default: float = 0.0) -> float:
@@ -181,7 +181,7 @@ class Monitor:
 
     def recalibrate_final(self) -> None:
         """With ``Task.recalibrate_bn_batches`` > 0: re-estimate the final model's normalization
-        statistics (tasks/running_stats.py), so that the report's ``eval_loss_final`` and
+        statistics (common/running_stats.py), so that the report's ``eval_loss_final`` and
         model.safetensors are of that model; the eval curve stays the shards' model."""
         n = self.task.recalibrate_bn_batches
         if n <= 0 or self.final_versions is None:

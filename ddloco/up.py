@@ -684,7 +684,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
     from common.redis_server import EmbeddedRedis, free_port
     from common.fragments import model_plan, state_tensors
     from common.wire import max_frame_bytes
-    from tasks.contract import bind_task, build_model, check_task
+    from common.task import bind_task, build_model, check_task
     up = cfg.up
     broker = broker_endpoints(broker_pub, broker_sub)   # a port in use: refused before anything starts
     # every refusal (task cannot load, P does not fit, bad batch or loss) before anything starts

@@ -263,7 +263,7 @@ def redis_client(engine: Engine) -> Any:
 
 def global_eval(engine: Engine) -> tuple[float, int]:
     """Held-out loss of the global model as the live shards hold it, and the sum of versions."""
-    code = ("import json; from ddloco.export import from_live_run; from tasks.contract import evaluate, bind_task;"
+    code = ("import json; from ddloco.export import from_live_run; from common.task import evaluate, bind_task;"
             "from common import control; from common.keys import Keys;"
             "p = open('/keys/secret/redis.password').read().strip(); url = f'redis://:{p}@redis:6379/0';"
             f"m, v = from_live_run(url, {RUN_ID!r}, keys_dir='/keys');"

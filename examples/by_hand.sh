@@ -45,7 +45,7 @@ DDLOCO_TASKS_ALLOWED=examples.cnn:task $B/ddloco export $NET --out $OUT/model.sa
 kill $S0 $S1; wait $S0 $S1 || true   # SIGTERM: the shards checkpoint
 $B/ddloco export --checkpoint-dir $OUT/ck --out $OUT/model-ck.safetensors
 $B/python -c "
-from ddloco import load_task; from ddloco.export import load_state; from tasks.contract import evaluate, build_model
+from ddloco import load_task; from ddloco.export import load_state; from common.task import evaluate, build_model
 t = load_task('examples.cnn:task'); init = evaluate(t, build_model(t, 0))
 for f in ('$OUT/model.safetensors', '$OUT/model-ck.safetensors'):
     m = t.model(); m.load_state_dict(load_state(f), strict=True); l = evaluate(t, m)

@@ -16,7 +16,7 @@ from common import control
 from common.keys import Keys
 from common.redis_server import free_port
 from examples.cnn import task
-from tasks.contract import evaluate
+from common.task import evaluate
 
 
 def main(steps: int = 150) -> dict[str, float]:

@@ -15,7 +15,7 @@ import threading
 
 from common.config import Endpoints, LearnerOptions, RunConfig
 from learner.core import Learner, LearnerSummary
-from tasks.contract import Task
+from common.task import Task
 
 
 def train(*, endpoints: Endpoints, task: Task | None = None, options: LearnerOptions = LearnerOptions(),

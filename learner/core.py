@@ -41,8 +41,8 @@ from learner.network import (Answer, AskPeer, Fetch, FragmentArrived, Have, Netw
 from learner.group import Group, group_from_env, params_digest, rank_stream, resolve_sharding
 from learner.inner import apply_step, load_optimizer_state, make_inner_optimizer, schedule_factor
 from learner.staging import HostStaging, staging_for
-from tasks.contract import Task, TaskError, batch_to, bind_task, build_model, check_task, count_tokens, scalar_loss
-from tasks.contract import TaskNotAllowed
+from common.task import Task, TaskError, batch_to, bind_task, build_model, check_task, count_tokens, scalar_loss
+from common.task import TaskNotAllowed
 
 
 FETCH_RETRY_S = 1.0

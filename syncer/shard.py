@@ -42,8 +42,8 @@ from common.robust import (STEP_TIME_FLOOR_OF_MEDIAN, STEP_TIME_UNKNOWN_S, NormC
                            choose_copy, fair_weights, fold_round, max_steps_claim, steps_in_time)
 from common.quorum import (Decision, Ema, OpenSchedule, QuorumPolicy, RoundView, decide_round, due_fragments,
                            grace_window_s)
-from tasks.contract import Task, TaskError, bind_task, build_model, count_tokens
-from tasks.contract import TaskNotAllowed
+from common.task import Task, TaskError, bind_task, build_model, count_tokens
+from common.task import TaskNotAllowed
 
 CONTROL_REFRESH_S = 0.5
 REQUEST_DEDUPE_S = 5.0

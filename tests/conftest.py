@@ -11,8 +11,8 @@ import torch
 
 from common.config import Endpoints, LearnerOptions, RunConfig, SyncerOptions
 from common.redis_server import EmbeddedRedis, free_port
-from tasks.contract import Task
-from tasks.gpt import Batch
+from common.task import Task
+from ddloco.tasks.gpt import Batch
 
 
 TINY_TOML = """

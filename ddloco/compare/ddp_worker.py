@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from common.config import run_config_from_dict
-from tasks.contract import batch_to, bind_task, build_model, count_tokens, evaluate, scalar_loss
+from common.task import batch_to, bind_task, build_model, count_tokens, evaluate, scalar_loss
 from ddloco.compare.systems import SystemResult, eval_steps
 from learner.inner import inner_step, make_inner_optimizer
 

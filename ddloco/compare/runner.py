@@ -93,7 +93,7 @@ def apply_sets(run: RunConfig, sets: dict[str, dict[str, Any]]) -> RunConfig:
 
 
 def tokens_per_batch(run: RunConfig) -> int:
-    from tasks.contract import bind_task, count_tokens
+    from common.task import bind_task, count_tokens
     task, run = bind_task(run)
     return count_tokens(task, next(iter(task.batches(0, run.task.seed, 0))))
 
@@ -113,7 +113,7 @@ def _in_process(system: str, run_dict: dict[str, Any], learners: int, steps: int
     """Worker-process entry: one in-process system at one seed."""
     from common.config import run_config_from_dict
     from ddloco.compare import systems
-    from tasks.contract import bind_task
+    from common.task import bind_task
     task, run = bind_task(run_config_from_dict(run_dict))
     kw = dict(steps=steps, seed=seed, eval_points=eval_points, threads=1)
     if system == "single":

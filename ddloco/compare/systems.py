@@ -28,7 +28,7 @@ from common import quant
 from common.config import AlgoConfig
 from common.fragments import Fragment, gather, model_plan, scatter, state_tensors
 from common.merge import Contribution, contribution_weights, outer_update, quantized_update, receive_merged
-from tasks.contract import Task, build_model, count_tokens, evaluate, scalar_loss
+from common.task import Task, build_model, count_tokens, evaluate, scalar_loss
 from learner.inner import inner_step, make_inner_optimizer
 
 

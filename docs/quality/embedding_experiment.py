@@ -46,7 +46,7 @@ from ddloco.compare import systems
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import group_sync_experiment  # noqa: E402  (the seventh measurement's gradient sharing)
 from outer_precond_experiment import coordinate_factor  # noqa: E402  (the sixth measurement's scaling)
-from tasks.contract import load_task
+from common.task import load_task
 
 CURRENT: list = [None]          # the fragment open_round gathered last
 COUNTS: list = []               # per learner: cumulative input-byte counts

@@ -22,7 +22,7 @@ import torch
 from common.config import AlgoConfig
 from ddloco.compare import systems
 from learner.inner import apply_step
-from tasks.contract import load_task
+from common.task import load_task
 
 GROUPS = {
     "emb": lambda n: n.startswith(("wte", "wpe")),

@@ -8,7 +8,7 @@ from ddloco.compare import systems
 from common.config import AlgoConfig
 from dataclasses import replace
 from learner import inner
-from tasks.contract import load_task
+from common.task import load_task
 
 class MAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr, betas, weight_decay, m_learners):

@@ -21,7 +21,7 @@ import torch
 from common import merge
 from common.config import AlgoConfig
 from ddloco.compare import systems
-from tasks.contract import load_task
+from common.task import load_task
 
 STATE: dict[int, list] = {}
 

@@ -211,7 +211,7 @@ def _model_attack_defended(run: LiveRun, name: str) -> None:
     assert before is not None and worst is not None, f"{name}: no evaluation before or during the attack: {c}"
     # bounded damage in a 4 s window early in training, with 3 honest learners (it was NaN, or
     # 1e5, before the robust merge); the quality bar (4 honest learners, 2 minutes, within 10 % of
-    # the clean run at equal tokens) is measured by `python -m bench.insider`, not here
+    # the clean run at equal tokens) is measured by `python -m ddloco.bench.insider`, not here
     assert math.isfinite(worst) and worst <= 4.0 * before, f"{name}: eval loss {before:.4g} -> {worst:.4g} under attack"
 
 

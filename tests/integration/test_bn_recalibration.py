@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.contract import evaluate
-from tasks.running_stats import RECALIBRATION_STREAM
+from common.task import evaluate
+from common.running_stats import RECALIBRATION_STREAM
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[2]

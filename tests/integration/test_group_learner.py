@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from bench.group import log_events
+from ddloco.bench.group import log_events
 from common import control
 from common.keys import Keys
 from tests.conftest import start_hand_daemons, stop_processes

@@ -11,7 +11,7 @@ from common import control
 from common.config import Endpoints, LearnerOptions, RunConfig, TaskConfig
 from common.keys import Keys
 from learner.core import Learner, LearnerRefused
-from tasks.contract import hash_data
+from common.task import hash_data
 from tests.conftest import tiny_task, wait_until
 
 pytestmark = pytest.mark.timeout(30)

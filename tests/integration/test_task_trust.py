@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-import tasks.contract as contract
+import common.task as contract
 from common import control
 from common.config import RunConfig, TaskConfig
 from common.keys import Keys
@@ -67,7 +67,7 @@ def test_a_task_spec_planted_in_redis_is_never_imported_by_a_learner_or_export(t
     _plant(r, "evil", "evilmod:task")
     monkeypatch.syspath_prepend(str(mods))
     monkeypatch.setattr(contract, "_allowed_specs", frozenset())
-    contract.allow_tasks("tasks.gpt:gpt, evilmod:task".split(","))   # as DDLOCO_TASKS_ALLOWED is read
+    contract.allow_tasks("ddloco.tasks.gpt:gpt, evilmod:task".split(","))   # as DDLOCO_TASKS_ALLOWED is read
     task, _ = contract.bind_task(control.fetch_run_config(r, Keys("evil")), shared=True)
     assert task.name == "tiny" and marker.exists()
 
@@ -77,7 +77,7 @@ def test_task_args_from_the_run_config_must_be_plain_values(monkeypatch):
     with pytest.raises(contract.TaskNotAllowed, match="task args batch_size of 'digits'"):
         contract.bind_task(run, shared=True)
     monkeypatch.setattr(contract, "_allowed_specs", frozenset())
-    assert contract.task_allowed("digits") and contract.task_allowed("tasks.digits:digits")
+    assert contract.task_allowed("digits") and contract.task_allowed("ddloco.tasks.digits:digits")
     assert not contract.task_allowed("os:system")
     contract.allow_tasks(["mine:task "])
     assert contract.task_allowed("mine:task")

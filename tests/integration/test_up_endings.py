@@ -54,7 +54,7 @@ def test_ctrl_c_saves_the_freshest_model_loadable_strict_and_exits_130(tmp_path)
     run_dir, = (tmp_path / "runs").glob(f"{run_id}-*")
     from ddloco.export import from_checkpoints, load_state
     from examples.cnn import task
-    from tasks.contract import evaluate
+    from common.task import evaluate
     t = task()
     model = t.model()
     model.load_state_dict(load_state(report / "model.safetensors"), strict=True)

@@ -17,7 +17,7 @@ from common import control
 from common.config import AlgoConfig, Endpoints, LearnerOptions, RunConfig
 from common.keys import Keys
 from common.redis_server import free_port
-from tasks.contract import Task, evaluate
+from common.task import Task, evaluate
 from tests.conftest import TINY_TOML, tiny_batches, tiny_loss, wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -267,8 +267,8 @@ def test_digits_with_four_learners_exports_a_model_of_at_least_90_percent_accura
                  "--report", str(report), "--run-id", "digits", cwd=tmp_path, timeout=280)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     from ddloco.export import load_state
-    from tasks.contract import load_task
-    from tasks.digits import heldout_accuracy
+    from common.task import load_task
+    from ddloco.tasks.digits import heldout_accuracy
     model = load_task("digits").model()
     model.load_state_dict(load_state(report / "model.safetensors"), strict=True)
     assert heldout_accuracy(model) >= 0.9
@@ -288,7 +288,7 @@ def test_cli_learner_and_export_given_only_task_join_a_run_started_from_python(t
         "    return Task(name='user', model=lambda: torch.nn.Linear(width, 1), batches=batches,\n"
         "                loss=lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(), config={'width': width})\n")
     monkeypatch.chdir(tmp_path)
-    from tasks.contract import load_task
+    from common.task import load_task
     run = RunConfig(algo=AlgoConfig(fragments=3, sync_every_steps=4, inner_warmup_steps=1))
     cluster = make_cluster(run, run_id="pyrun", task=load_task("usertask:task"))
     cluster.start_shard(0, 1)

@@ -6,7 +6,7 @@ import time
 import pytest
 import zmq
 
-from bench.micro import BrokerRun, receive_until_idle, summarize_broker_runs
+from ddloco.bench.micro import BrokerRun, receive_until_idle, summarize_broker_runs
 
 pytestmark = pytest.mark.timeout(30)
 

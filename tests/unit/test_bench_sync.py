@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.sync import summarise
+from ddloco.bench.sync import summarise
 
 
 def _learner(steps: int, span: float, up: int, down: int, fetched: int, rss: str = "900.5") -> dict:

@@ -10,7 +10,7 @@ import torch
 from common.config import AlgoConfig, ConfigError, RunConfig
 from ddloco.compare import runner, systems
 
-from tasks.contract import load_task
+from common.task import load_task
 
 TINY = dict(n_layer=1, n_embd=16, n_head=2, seq_len=16, batch_size=4, eval_batches=2, corpus_max_bytes=300_000)
 

@@ -221,7 +221,7 @@ def test_imbalance_is_largest_over_mean() -> None:
 
 
 def test_builtin_model_is_balanced_into_24_fragments() -> None:
-    from tasks.contract import build_model, load_task
+    from common.task import build_model, load_task
 
     task = load_task("gpt")
     model = build_model(task, 0)

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from common.fragments import gather, model_plan, state_tensors
 from learner.group import Group, _local_rows, resolve_sharding
-from tasks.gpt import GPT
+from ddloco.tasks.gpt import GPT
 
 pytestmark = pytest.mark.timeout(180)
 

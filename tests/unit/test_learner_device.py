@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from common.config import ConfigError
-from tasks.gpt import Batch
+from ddloco.tasks.gpt import Batch
 from learner.core import resolve_device
-from tasks.contract import batch_to
+from common.task import batch_to
 
 
 def test_batch_to_moves_every_tensor_field_and_keeps_the_rest():

@@ -454,7 +454,7 @@ def test_the_inner_adamw_runs_the_fused_kernel_and_matches_the_reference_loop() 
 def test_bench_adamw_times_the_three_implementations_on_the_asked_size() -> None:
     """``ddloco bench adamw``: one row per AdamW implementation, over the parameters asked for,
     each timed (the fused row is the one the learners run)."""
-    from bench.micro import bench_adamw
+    from ddloco.bench.micro import bench_adamw
     rows = bench_adamw(5000, 2)
     assert [r["impl"] for r in rows] == ["default", "foreach", "fused"]
     for r in rows:

@@ -132,7 +132,7 @@ def test_compare_plot_draws_a_mean_line_per_system_and_a_band_where_seeds_differ
 
 
 def test_goodput_plot_draws_ours_as_lines_and_the_paper_as_dots(tmp_path: Path) -> None:
-    from sim.table import CHIPS, PAPER_GOODPUT_PCT
+    from ddloco.sim.table import CHIPS, PAPER_GOODPUT_PCT
     ours = {"DP": [70.0, 55.0, 40.0, 25.0, 20.0], "M=2": [93.0, 89.0, 81.0, 69.0, 55.0]}
     fig = plots.goodput_plot(tmp_path / "goodput.png", CHIPS, ours, PAPER_GOODPUT_PCT, title="goodput")
     assert_matplotlib_png(tmp_path / "goodput.png")

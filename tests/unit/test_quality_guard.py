@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from common.config import AlgoConfig
-from tasks.contract import load_task
+from common.task import load_task
 from ddloco.compare.systems import run_decoupled_emulated, run_single
 
 pytestmark = pytest.mark.timeout(300)

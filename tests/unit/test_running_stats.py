@@ -1,4 +1,4 @@
-"""Re-estimating normalization statistics of a merged model (tasks/running_stats.py)."""
+"""Re-estimating normalization statistics of a merged model (common/running_stats.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from tasks.contract import Task, TaskError, evaluate
-from tasks.running_stats import RECALIBRATION_STREAM, recalibrate, recalibrate_running_stats, tracked_norm_layers
+from common.task import Task, TaskError, evaluate
+from common.running_stats import RECALIBRATION_STREAM, recalibrate, recalibrate_running_stats, tracked_norm_layers
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from sim.bandwidth import (PAPER_GBIT_S, BandwidthConfig, assumptions, implied_params,
+from ddloco.sim.bandwidth import (PAPER_GBIT_S, BandwidthConfig, assumptions, implied_params,
                            required_bits_per_s)
 
 pytestmark = pytest.mark.timeout(30)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.cli import main
+from ddloco.sim.cli import main
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -90,7 +90,7 @@ def test_help_exits_0(capsys, command: list[str]) -> None:
 
 
 def test_python_dash_m_sim_runs() -> None:
-    proc = subprocess.run([sys.executable, "-m", "sim", "bandwidth"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "ddloco.sim", "bandwidth"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "Decoupled DiLoCo" in proc.stdout and "assumptions" in proc.stdout

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from sim.cluster import FailureModel, Scenario, simulate, simulate_seeds
+from ddloco.sim.cluster import FailureModel, Scenario, simulate, simulate_seeds
 
 pytestmark = pytest.mark.timeout(60)
 

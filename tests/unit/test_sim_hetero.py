@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from sim.hetero import HeteroConfig, Policy, simulate_hetero, standard_policies
+from ddloco.sim.hetero import HeteroConfig, Policy, simulate_hetero, standard_policies
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from tasks.contract import (Task, TaskError, build_model, check_task, count_tokens, evaluate, json_config,
+from common.task import (Task, TaskError, build_model, check_task, count_tokens, evaluate, json_config,
                             load_task, scalar_loss)
 
 pytestmark = pytest.mark.timeout(60)
@@ -141,7 +141,7 @@ def test_config_is_json_and_names_every_setting(task: Task) -> None:
 # ---------------------------------------------------------------------------- digits specifics
 def test_digits_split_is_fixed_disjoint_and_independent_of_the_run_seed() -> None:
     pytest.importorskip("sklearn")
-    from tasks.digits import load_split
+    from ddloco.tasks.digits import load_split
 
     task = load_task("digits")
     assert task.name == "digits"
@@ -165,7 +165,7 @@ def test_digits_refuses_bad_args(args: dict[str, Any]) -> None:
 
 def test_digits_trains_to_high_heldout_accuracy() -> None:
     pytest.importorskip("sklearn")
-    from tasks.digits import heldout_accuracy
+    from ddloco.tasks.digits import heldout_accuracy
 
     task = load_task("digits")
     model = build_model(task, 0)

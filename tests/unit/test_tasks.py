@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from tasks.contract import (Task, TaskError, bind_task, build_model, check_task, count_tokens, evaluate, load_task,
+from common.task import (Task, TaskError, bind_task, build_model, check_task, count_tokens, evaluate, load_task,
                             parse_task_args)
-from tasks.gpt import Batch, is_heldout, load_corpus, stdlib_root
+from ddloco.tasks.gpt import Batch, is_heldout, load_corpus, stdlib_root
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -132,7 +132,7 @@ def test_gpt_moe_routes_tokens_through_experts_and_trains() -> None:
 def test_load_task_errors_name_the_problem(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mytask.py").write_text(
-        "import torch\nfrom tasks.contract import Task\n"
+        "import torch\nfrom common.task import Task\n"
         "def make(width=4):\n"
         "    return Task(name='mine', model=lambda: torch.nn.Linear(width, 1),\n"
         "                batches=lambda s, seed, start: iter([(torch.ones(2, width), torch.ones(2, 1))] * 9),\n"
@@ -181,7 +181,7 @@ def test_bind_fills_name_and_config_and_refuses_a_different_config() -> None:
 def test_task_args_from_the_command_line_take_the_type_the_callable_declares(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "typed.py").write_text(
-        "import torch\nfrom tasks.contract import Task\n"
+        "import torch\nfrom common.task import Task\n"
         "def make(path: str = '', width: int = 4, rate=0.5, flag: bool = False, other=None):\n"
         "    return Task(name='typed', model=lambda: torch.nn.Linear(width, 1),\n"
         "                batches=lambda s, seed, start: iter([torch.ones(2, width)]), loss=lambda m, b: m(b).mean(),\n"
@@ -220,7 +220,7 @@ def test_gpt_on_another_pythons_standard_library_is_refused_naming_the_data_dige
     other_lib.mkdir(parents=True)
     for i in range(40):
         (other_lib / f"mod{i}.py").write_text(f"def f{i}(x):\n    return x * {i}  # another version\n" * 20)
-    monkeypatch.setattr("tasks.gpt.stdlib_root", lambda: str(other_lib))
+    monkeypatch.setattr("ddloco.tasks.gpt.stdlib_root", lambda: str(other_lib))
     other = load_task("gpt", args)
     with pytest.raises(TaskError) as e:
         bind_task(run, other)

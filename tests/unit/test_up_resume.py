@@ -98,7 +98,7 @@ def _checkpoint(d: Path, versions: dict[int, int]) -> Any:
     import torch
     from common.config import AlgoConfig, RunConfig, TaskConfig
     from common.fragments import gather, model_plan, state_tensors
-    from tasks.contract import bind_task, build_model
+    from common.task import bind_task, build_model
     task, run = bind_task(RunConfig(task=TaskConfig(spec="examples.cnn:task"), algo=AlgoConfig(fragments=4)))
     model = build_model(task, run.task.seed)
     plan = model_plan(model, task.embedding_names, 4)

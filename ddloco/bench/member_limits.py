@@ -1,7 +1,7 @@
 """What one listed member's traffic costs the others, in resident memory (docs/SECURITY.md):
 
-    python -m bench.member_limits --json                      # this checkout
-    python -m bench.member_limits --root DIR --json           # another checkout's daemons (a before)
+    python -m ddloco.bench.member_limits --json                      # this checkout
+    python -m ddloco.bench.member_limits --root DIR --json           # another checkout's daemons (a before)
 
 Four attacks by one member holding a listed learner key, each against real processes with CURVE:
 - ``subscriptions``: 10^5 distinct subscriptions from one SUB; the broker's RSS and that of a
@@ -274,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["peer-harness"]:
         peer_harness(*argv[1:6])
         return 0
-    ap = argparse.ArgumentParser(prog="python -m bench.member_limits", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ddloco.bench.member_limits", description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", default=str(HERE), help="checkout whose daemons run (default: this one)")
     ap.add_argument("--only", choices=list(ATTACKS), action="append", help="run only these attacks")
     ap.add_argument("--peer-seconds", type=float, default=60.0)

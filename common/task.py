@@ -26,14 +26,13 @@ from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Mapping
 import torch
 from torch import nn
 
+# TaskError, parse_task_args and parse_value are re-exported here, their home before the split
+from common.task_args import TaskError, _coerce_args, _fmt_args, parse_task_args, parse_value  # noqa: F401
+
 if TYPE_CHECKING:
     import numpy as np
 
     from common.config import RunConfig
-
-
-class TaskError(ValueError):
-    """A task that cannot be loaded or does not honour the contract; the message says which."""
 
 
 class TaskNotAllowed(TaskError):
@@ -76,7 +75,7 @@ class Task:
     """Batches of training data on which the final global model's normalization statistics
     (BatchNorm running mean and variance, any layer that tracks running statistics) are
     re-estimated before ``ddloco up`` reports and saves it and before ``ddloco export`` writes it
-    (``tasks/running_stats.py``); 0: the merged statistics are kept. The merged statistics (a
+    (``common/running_stats.py``); 0: the merged statistics are kept. The merged statistics (a
     token-weighted average of the learners' own) belong to the learners' weights, not the merged
     ones; whether re-estimated ones score better depends on the model (README, "Bring your own
     model": on the example CNN, -0.036 to +0.012). Not part of the run config: training is the
@@ -132,12 +131,16 @@ def json_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- loading
 BUILTIN: dict[str, str] = {
-    "gpt": "tasks.gpt:gpt",
-    "gpt-moe": "tasks.gpt:gpt_moe",
-    "text": "tasks.gpt:text",
-    "digits": "tasks.digits:digits",
+    "gpt": "ddloco.tasks.gpt:gpt",
+    "gpt-moe": "ddloco.tasks.gpt:gpt_moe",
+    "text": "ddloco.tasks.gpt:text",
+    "digits": "ddloco.tasks.digits:digits",
 }
 """Short names of the built-in tasks and where they live."""
+
+MOVED: dict[str, str] = {"tasks.gpt:gpt": "gpt", "tasks.gpt:gpt_moe": "gpt-moe", "tasks.gpt:text": "text",
+                         "tasks.digits:digits": "digits"}
+"""Built-in specs as runs before the move under ``ddloco.tasks`` stored them (old checkpoints)."""
 
 
 ALLOWED_ENV = "DDLOCO_TASKS_ALLOWED"
@@ -160,7 +163,7 @@ def allow_tasks(specs: Iterable[str]) -> None:
 def task_allowed(spec: str) -> bool:
     """Whether ``spec`` may be imported when a run's config names it: a built-in (short name or
     its ``MODULE:ATTR``), or a spec this process allowed (``allow_tasks``)."""
-    return spec in BUILTIN or spec in BUILTIN.values() or spec in _allowed_specs
+    return spec in BUILTIN or spec in BUILTIN.values() or spec in MOVED or spec in _allowed_specs
 
 
 def check_run_task(spec: str, args: Mapping[str, Any]) -> None:
@@ -185,7 +188,7 @@ def load_task(spec: str, args: Mapping[str, Any] | None = None) -> Task:
     ``args`` as keyword arguments. MODULE is imported from the current directory or PYTHONPATH.
     """
     args = dict(args or {})
-    target = BUILTIN.get(spec, spec)
+    target = BUILTIN.get(MOVED.get(spec, spec), spec)
     if ":" not in target:
         raise TaskError(f"task {spec!r} is neither a built-in ({', '.join(sorted(BUILTIN))}) nor MODULE:ATTR")
     module_name, _, attr = target.partition(":")
@@ -214,91 +217,6 @@ def load_task(spec: str, args: Mapping[str, Any] | None = None) -> Task:
     if not isinstance(task, Task):
         raise TaskError(f"{target}({_fmt_args(args)}) returned a {type(task).__name__}, not a Task")
     return task
-
-
-def _fmt_args(args: Mapping[str, Any]) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in args.items())
-
-
-def parse_task_args(items: Iterable[str]) -> dict[str, str]:
-    """``KEY=VALUE`` strings to a dict of strings; ``load_task`` converts each to the type the task
-    callable declares for it (its default's type or its annotation): ``path=2024`` stays a string
-    for ``path: str``, ``n_layer=2`` becomes 2 for ``n_layer: int = 6``."""
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key.isidentifier():
-            raise TaskError(f"--task-arg wants KEY=VALUE with KEY an identifier, got {item!r}")
-        out[key] = raw.strip()
-    return out
-
-
-def parse_value(raw: str, kind: str | None = None) -> Any:
-    """A command-line value as ``kind`` ("int", "float", "bool", "str"); without a kind: true/false,
-    an int, a float, else the string itself. ValueError when it is not a ``kind``."""
-    if kind == "str":
-        return raw
-    if kind == "bool" or (kind is None and raw.lower() in ("true", "false")):
-        if raw.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"expected true or false, got {raw!r}")
-        return raw.lower() in ("true", "1")
-    if kind == "int":
-        return int(raw)
-    if kind == "float":
-        value = float(raw)
-        if not math.isfinite(value):
-            raise ValueError(f"expected a finite number, got {raw!r}")
-        return value
-    for cast in (int, float):
-        try:
-            value = cast(raw)
-        except ValueError:
-            continue
-        if isinstance(value, float) and not math.isfinite(value):
-            return raw  # "nan", "inf": a string unless the callable declares a float
-        return value
-    return raw
-
-
-def _declared_kind(param: inspect.Parameter) -> str | None:
-    """int, float, bool or str: the parameter's annotation, else its default's type."""
-    note = param.annotation
-    name = note if isinstance(note, str) else getattr(note, "__name__", None)
-    if name in ("int", "float", "bool", "str"):
-        return name
-    default = param.default
-    if default is not inspect.Parameter.empty and default is not None and type(default).__name__ in (
-            "int", "float", "bool", "str"):
-        return type(default).__name__
-    return None
-
-
-def _coerce_args(fn: Callable[..., Any], args: Mapping[str, Any], target: str) -> dict[str, Any]:
-    """``args`` checked against ``fn``'s signature; string values converted to the declared type."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        sig = None
-    params = dict(sig.parameters) if sig is not None else {}
-    open_kwargs = sig is None or any(p.kind is p.VAR_KEYWORD for p in params.values())
-    known = {n: p for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
-    unknown = sorted(set(args) - set(known))
-    if unknown and not open_kwargs:
-        raise TaskError(f"{target} takes no task arg(s) {', '.join(unknown)}; it accepts: "
-                        f"{', '.join(sorted(known)) or 'none'}")
-    out: dict[str, Any] = {}
-    for key, value in args.items():
-        kind = _declared_kind(known[key]) if key in known else None
-        if isinstance(value, str):
-            try:
-                value = parse_value(value, kind)
-            except ValueError as e:
-                raise TaskError(f"task arg {key}={value!r}: {e} ({target} declares {kind})") from None
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise TaskError(f"task arg {key}={value!r}: expected a finite number")
-        out[key] = value
-    return out
 
 
 def indexed_batches(draw: Callable[["np.random.Generator"], Any], *, max_stream: int = 2**31 - 2

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.contract import Task, TaskError, hash_data, indexed_batches
+from common.task import Task, TaskError, hash_data, indexed_batches
 
 VOCAB_SIZE = 256
 """Byte-level vocabulary."""

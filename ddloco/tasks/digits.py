@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.contract import Task, TaskError, hash_data, indexed_batches
+from common.task import Task, TaskError, hash_data, indexed_batches
 
 N_CLASSES = 10
 """Digits 0..9."""

@@ -371,13 +371,13 @@ def _print_table(name: str, rows: list[dict[str, Any]]) -> None:
 
 def main(argv: Sequence[str]) -> int:
     if argv and argv[0] == "sync":   # the real daemons at scale: its own flags (ddloco bench sync --help)
-        from bench.sync import main as sync_main
+        from ddloco.bench.sync import main as sync_main
         return sync_main(argv[1:])
     if argv and argv[0] == "insider":  # a compromised learner vs the clean run (ddloco bench insider --help)
-        from bench.insider import main as insider_main
+        from ddloco.bench.insider import main as insider_main
         return insider_main(argv[1:])
     if argv and argv[0] == "group":  # a torchrun learner per rank, DDP vs FSDP (ddloco bench group --help)
-        from bench.group import main as group_main
+        from ddloco.bench.group import main as group_main
         return group_main(argv[1:])
     ap = argparse.ArgumentParser(prog="ddloco bench", description="Micro benchmarks of the hot paths. "
                                  "Timings are medians on this machine; compare figures from one run only.")

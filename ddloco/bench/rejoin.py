@@ -1,8 +1,8 @@
 """Where a restarted learner's time goes: SIGKILL a learner of a running cluster, restart it under
 the same id, and time each phase until its first merged contribution.
 
-    python -m bench.rejoin --learners 4 --restarts 5 --step-time-floor-ms 50            # cold restarts
-    python -m bench.rejoin --learners 4 --restarts 5 --step-time-floor-ms 50 --standby  # hot spare
+    python -m ddloco.bench.rejoin --learners 4 --restarts 5 --step-time-floor-ms 50            # cold restarts
+    python -m ddloco.bench.rejoin --learners 4 --restarts 5 --step-time-floor-ms 50 --standby  # hot spare
 
 Real processes (embedded Redis, broker, syncers, learners: `ddloco` daemons) on the built-in gpt
 task with the run's defaults. Phases are read from the restarted learner's own counters
@@ -45,7 +45,7 @@ def _wait(predicate, timeout_s: float, what: str):
 
 
 def main(argv: Sequence[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.rejoin", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m ddloco.bench.rejoin", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--learners", type=int, default=4)
     ap.add_argument("--syncers", type=int, default=2)

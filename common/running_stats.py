@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 if TYPE_CHECKING:
-    from tasks.contract import Task
+    from common.task import Task
 
 RECALIBRATION_STREAM = 2**31 - 2
 """The statistics are re-estimated on ``task.batches(RECALIBRATION_STREAM, run seed, 0)``:
@@ -123,7 +123,7 @@ def recalibrate(task: "Task", model: nn.Module, *, seed: int, batches: int) -> R
     """``recalibrate_running_stats`` on the first ``batches`` batches of
     ``task.batches(RECALIBRATION_STREAM, seed, 0)`` through ``task.loss``. TaskError (the
     statistics unchanged) when the batches or the loss fail, or no batch comes."""
-    from tasks.contract import TaskError, batch_to
+    from common.task import TaskError, batch_to
     if isinstance(batches, bool) or not isinstance(batches, int) or batches < 0:
         raise TaskError(f"batches to recalibrate on must be an int >= 0, got {batches!r}")
     if batches == 0 or not tracked_norm_layers(model):

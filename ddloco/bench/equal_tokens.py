@@ -2,7 +2,7 @@
 without): at the smaller of their two token counts, the run that stopped there by its final eval
 loss, the other by its eval curve interpolated there (an eval curve is never extrapolated).
 
-    python -m bench.equal_tokens reports/chaos7/report.json reports/clean0/report.json
+    python -m ddloco.bench.equal_tokens reports/chaos7/report.json reports/clean0/report.json
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tasks.contract import Task, indexed_batches
+from common.task import Task, indexed_batches
 
 
 def _width(params: int) -> int:

@@ -1,7 +1,7 @@
 """Issue 26's measure: the global model with one compromised learner among honest ones, against
 the clean run of the same seed, at equal honest tokens.
 
-    python -m bench.insider --attacks signflip,signflip-adaptive,freerider,flood --minutes 2.5 \\
+    python -m ddloco.bench.insider --attacks signflip,signflip-adaptive,freerider,flood --minutes 2.5 \\
         --seeds 0,1 --out reports/insider        # also: ddloco bench insider ...
 
 Per seed: a clean ``ddloco up --task examples.cnn:task --learners 4 --syncers 2 --minutes M
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.equal_tokens import loss_at
+from ddloco.bench.equal_tokens import loss_at
 
 
 def _ddloco(*args: str) -> list[str]:
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the runs work in OUT/work: the task (examples.cnn by default) is imported from this checkout
     root = str(Path(__file__).resolve().parent.parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    ap = argparse.ArgumentParser(prog="python -m bench.insider", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m ddloco.bench.insider", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--attacks", default="signflip,signflip-adaptive,freerider,flood",
                     help="attacks (ddloco fuzz --insider's names; default the four that aim at the model)")

@@ -1,7 +1,7 @@
 """The figures of the README's "Security, measured", reproduced by:
 
-    python -m bench.security fuzz  --count 1000000 --out reports/security   # `ddloco fuzz` at a live `ddloco up`
-    python -m bench.security curve --repeats 3 --out reports/security       # `ddloco up` with and without CURVE
+    python -m ddloco.bench.security fuzz  --count 1000000 --out reports/security   # `ddloco fuzz` at a live `ddloco up`
+    python -m ddloco.bench.security curve --repeats 3 --out reports/security       # `ddloco up` with and without CURVE
 
 ``fuzz``: starts ``ddloco up`` (secure by default: CURVE keys, Redis password and ACL users) as a
 separate process, waits until every learner trains, runs ``ddloco fuzz`` at it with the operator
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.micro import _lo_bytes
+from ddloco.bench.micro import _lo_bytes
 
 
 def _ddloco(*args: str) -> list[str]:
@@ -107,7 +107,7 @@ def run_curve(repeats: int, steps: int, out: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.security", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m ddloco.bench.security", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["fuzz", "curve"])
     ap.add_argument("--count", type=int, default=1_000_000)

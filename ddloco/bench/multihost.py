@@ -2,8 +2,8 @@
 behind its own rate-limited link, the stable part (Redis, broker, syncer shards) on the root
 namespace, then one learner's link cut and healed.
 
-    sudo .venv/bin/python -m bench.multihost                       # 4 learners: 1G, 1G, 100M, 100M
-    sudo .venv/bin/python -m bench.multihost --rates 1gbit,100mbit --delay-ms 25 --minutes 3
+    sudo .venv/bin/python -m ddloco.bench.multihost                       # 4 learners: 1G, 1G, 100M, 100M
+    sudo .venv/bin/python -m ddloco.bench.multihost --rates 1gbit,100mbit --delay-ms 25 --minutes 3
 
 What it builds (Linux, root; iproute2's `ip` and `tc`):
 - a bridge ``ddlbr0`` (10.77.0.1/24) in the root namespace; the syncers, the broker and Redis
@@ -195,7 +195,7 @@ def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, every_s: floa
 
 
 def main(argv: Sequence[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.multihost", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m ddloco.bench.multihost", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", default="1gbit,1gbit,100mbit,100mbit",
                     help="one link rate per learner (tc syntax; default 1gbit,1gbit,100mbit,100mbit)")

@@ -1,4 +1,4 @@
-"""`ddloco sim` / `python -m sim`: the goodput simulator at paper scale.
+"""`ddloco sim` / `python -m ddloco.sim`: the goodput simulator at paper scale.
 
     table      the paper's Table 1 (goodput vs chips and learners): ours, the paper's, the diff
     run        one scenario: --chips N --learners M --quorum K (or --mode dp|elastic)
@@ -17,10 +17,10 @@ import sys
 import time
 from typing import Any, Sequence
 
-from sim import bandwidth as bw
-from sim.cluster import (DEFAULT_FAILURES, MODES, Estimate, FailureModel, Scenario, Summary,
+from ddloco.sim import bandwidth as bw
+from ddloco.sim.cluster import (DEFAULT_FAILURES, MODES, Estimate, FailureModel, Scenario, Summary,
                          simulate_seeds)
-from sim.hetero import HeteroConfig, Policy, simulate_hetero, standard_policies
+from ddloco.sim.hetero import HeteroConfig, Policy, simulate_hetero, standard_policies
 
 EXIT_FAILURE, EXIT_USAGE = 1, 2
 
@@ -128,7 +128,7 @@ def _pm(e: Estimate, scale: float = 100.0) -> str:
 # --------------------------------------------------------------------------------------------
 
 def cmd_table(args: argparse.Namespace) -> int:
-    from sim.table import CHIPS, ROWS, TOLERANCE_POINTS, build_table, format_table, plot_table
+    from ddloco.sim.table import CHIPS, ROWS, TOLERANCE_POINTS, build_table, format_table, plot_table
 
     model = _model(args)
     t0 = time.perf_counter()

@@ -5,7 +5,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from sim.cluster import DEFAULT_FAILURES, FailureModel, Scenario, Summary, simulate_seeds
+from ddloco.sim.cluster import DEFAULT_FAILURES, FailureModel, Scenario, Summary, simulate_seeds
 
 CHIPS: tuple[int, ...] = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)
 """Table 1's columns."""
