@@ -28,8 +28,9 @@ from typing import Any, Sequence
 
 from common.config import (AlgoConfig, ConfigError, ConfigFile, Endpoints, LearnerOptions, SyncerOptions,
                            TaskConfig, check_value, endpoint_problem, load_config, override, redis_url_problem)
-
-EXIT_FAILURE, EXIT_USAGE, EXIT_REFUSED = 1, 2, 3
+from common.exits import FAILURE as EXIT_FAILURE
+from common.exits import REFUSED as EXIT_REFUSED
+from common.exits import USAGE as EXIT_USAGE
 
 
 def _add_common(p: argparse.ArgumentParser, command: str = "") -> None:
