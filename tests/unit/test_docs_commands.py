@@ -1,0 +1,130 @@
+"""docs/commands.md stays true to the command line, and every relative link of the docs resolves.
+
+Every command that `ddloco --help` lists (and every command of `ddloco sim --help`, and `ddloco
+bench sync|group`) has a heading in docs/commands.md, and every long flag its `--help` prints is
+named in that heading's section. The help is the real one, printed by `ddloco.cli.main` in this
+process, so a flag added to (or generated for) a command fails here until it is documented."""
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+from ddloco.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[2]
+COMMANDS_MD = REPO / "docs" / "commands.md"
+NESTED = {"bench": ("sync", "group")}
+"""Subcommands whose --help is their own but that `ddloco bench --help` names only in prose."""
+
+_OPTION = re.compile(r"^(?: {1,4}|[│|] {0,3})(?:-[A-Za-z0-9], )?(--[A-Za-z0-9][\w-]*)", re.M)
+_COMMAND_ROW = re.compile(r"^ {4}([a-z][\w-]*)(?: {2,}\S|\s*$)", re.M)
+_HEADING = re.compile(r"^(#{1,6}) (.*)$", re.M)
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def help_text(*argv: str) -> str:
+    """What `ddloco ARGV --help` prints (argparse exits 0 after printing it)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            code = main([*argv, "--help"])
+        except SystemExit as e:
+            code = e.code
+    assert code in (0, None), f"ddloco {' '.join(argv)} --help exited {code}"
+    return out.getvalue()
+
+
+def long_flags(text: str) -> set[str]:
+    """The long flags of a --help's option lines (not the ones its prose mentions)."""
+    return set(_OPTION.findall(text)) - {"--help"}
+
+
+def subcommands(text: str) -> list[str]:
+    """The COMMAND names a --help lists under its positional arguments."""
+    block = text.split("positional arguments:", 1)[1].split("\noptions:", 1)[0]
+    return [name for name in _COMMAND_ROW.findall(block) if name != "command"]
+
+
+def section(doc: str, title: str) -> str:
+    """The text under the heading whose title is exactly ``title`` (backquotes ignored), up to the
+    next heading of the same or a higher level; '' when there is no such heading."""
+    headings = list(_HEADING.finditer(doc))
+    for i, h in enumerate(headings):
+        if h.group(2).replace("`", "").strip() == title:
+            level = len(h.group(1))
+            end = next((n.start() for n in headings[i + 1:] if len(n.group(1)) <= level), len(doc))
+            return doc[h.end():end]
+    return ""
+
+
+def undocumented(doc: str, argv: tuple[str, ...]) -> list[str]:
+    """What `ddloco ARGV` lacks in ``doc``: its heading, or the flags its section does not name."""
+    title = " ".join(("ddloco", *argv))
+    body = section(doc, title)
+    if not body:
+        return [f"no heading '{title}'"]
+    flags = long_flags(help_text(*argv))
+    assert flags or argv == ("sim",), f"no flags parsed from `{title} --help`: the help's layout changed?"
+    return [f"{title} {flag}" for flag in sorted(flags)
+            if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", body)]
+
+
+def documented_commands() -> list[tuple[str, ...]]:
+    top = subcommands(help_text())
+    assert {"up", "learner", "syncer", "broker", "sim", "bench"} <= set(top), top
+    out = [(c,) for c in top]
+    out += [("sim", c) for c in subcommands(help_text("sim"))]
+    out += [(parent, c) for parent, children in NESTED.items() for c in children]
+    return out
+
+
+def test_every_command_and_long_flag_of_the_help_is_in_docs_commands_md() -> None:
+    doc = COMMANDS_MD.read_text()
+    missing = [m for argv in documented_commands() for m in undocumented(doc, argv)]
+    assert missing == [], f"docs/commands.md does not document: {missing}"
+
+
+def test_a_command_or_flag_removed_from_the_doc_is_reported() -> None:
+    """The check itself: the doc less a flag's mentions, or less a command's heading, fails."""
+    doc = COMMANDS_MD.read_text()
+    without_flag = re.sub(r"(?<![\w-])--checkpoint-every(?![\w-])", "", doc)
+    assert undocumented(without_flag, ("syncer",)) == ["ddloco syncer --checkpoint-every"]
+    without_heading = doc.replace("## `ddloco status`", "## status, the live view")
+    assert undocumented(without_heading, ("status",)) == ["no heading 'ddloco status'"]
+
+
+def markdown_files() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
+def broken_links(path: Path, root: Path = REPO) -> list[str]:
+    """Relative links of a markdown file whose target file does not exist (anchors not checked)."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    out = []
+    for target in _LINK.findall(text):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            continue  # http:, mailto:, an anchor in the same file
+        file = target.split("#", 1)[0]
+        if not (path.parent / file).exists():
+            out.append(f"{path.relative_to(root)}: {target}")
+    return out
+
+
+def test_every_relative_link_of_the_readme_and_docs_points_to_a_file() -> None:
+    files = markdown_files()
+    assert REPO / "docs" / "commands.md" in files
+    broken = [b for f in files for b in broken_links(f)]
+    assert broken == [], f"links to files that do not exist: {broken}"
+
+
+def test_a_link_to_a_missing_file_is_reported(tmp_path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("[ok](page.md) [anchor](#x) [web](https://example.org) [gone](docs/nowhere.md#a)\n"
+                    "```\n[in code](not/checked.md)\n```\n")
+    assert broken_links(page, root=tmp_path) == ["page.md: docs/nowhere.md#a"]
