@@ -9,6 +9,9 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import runpy
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,9 @@ REPO = Path(__file__).resolve().parents[2]
 COMMANDS_MD = REPO / "docs" / "commands.md"
 NESTED = {"bench": ("sync", "group")}
 """Subcommands whose --help is their own but that `ddloco bench --help` names only in prose."""
+TOOLS = ("ddloco.bench.insider", "ddloco.bench.security", "ddloco.bench.rejoin", "ddloco.bench.member_limits",
+         "ddloco.bench.multihost", "common.health", "common.redis_server", "docker/compose_check.py")
+"""The tools outside `ddloco` that take flags: `python -m MODULE` (or `python FILE.py`)."""
 
 _OPTION = re.compile(r"^(?: {1,4}|[│|] {0,3})(?:-[A-Za-z0-9], )?(--[A-Za-z0-9][\w-]*)", re.M)
 _COMMAND_ROW = re.compile(r"^ {4}([a-z][\w-]*)(?: {2,}\S|\s*$)", re.M)
@@ -37,6 +43,26 @@ def help_text(*argv: str) -> str:
         except SystemExit as e:
             code = e.code
     assert code in (0, None), f"ddloco {' '.join(argv)} --help exited {code}"
+    return out.getvalue()
+
+
+def tool_help_text(tool: str) -> str:
+    """What `python -m TOOL --help` (or `python TOOL --help` for a file) prints, run in this process."""
+    out, argv = io.StringIO(), sys.argv
+    sys.argv = [tool, "--help"]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)   # runpy: the module was imported before
+            if tool.endswith(".py"):
+                runpy.run_path(str(REPO / tool), run_name="__main__")
+            else:
+                runpy.run_module(tool, run_name="__main__", alter_sys=False)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    finally:
+        sys.argv = argv
+    assert code in (0, None), f"{tool} --help exited {code}"
     return out.getvalue()
 
 
@@ -63,13 +89,14 @@ def section(doc: str, title: str) -> str:
     return ""
 
 
-def undocumented(doc: str, argv: tuple[str, ...]) -> list[str]:
-    """What `ddloco ARGV` lacks in ``doc``: its heading, or the flags its section does not name."""
-    title = " ".join(("ddloco", *argv))
+def undocumented(doc: str, argv: tuple[str, ...], tool: str = "") -> list[str]:
+    """What `ddloco ARGV` (or the tool `python -m TOOL`) lacks in ``doc``: its heading, or the flags
+    its section does not name."""
+    title = (f"python {tool}" if tool.endswith(".py") else f"python -m {tool}") if tool else " ".join(("ddloco", *argv))
     body = section(doc, title)
     if not body:
         return [f"no heading '{title}'"]
-    flags = long_flags(help_text(*argv))
+    flags = long_flags(tool_help_text(tool) if tool else help_text(*argv))
     assert flags or argv == ("sim",), f"no flags parsed from `{title} --help`: the help's layout changed?"
     return [f"{title} {flag}" for flag in sorted(flags)
             if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", body)]
@@ -90,6 +117,12 @@ def test_every_command_and_long_flag_of_the_help_is_in_docs_commands_md() -> Non
     assert missing == [], f"docs/commands.md does not document: {missing}"
 
 
+def test_every_long_flag_of_the_tools_is_in_docs_commands_md() -> None:
+    doc = COMMANDS_MD.read_text()
+    missing = [m for tool in TOOLS for m in undocumented(doc, (), tool)]
+    assert missing == [], f"docs/commands.md does not document: {missing}"
+
+
 def test_a_command_or_flag_removed_from_the_doc_is_reported() -> None:
     """The check itself: the doc less a flag's mentions, or less a command's heading, fails."""
     doc = COMMANDS_MD.read_text()
@@ -97,6 +130,8 @@ def test_a_command_or_flag_removed_from_the_doc_is_reported() -> None:
     assert undocumented(without_flag, ("syncer",)) == ["ddloco syncer --checkpoint-every"]
     without_heading = doc.replace("## `ddloco status`", "## status, the live view")
     assert undocumented(without_heading, ("status",)) == ["no heading 'ddloco status'"]
+    without_tool_flag = re.sub(r"(?<![\w-])--cut-s(?![\w-])", "", doc)
+    assert undocumented(without_tool_flag, (), "ddloco.bench.multihost") == ["python -m ddloco.bench.multihost --cut-s"]
 
 
 def markdown_files() -> list[Path]:
