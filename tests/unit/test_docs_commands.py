@@ -1,9 +1,11 @@
 """docs/commands.md stays true to the command line, and every relative link of the docs resolves.
 
-Every command that `ddloco --help` lists (and every command of `ddloco sim --help`, and `ddloco
-bench sync|group`) has a heading in docs/commands.md, and every long flag its `--help` prints is
-named in that heading's section. The help is the real one, printed by `ddloco.cli.main` in this
-process, so a flag added to (or generated for) a command fails here until it is documented."""
+Every command that `ddloco --help` lists (and every command of `ddloco sim --help`, `ddloco bench
+sync|group`, and the `python -m` tools of TOOLS) has a heading in docs/commands.md, and every long
+flag its `--help` prints is named in that heading's section. The help is the real one, printed in
+this process by `ddloco.cli.main` (or the tool's `__main__`), so a flag added to (or generated for)
+a command fails here until it is documented. Every relative link of README.md and docs/ names a
+file that exists, and an anchor into a markdown file names one of its headings."""
 from __future__ import annotations
 
 import contextlib
@@ -72,7 +74,10 @@ def long_flags(text: str) -> set[str]:
 
 
 def subcommands(text: str) -> list[str]:
-    """The COMMAND names a --help lists under its positional arguments."""
+    """The COMMAND names a --help lists under its positional arguments (else its usage's {a,b,...})."""
+    if "positional arguments:" not in text:
+        choices = re.search(r"\{([\w,-]+)\}", text)
+        return choices.group(1).split(",") if choices else []
     block = text.split("positional arguments:", 1)[1].split("\noptions:", 1)[0]
     return [name for name in _COMMAND_ROW.findall(block) if name != "command"]
 
@@ -103,6 +108,7 @@ def undocumented(doc: str, argv: tuple[str, ...], tool: str = "") -> list[str]:
 
 
 def documented_commands() -> list[tuple[str, ...]]:
+    """(ddloco's argv of) every command and subcommand whose flags docs/commands.md must name."""
     top = subcommands(help_text())
     assert {"up", "learner", "syncer", "broker", "sim", "bench"} <= set(top), top
     out = [(c,) for c in top]
@@ -138,28 +144,38 @@ def markdown_files() -> list[Path]:
     return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
+def anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a markdown file's headings: lower case, punctuation dropped, spaces
+    as hyphens."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.group(2).strip().lower()).replace(" ", "-") for h in _HEADING.finditer(text)}
+
+
 def broken_links(path: Path, root: Path = REPO) -> list[str]:
-    """Relative links of a markdown file whose target file does not exist (anchors not checked)."""
+    """Relative links of a markdown file whose target file does not exist, or whose anchor names no
+    heading of the markdown file it points to."""
     text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
     out = []
     for target in _LINK.findall(text):
-        if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
-            continue  # http:, mailto:, an anchor in the same file
-        file = target.split("#", 1)[0]
-        if not (path.parent / file).exists():
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):
+            continue  # http:, mailto:
+        file, _, anchor = target.partition("#")
+        dest = path.parent / file if file else path
+        if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in anchors(dest)):
             out.append(f"{path.relative_to(root)}: {target}")
     return out
 
 
-def test_every_relative_link_of_the_readme_and_docs_points_to_a_file() -> None:
+def test_every_relative_link_of_the_readme_and_docs_points_to_a_file_and_heading() -> None:
     files = markdown_files()
     assert REPO / "docs" / "commands.md" in files
     broken = [b for f in files for b in broken_links(f)]
     assert broken == [], f"links to files that do not exist: {broken}"
 
 
-def test_a_link_to_a_missing_file_is_reported(tmp_path) -> None:
+def test_a_link_to_a_missing_file_or_heading_is_reported(tmp_path) -> None:
     page = tmp_path / "page.md"
-    page.write_text("[ok](page.md) [anchor](#x) [web](https://example.org) [gone](docs/nowhere.md#a)\n"
-                    "```\n[in code](not/checked.md)\n```\n")
-    assert broken_links(page, root=tmp_path) == ["page.md: docs/nowhere.md#a"]
+    page.write_text("# A page\n## The `x` flag's use\n[ok](page.md#a-page) [anchor](#the-x-flags-use) "
+                    "[web](https://example.org) [gone](docs/nowhere.md#a) [no heading](#nowhere)\n"
+                    "```\n[in code](not/checked.md)\n# not a heading\n```\n")
+    assert broken_links(page, root=tmp_path) == ["page.md: docs/nowhere.md#a", "page.md: #nowhere"]
