@@ -170,7 +170,7 @@ def test_every_relative_link_of_the_readme_and_docs_points_to_a_file_and_heading
     files = markdown_files()
     assert REPO / "docs" / "commands.md" in files
     broken = [b for f in files for b in broken_links(f)]
-    assert broken == [], f"links to files that do not exist: {broken}"
+    assert broken == [], f"links to a missing file or heading: {broken}"
 
 
 def test_a_link_to_a_missing_file_or_heading_is_reported(tmp_path) -> None:
