@@ -252,7 +252,7 @@ class Broker:
                 self.stats.messages += 1
                 nbytes = sum(len(f.buffer) for f in frames)
                 self.stats.bytes += nbytes
-                kind = bytes(frames[0].buffer).partition(b"|")[2].partition(b".")[0].decode(errors="replace")
+                kind = wire.topic_kind(bytes(frames[0].buffer))
                 if kind not in KNOWN_KINDS:
                     kind = "other"   # whatever a publisher invents: bounded memory, bounded log lines
                 self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0) + 1
