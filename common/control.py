@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import redis
 
+from common import retry
 from common.config import RunConfig, redact_url, run_config_from_dict
 from common.entries import (BAD_ENTRIES, LEASE_TTL_MAX_S, MAX_SHARDS, parse_epoch, parse_int, parse_learner_entry,
                             parse_shard_entry, parse_shard_index, parse_version, shard_count_of)
@@ -134,21 +135,22 @@ def fetch_run_config(r: redis.Redis, keys: Keys, *, wait_s: float = 0.0, stop: A
     ``warn_after_s`` have passed, then every ``warn_every_s``: a mistyped run id is told within
     seconds, not when the wait gives up."""
     started = time.monotonic()
-    deadline = started + wait_s
     next_warning = started + warn_after_s
-    while True:
-        blob = r.hget(keys.config, "blob")
-        if blob:
-            return _parse_run_config(keys, blob)
+
+    def warn() -> None:
+        nonlocal next_warning
         now = time.monotonic()
-        if now >= deadline or (stop is not None and stop.is_set()):
-            when = f" after {now - started:.0f} s" if wait_s > 0 else ""
-            raise RunConfigMissing(f"{describe_missing_run(r, keys, redis_url, when=when)}; a run is started by "
-                                   f"`ddloco up` or a syncer (check --run-id and --redis-url)")
         if on_wait is not None and now >= next_warning:
             on_wait(describe_missing_run(r, keys, redis_url, when=" yet"))
             next_warning = now + warn_every_s
-        (stop.wait(0.2) if stop is not None else time.sleep(0.2))
+
+    blob = retry.until(lambda: r.hget(keys.config, "blob") or None, retry.Deadline(started + wait_s),
+                       interval_s=0.2, stop=stop, between=warn)
+    if blob:
+        return _parse_run_config(keys, blob)
+    when = f" after {time.monotonic() - started:.0f} s" if wait_s > 0 else ""
+    raise RunConfigMissing(f"{describe_missing_run(r, keys, redis_url, when=when)}; a run is started by "
+                           f"`ddloco up` or a syncer (check --run-id and --redis-url)")
 
 
 def _parse_run_config(keys: Keys, blob: str) -> RunConfig:
@@ -341,24 +343,31 @@ def acquire_lease(r: redis.Redis, key: str, holder: str, *, ttl_s: float, wait_s
     """Take the lease, waiting up to ``wait_s`` for a crashed holder's lease to expire. A value no
     shard writes (``lease_is_plausible``: no TTL, a longer one, not a holder) is stale: it is
     counted and taken once it stayed unchanged for ``ttl_s`` (so no member's write keeps a shard out)."""
-    deadline = time.monotonic() + wait_s
+    deadline = retry.Deadline.after(wait_s)
     stale: tuple[str, float] | None = None   # (implausible value, when first seen)
-    while not r.set(key, holder, nx=True, px=int(ttl_s * 1000)):
+    cur: str | None = None
+
+    def take() -> bool | None:
+        nonlocal stale, cur
+        if r.set(key, holder, nx=True, px=int(ttl_s * 1000)):
+            return True
         pipe = r.pipeline(transaction=False)
         cur, pttl = pipe.get(key).pttl(key).execute()
+        if cur is None or lease_is_plausible(cur, pttl):
+            return None
         now = time.monotonic()
-        if cur is not None and not lease_is_plausible(cur, pttl):
-            if stale is None or stale[0] != cur:
-                stale = (cur, now)
-                BAD_ENTRIES.reject("lease", "not_a_lease", key=key, value=cur, ttl_ms=pttl)
-            deadline = max(deadline, stale[1] + ttl_s + 1.0)
-            if now - stale[1] >= ttl_s and r.eval(
-                    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('SET', KEYS[1], ARGV[2], "
-                    "'PX', ARGV[3]) end return 0", 1, key, cur, holder, int(ttl_s * 1000)):
-                return
-        if now >= deadline:
-            raise LeaseHeld(f"refused: {key} is held by {cur!r} (is this shard already running?)")
-        time.sleep(min(0.2, ttl_s / 4))
+        if stale is None or stale[0] != cur:
+            stale = (cur, now)
+            BAD_ENTRIES.reject("lease", "not_a_lease", key=key, value=cur, ttl_ms=pttl)
+        deadline.extend_to(stale[1] + ttl_s + 1.0)
+        if now - stale[1] >= ttl_s and r.eval(
+                "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('SET', KEYS[1], ARGV[2], "
+                "'PX', ARGV[3]) end return 0", 1, key, cur, holder, int(ttl_s * 1000)):
+            return True
+        return None
+
+    if retry.until(take, deadline, interval_s=min(0.2, ttl_s / 4)) is None:
+        raise LeaseHeld(f"refused: {key} is held by {cur!r} (is this shard already running?)")
 
 
 def renew_lease(r: redis.Redis, key: str, holder: str, *, ttl_s: float) -> bool:

@@ -1,7 +1,8 @@
 """Container health checks that cost milliseconds: ``python -m common.health redis|http ...``.
 
 A health check runs every few seconds in every container, so it must not import torch (which
-``ddloco`` does): this module needs the standard library and ``common.redis_server`` only.
+``ddloco`` does): this module needs the standard library and ``common.redis_server`` (redis-py)
+only.
 
 - ``python -m common.health redis --port 6379 --password-file /keys/secret/redis.password``:
   healthy when Redis answers PING (after AUTH).
