@@ -10,6 +10,7 @@ import torch
 
 from common import retry
 from common.config import Endpoints, LearnerOptions, RunConfig, SyncerOptions
+from common.lifecycle import stop_processes  # noqa: F401  (tests import it from here: one way to stop a process)
 from common.redis_server import EmbeddedRedis, free_port
 from common.task import Task
 from ddloco.tasks.gpt import Batch
@@ -233,9 +234,3 @@ def start_hand_daemons(tmp_path: Any, redis_url: str, run_id: str, *, broker_arg
                               env={**env, **(syncer_env or {})}, stderr=subprocess.DEVNULL)]
     return HandDaemons(net, env, procs)
 
-
-def stop_processes(procs: list[Any]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
