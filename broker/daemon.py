@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -34,6 +34,7 @@ from common.log import get_logger
 from common.links import keep_alive
 from common.security import Security, ZapHandler, authorize, owner_refusal
 from broker import limits
+from broker.stats import BrokerStats, tally
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,24 +104,6 @@ MAX_FRAMES = 16
 
 KNOWN_KINDS = frozenset(wire.KINDS)
 """Message kinds counted by name; any other topic is counted as "other"."""
-
-
-@dataclass
-class BrokerStats:
-    messages: int = 0
-    bytes: int = 0
-    subscriptions: int = 0
-    by_kind: dict[str, int] = field(default_factory=dict)
-    bytes_by_kind: dict[str, int] = field(default_factory=dict)
-    refused: dict[str, int] = field(default_factory=dict)
-    """Published messages dropped by the role rules, by reason (a fixed set of keys)."""
-    auth_failures: dict[str, int] = field(default_factory=dict)
-    """CURVE handshakes refused by the ZAP handler, by reason (a fixed set of keys)."""
-
-    def as_dict(self) -> dict:
-        return {"messages": self.messages, "bytes": self.bytes, "subscriptions": self.subscriptions,
-                "by_kind": dict(self.by_kind), "refused": dict(self.refused),
-                "auth_failures": dict(self.auth_failures)}
 
 
 class Broker:
@@ -201,20 +184,8 @@ class Broker:
         return self
 
     def readings(self) -> list[metrics.Reading]:
-        """What ``/metrics`` shows, read on the scrape's thread (dict copies: no lock)."""
-        st = self.stats
-        return [
-            metrics.counter("broker_messages_total", "Messages forwarded from publishers to subscribers, by "
-                            "kind (topic prefix; other: unknown topics).", dict(st.by_kind), "kind"),
-            metrics.counter("broker_bytes_total", "Bytes forwarded (all frames), by message kind.",
-                            dict(st.bytes_by_kind), "kind"),
-            metrics.counter("broker_subscriptions_total", "Subscription messages passed upstream.",
-                            st.subscriptions),
-            metrics.counter("broker_refused_total", "Published messages dropped by the role rules (CURVE), by "
-                            "reason.", dict(st.refused), "reason"),
-            metrics.counter("broker_auth_failures_total", "CURVE handshakes refused, by reason.",
-                            dict(st.auth_failures), "reason"),
-        ]
+        """What ``/metrics`` shows, read on the scrape's thread (``BrokerStats.readings``)."""
+        return self.stats.readings()
 
     def __exit__(self, *exc) -> None:
         if self.metrics is not None:
@@ -242,7 +213,7 @@ class Broker:
                 if self.security is not None:
                     reason = self._refusal(frames) or self._limit_refusal(frames)
                     if reason is not None:
-                        self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
+                        self._count(reason)
                         continue
                 try:
                     self.xpub.send_multipart(frames, zmq.NOBLOCK, copy=False)
@@ -255,8 +226,8 @@ class Broker:
                 kind = wire.topic_kind(bytes(frames[0].buffer))
                 if kind not in KNOWN_KINDS:
                     kind = "other"   # whatever a publisher invents: bounded memory, bounded log lines
-                self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0) + 1
-                self.stats.bytes_by_kind[kind] = self.stats.bytes_by_kind.get(kind, 0) + nbytes
+                tally(self.stats.by_kind, kind)
+                tally(self.stats.bytes_by_kind, kind, nbytes)
         for m in self._monitors:
             if m in events:
                 self._on_monitor(m)
@@ -284,7 +255,7 @@ class Broker:
             except (zmq.ZMQError, ValueError):
                 continue
             del ev   # a client without CURVE, or not speaking ZMTP: refused before ZAP
-            self._handshake_failures["handshake"] = self._handshake_failures.get("handshake", 0) + 1
+            tally(self._handshake_failures, "handshake")
 
     @staticmethod
     def _refusal(frames: list[zmq.Frame]) -> str | None:
@@ -297,7 +268,7 @@ class Broker:
         return authorize(user or "", bytes(frames[0].buffer), bytes(frames[1].buffer))
 
     def _count(self, reason: str) -> None:
-        self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
+        tally(self.stats.refused, reason)
 
     def _limit_refusal(self, frames: list[zmq.Frame]) -> str | None:
         """After the role rules: the owner rule, the frame count and the member's rate."""
@@ -377,12 +348,9 @@ class Broker:
         import json
         import redis as redis_lib
         from common.keys import Keys
-        st = self.stats
         try:
             self._redis.hset(Keys(self.options.run_id).broker, mapping={
-                "messages": st.messages, "bytes": st.bytes, "refused": json.dumps(st.refused),
-                "auth_failures": sum(st.auth_failures.values()), "auth_failures_by_reason": json.dumps(st.auth_failures),
-                "curve": int(self.security is not None), "updated_at": time.time(),
+                **self.stats.redis_fields(), "curve": int(self.security is not None), "updated_at": time.time(),
                 "limits": json.dumps({"shards": self.shards, "fragments": self.fragments,
                                       "max_message_bytes": self.options.max_message_bytes,
                                       "max_subscriptions": self.subs.cap})})
