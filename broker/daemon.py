@@ -18,6 +18,11 @@ connection of a publisher that sends a larger one) and a subscription at most 1 
 member's messages pass a token bucket of its role (``rate_limited``); each member holds at most
 ``max_subscriptions`` topics (the XPUB is manual: the broker applies a subscription only within
 that cap, ``too_many_subscriptions``).
+
+Threads: the broker's loop (the thread that enters ``Broker`` and calls ``poll_once``) owns every
+attribute of ``Broker``, its limits and its counters (``broker.stats``); the metrics endpoint's
+thread only reads the counters, as copies (``readings``); the ZAP handler's thread owns its
+refusal counts (``common.security.ZapHandler.failures``), which the loop copies in one step.
 """
 from __future__ import annotations
 
@@ -134,43 +139,13 @@ class Broker:
         self._ctx = zmq.Context()
         if self.security is not None:
             self.zap = self.security.start_zap(self._ctx)
-        self.xsub = self._ctx.socket(zmq.XSUB)
-        self.xpub = self._ctx.socket(zmq.XPUB)
-        for s in (self.xsub, self.xpub):
-            keep_alive(s)   # a subscriber whose link went dark is dropped, not buffered for
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SNDHWM, self.options.hwm_messages)
-            s.setsockopt(zmq.RCVHWM, self.options.hwm_messages)
-            if self.security is not None:
-                self.security.server(s, "broker")
-        self.xsub.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
-        self.xpub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
-        if self.security is not None:   # subscriptions applied by the broker, per member (broker.limits)
-            self.xpub.setsockopt(zmq.XPUB_MANUAL, 1)
+        self._make_sockets(self._ctx)
         if self.options.redis_url and self.options.run_id:
             from common import control
             self._redis = control.connect(self.options.redis_url)
             self._read_run_facts()
-        self.xsub.bind(self.options.xsub_bind)
-        self.xpub.bind(self.options.xpub_bind)
-        self.xsub_endpoint = self.xsub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.xpub_endpoint = self.xpub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.poller = zmq.Poller()
-        self.poller.register(self.xsub, zmq.POLLIN)
-        self.poller.register(self.xpub, zmq.POLLIN)
-        self._monitors = []
-        if self.security is not None:  # handshakes refused before ZAP (a client without CURVE, garbage)
-            events = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-            self._monitors = [s.get_monitor_socket(events) for s in (self.xsub, self.xpub)]
-            for m in self._monitors:
-                self.poller.register(m, zmq.POLLIN)
-        self.log.info("broker.started", xsub=self.xsub_endpoint, xpub=self.xpub_endpoint,
-                      hwm=self.options.hwm_messages, curve=self.security is not None, shards=self.shards,
-                      fragments=self.fragments, max_message_bytes=self.options.max_message_bytes,
-                      max_subscriptions=self.subs.cap)
-        if self.security is None:
-            self.log.warning("broker.insecure", detail="no CURVE: anyone who reaches these ports can publish "
-                             "and subscribe (--insecure)")
+        self._bind()
+        self._log_start()
         try:
             self.metrics = metrics.start(role="broker", run_id=self.options.run_id, member="broker",
                                          read=self.readings, host=self.options.metrics_host,
@@ -182,6 +157,49 @@ class Broker:
         if self.metrics is not None:
             self.log.info("broker.metrics", url=self.metrics.url)
         return self
+
+    def _make_sockets(self, ctx: zmq.Context) -> None:
+        """XSUB and XPUB with their buffers and size limits; CURVE servers with keys (the XPUB
+        then manual: subscriptions applied by the broker, per member, ``broker.limits``)."""
+        self.xsub = ctx.socket(zmq.XSUB)
+        self.xpub = ctx.socket(zmq.XPUB)
+        for s in (self.xsub, self.xpub):
+            keep_alive(s)   # a subscriber whose link went dark is dropped, not buffered for
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, self.options.hwm_messages)
+            s.setsockopt(zmq.RCVHWM, self.options.hwm_messages)
+            if self.security is not None:
+                self.security.server(s, "broker")
+        self.xsub.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
+        self.xpub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
+        if self.security is not None:
+            self.xpub.setsockopt(zmq.XPUB_MANUAL, 1)
+
+    def _bind(self) -> None:
+        """Bind both sockets and poll them, with the handshakes refused before ZAP (a client
+        without CURVE, garbage) watched on their monitor sockets."""
+        self.xsub.bind(self.options.xsub_bind)
+        self.xpub.bind(self.options.xpub_bind)
+        self.xsub_endpoint = self.xsub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.xpub_endpoint = self.xpub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.poller = zmq.Poller()
+        self.poller.register(self.xsub, zmq.POLLIN)
+        self.poller.register(self.xpub, zmq.POLLIN)
+        self._monitors = []
+        if self.security is not None:
+            events = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            self._monitors = [s.get_monitor_socket(events) for s in (self.xsub, self.xpub)]
+            for m in self._monitors:
+                self.poller.register(m, zmq.POLLIN)
+
+    def _log_start(self) -> None:
+        self.log.info("broker.started", xsub=self.xsub_endpoint, xpub=self.xpub_endpoint,
+                      hwm=self.options.hwm_messages, curve=self.security is not None, shards=self.shards,
+                      fragments=self.fragments, max_message_bytes=self.options.max_message_bytes,
+                      max_subscriptions=self.subs.cap)
+        if self.security is None:
+            self.log.warning("broker.insecure", detail="no CURVE: anyone who reaches these ports can publish "
+                             "and subscribe (--insecure)")
 
     def readings(self) -> list[metrics.Reading]:
         """What ``/metrics`` shows, read on the scrape's thread (``BrokerStats.readings``)."""

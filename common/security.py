@@ -17,6 +17,11 @@ its messages with the User-Id ``<role>:<id>``; the broker then checks that a mes
 suits the role and that its header's sender is that id (``authorize``). Adding a member is adding
 its public file before the member starts (libzmq does not retry a refused handshake); revoking one
 is deleting it (refused at its next connection: connections already open stay open).
+
+Threads: a ``ZapHandler`` runs on its own thread, which alone writes its ``failures`` and
+``admitted`` counts (a daemon's loop reads copies) and reloads the ``AllowList`` when a key file
+changes; the member's thread reloads it too when it needs a name not read yet (``public``). A
+reload replaces whole dicts, never edits them, so a reader sees the old list or the new one.
 """
 from __future__ import annotations
 
