@@ -18,6 +18,7 @@ import sys
 import urllib.error
 import urllib.request
 
+from common import exits
 from common.redis_server import ping
 
 UP_METRIC = "ddloco_up"
@@ -60,14 +61,14 @@ def main(argv: list[str] | None = None) -> int:
                     password = f.read().strip()
             except OSError as e:
                 print(f"unhealthy: cannot read {args.password_file}: {e}", file=sys.stderr)
-                return 1
+                return exits.FAILURE
         why = redis_healthy(args.host, args.port, password, args.timeout)
     else:
         why = http_healthy(args.url, args.timeout)
     if why:
         print(f"unhealthy: {why}", file=sys.stderr)
-        return 1
-    return 0
+        return exits.FAILURE
+    return exits.OK
 
 
 if __name__ == "__main__":

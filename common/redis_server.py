@@ -33,8 +33,8 @@ import structlog
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from common import retry
-from common.lifecycle import die_with_parent
+from common import exits, retry
+from common.lifecycle import die_with_parent, stop_processes
 
 log = structlog.get_logger("redis_server")
 
@@ -281,15 +281,8 @@ class EmbeddedRedis:
 
     def _cleanup_process(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if proc is not None:
+            stop_processes([proc], timeout_s=_STOP_TIMEOUT_S)
 
     def _remove_tmp(self) -> None:
         tmp, self._tmp = self._tmp, None
@@ -328,7 +321,7 @@ def check() -> int:
         binary = find_redis_server()
     except RedisBinaryNotFound as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exits.USAGE
     print(f"redis-server: {binary}")
     try:
         print(f"version: {redis_version(binary)}")
@@ -340,12 +333,12 @@ def check() -> int:
         with EmbeddedRedis() as server:
             if not ping(server.host, server.port):
                 print(f"error: no PING answer from {server.url}", file=sys.stderr)
-                return 1
+                return exits.FAILURE
             print(f"started, pinged and stopped a server on {server.url}")
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+        return exits.FAILURE
+    return exits.OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -362,11 +355,11 @@ def main(argv: list[str] | None = None) -> int:
             print(find_redis_server())
         except RedisBinaryNotFound as e:
             print(f"error: {e}", file=sys.stderr)
-            return 2
-        return 0
+            return exits.USAGE
+        return exits.OK
     if not args.check:
         parser.print_help()
-        return 2
+        return exits.USAGE
     return check()
 
 

@@ -66,3 +66,23 @@ def test_a_listener_that_is_not_redis_is_no_answer() -> None:
         finally:
             stop.set()
             t.join(5)
+
+
+def test_the_container_health_check_of_redis_needs_the_right_password(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    def health(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "common.health", "redis", *args], capture_output=True,
+                              text=True, timeout=30)
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.write_text("s3cret\n")
+    bad.write_text("nope\n")
+    with EmbeddedRedis(password="s3cret") as srv:
+        ok = health("--port", str(srv.port), "--password-file", str(good))
+        assert (ok.returncode, ok.stderr) == (0, "")
+        refused = health("--port", str(srv.port), "--password-file", str(bad))
+        assert refused.returncode == 1 and refused.stderr == f"unhealthy: no PONG from Redis at 127.0.0.1:{srv.port}\n"
+        missing = health("--port", str(srv.port), "--password-file", str(tmp_path / "absent"))
+        assert missing.returncode == 1 and missing.stderr.startswith("unhealthy: cannot read ")
+        assert missing.stderr.count("\n") == 1
