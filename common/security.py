@@ -39,6 +39,7 @@ import zmq
 import zmq.auth
 
 from common import wire
+from common.keys import Keys
 from common.wire import topic_fragment, topic_kind
 
 ROLES = ("broker", "shard", "learner", "monitor")
@@ -337,7 +338,7 @@ def redis_acl_rules(run_id: str) -> str:
     SHUTDOWN, ACL, ...). Redis 6 cannot separate read from write per key pattern, so a member
     with it can still write another member's entries of the same run: on Redis >= 7 learners get
     users of their own instead (common/redis_acl.py, docs/SECURITY.md)."""
-    return f"~ddl:{{{run_id}}}:* +@all -@dangerous -@admin"
+    return f"~{Keys(run_id).prefix}* +@all -@dangerous -@admin"
 
 
 def from_options(keys_dir: str, name: str, insecure: bool) -> Security | None:
