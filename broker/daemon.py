@@ -18,12 +18,17 @@ connection of a publisher that sends a larger one) and a subscription at most 1 
 member's messages pass a token bucket of its role (``rate_limited``); each member holds at most
 ``max_subscriptions`` topics (the XPUB is manual: the broker applies a subscription only within
 that cap, ``too_many_subscriptions``).
+
+Threads: the broker's loop (the thread that enters ``Broker`` and calls ``poll_once``) owns every
+attribute of ``Broker``, its limits and its counters (``broker.stats``); the metrics endpoint's
+thread only reads the counters, as copies (``readings``); the ZAP handler's thread owns its
+refusal counts (``common.security.ZapHandler.failures``), which the loop copies in one step.
 """
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -34,6 +39,7 @@ from common.log import get_logger
 from common.links import keep_alive
 from common.security import Security, ZapHandler, authorize, owner_refusal
 from broker import limits
+from broker.stats import BrokerStats, tally
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,24 +111,6 @@ KNOWN_KINDS = frozenset(wire.KINDS)
 """Message kinds counted by name; any other topic is counted as "other"."""
 
 
-@dataclass
-class BrokerStats:
-    messages: int = 0
-    bytes: int = 0
-    subscriptions: int = 0
-    by_kind: dict[str, int] = field(default_factory=dict)
-    bytes_by_kind: dict[str, int] = field(default_factory=dict)
-    refused: dict[str, int] = field(default_factory=dict)
-    """Published messages dropped by the role rules, by reason (a fixed set of keys)."""
-    auth_failures: dict[str, int] = field(default_factory=dict)
-    """CURVE handshakes refused by the ZAP handler, by reason (a fixed set of keys)."""
-
-    def as_dict(self) -> dict:
-        return {"messages": self.messages, "bytes": self.bytes, "subscriptions": self.subscriptions,
-                "by_kind": dict(self.by_kind), "refused": dict(self.refused),
-                "auth_failures": dict(self.auth_failures)}
-
-
 class Broker:
     """``with Broker(opts) as b: while not stop.is_set(): b.poll_once(100)``."""
 
@@ -151,43 +139,13 @@ class Broker:
         self._ctx = zmq.Context()
         if self.security is not None:
             self.zap = self.security.start_zap(self._ctx)
-        self.xsub = self._ctx.socket(zmq.XSUB)
-        self.xpub = self._ctx.socket(zmq.XPUB)
-        for s in (self.xsub, self.xpub):
-            keep_alive(s)   # a subscriber whose link went dark is dropped, not buffered for
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SNDHWM, self.options.hwm_messages)
-            s.setsockopt(zmq.RCVHWM, self.options.hwm_messages)
-            if self.security is not None:
-                self.security.server(s, "broker")
-        self.xsub.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
-        self.xpub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
-        if self.security is not None:   # subscriptions applied by the broker, per member (broker.limits)
-            self.xpub.setsockopt(zmq.XPUB_MANUAL, 1)
+        self._make_sockets(self._ctx)
         if self.options.redis_url and self.options.run_id:
             from common import control
             self._redis = control.connect(self.options.redis_url)
             self._read_run_facts()
-        self.xsub.bind(self.options.xsub_bind)
-        self.xpub.bind(self.options.xpub_bind)
-        self.xsub_endpoint = self.xsub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.xpub_endpoint = self.xpub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.poller = zmq.Poller()
-        self.poller.register(self.xsub, zmq.POLLIN)
-        self.poller.register(self.xpub, zmq.POLLIN)
-        self._monitors = []
-        if self.security is not None:  # handshakes refused before ZAP (a client without CURVE, garbage)
-            events = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-            self._monitors = [s.get_monitor_socket(events) for s in (self.xsub, self.xpub)]
-            for m in self._monitors:
-                self.poller.register(m, zmq.POLLIN)
-        self.log.info("broker.started", xsub=self.xsub_endpoint, xpub=self.xpub_endpoint,
-                      hwm=self.options.hwm_messages, curve=self.security is not None, shards=self.shards,
-                      fragments=self.fragments, max_message_bytes=self.options.max_message_bytes,
-                      max_subscriptions=self.subs.cap)
-        if self.security is None:
-            self.log.warning("broker.insecure", detail="no CURVE: anyone who reaches these ports can publish "
-                             "and subscribe (--insecure)")
+        self._bind()
+        self._log_start()
         try:
             self.metrics = metrics.start(role="broker", run_id=self.options.run_id, member="broker",
                                          read=self.readings, host=self.options.metrics_host,
@@ -200,21 +158,52 @@ class Broker:
             self.log.info("broker.metrics", url=self.metrics.url)
         return self
 
+    def _make_sockets(self, ctx: zmq.Context) -> None:
+        """XSUB and XPUB with their buffers and size limits; CURVE servers with keys (the XPUB
+        then manual: subscriptions applied by the broker, per member, ``broker.limits``)."""
+        self.xsub = ctx.socket(zmq.XSUB)
+        self.xpub = ctx.socket(zmq.XPUB)
+        for s in (self.xsub, self.xpub):
+            keep_alive(s)   # a subscriber whose link went dark is dropped, not buffered for
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, self.options.hwm_messages)
+            s.setsockopt(zmq.RCVHWM, self.options.hwm_messages)
+            if self.security is not None:
+                self.security.server(s, "broker")
+        self.xsub.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
+        self.xpub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
+        if self.security is not None:
+            self.xpub.setsockopt(zmq.XPUB_MANUAL, 1)
+
+    def _bind(self) -> None:
+        """Bind both sockets and poll them, with the handshakes refused before ZAP (a client
+        without CURVE, garbage) watched on their monitor sockets."""
+        self.xsub.bind(self.options.xsub_bind)
+        self.xpub.bind(self.options.xpub_bind)
+        self.xsub_endpoint = self.xsub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.xpub_endpoint = self.xpub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.poller = zmq.Poller()
+        self.poller.register(self.xsub, zmq.POLLIN)
+        self.poller.register(self.xpub, zmq.POLLIN)
+        self._monitors = []
+        if self.security is not None:
+            events = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            self._monitors = [s.get_monitor_socket(events) for s in (self.xsub, self.xpub)]
+            for m in self._monitors:
+                self.poller.register(m, zmq.POLLIN)
+
+    def _log_start(self) -> None:
+        self.log.info("broker.started", xsub=self.xsub_endpoint, xpub=self.xpub_endpoint,
+                      hwm=self.options.hwm_messages, curve=self.security is not None, shards=self.shards,
+                      fragments=self.fragments, max_message_bytes=self.options.max_message_bytes,
+                      max_subscriptions=self.subs.cap)
+        if self.security is None:
+            self.log.warning("broker.insecure", detail="no CURVE: anyone who reaches these ports can publish "
+                             "and subscribe (--insecure)")
+
     def readings(self) -> list[metrics.Reading]:
-        """What ``/metrics`` shows, read on the scrape's thread (dict copies: no lock)."""
-        st = self.stats
-        return [
-            metrics.counter("broker_messages_total", "Messages forwarded from publishers to subscribers, by "
-                            "kind (topic prefix; other: unknown topics).", dict(st.by_kind), "kind"),
-            metrics.counter("broker_bytes_total", "Bytes forwarded (all frames), by message kind.",
-                            dict(st.bytes_by_kind), "kind"),
-            metrics.counter("broker_subscriptions_total", "Subscription messages passed upstream.",
-                            st.subscriptions),
-            metrics.counter("broker_refused_total", "Published messages dropped by the role rules (CURVE), by "
-                            "reason.", dict(st.refused), "reason"),
-            metrics.counter("broker_auth_failures_total", "CURVE handshakes refused, by reason.",
-                            dict(st.auth_failures), "reason"),
-        ]
+        """What ``/metrics`` shows, read on the scrape's thread (``BrokerStats.readings``)."""
+        return self.stats.readings()
 
     def __exit__(self, *exc) -> None:
         if self.metrics is not None:
@@ -242,7 +231,7 @@ class Broker:
                 if self.security is not None:
                     reason = self._refusal(frames) or self._limit_refusal(frames)
                     if reason is not None:
-                        self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
+                        self._count(reason)
                         continue
                 try:
                     self.xpub.send_multipart(frames, zmq.NOBLOCK, copy=False)
@@ -252,11 +241,11 @@ class Broker:
                 self.stats.messages += 1
                 nbytes = sum(len(f.buffer) for f in frames)
                 self.stats.bytes += nbytes
-                kind = bytes(frames[0].buffer).partition(b"|")[2].partition(b".")[0].decode(errors="replace")
+                kind = wire.topic_kind(bytes(frames[0].buffer))
                 if kind not in KNOWN_KINDS:
                     kind = "other"   # whatever a publisher invents: bounded memory, bounded log lines
-                self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0) + 1
-                self.stats.bytes_by_kind[kind] = self.stats.bytes_by_kind.get(kind, 0) + nbytes
+                tally(self.stats.by_kind, kind)
+                tally(self.stats.bytes_by_kind, kind, nbytes)
         for m in self._monitors:
             if m in events:
                 self._on_monitor(m)
@@ -284,7 +273,7 @@ class Broker:
             except (zmq.ZMQError, ValueError):
                 continue
             del ev   # a client without CURVE, or not speaking ZMTP: refused before ZAP
-            self._handshake_failures["handshake"] = self._handshake_failures.get("handshake", 0) + 1
+            tally(self._handshake_failures, "handshake")
 
     @staticmethod
     def _refusal(frames: list[zmq.Frame]) -> str | None:
@@ -297,7 +286,7 @@ class Broker:
         return authorize(user or "", bytes(frames[0].buffer), bytes(frames[1].buffer))
 
     def _count(self, reason: str) -> None:
-        self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
+        tally(self.stats.refused, reason)
 
     def _limit_refusal(self, frames: list[zmq.Frame]) -> str | None:
         """After the role rules: the owner rule, the frame count and the member's rate."""
@@ -377,12 +366,9 @@ class Broker:
         import json
         import redis as redis_lib
         from common.keys import Keys
-        st = self.stats
         try:
             self._redis.hset(Keys(self.options.run_id).broker, mapping={
-                "messages": st.messages, "bytes": st.bytes, "refused": json.dumps(st.refused),
-                "auth_failures": sum(st.auth_failures.values()), "auth_failures_by_reason": json.dumps(st.auth_failures),
-                "curve": int(self.security is not None), "updated_at": time.time(),
+                **self.stats.redis_fields(), "curve": int(self.security is not None), "updated_at": time.time(),
                 "limits": json.dumps({"shards": self.shards, "fragments": self.fragments,
                                       "max_message_bytes": self.options.max_message_bytes,
                                       "max_subscriptions": self.subs.cap})})

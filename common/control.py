@@ -7,16 +7,17 @@ restarts empty is rebuilt without losing training progress.
 from __future__ import annotations
 
 import json
-import re
 import time
 from typing import Any, Callable, Iterable, Mapping
 
 import redis
 
+from common import retry
 from common.config import RunConfig, redact_url, run_config_from_dict
-from common.entries import (BAD_ENTRIES, LEASE_TTL_MAX_S, MAX_SHARDS, parse_epoch, parse_int, parse_learner_entry,
+from common.entries import (BAD_ENTRIES, MAX_SHARDS, parse_epoch, parse_int, parse_learner_entry,
                             parse_shard_entry, parse_shard_index, parse_version, shard_count_of)
 from common.keys import CONFIG_KEY_PATTERN, EVENTS_MAXLEN, Keys, run_id_of_config_key
+from common.lease import LeaseHeld, acquire_lease, lease_is_plausible, release_lease, renew_lease  # noqa: F401
 
 
 class ConfigMismatch(RuntimeError):
@@ -134,21 +135,22 @@ def fetch_run_config(r: redis.Redis, keys: Keys, *, wait_s: float = 0.0, stop: A
     ``warn_after_s`` have passed, then every ``warn_every_s``: a mistyped run id is told within
     seconds, not when the wait gives up."""
     started = time.monotonic()
-    deadline = started + wait_s
     next_warning = started + warn_after_s
-    while True:
-        blob = r.hget(keys.config, "blob")
-        if blob:
-            return _parse_run_config(keys, blob)
+
+    def warn() -> None:
+        nonlocal next_warning
         now = time.monotonic()
-        if now >= deadline or (stop is not None and stop.is_set()):
-            when = f" after {now - started:.0f} s" if wait_s > 0 else ""
-            raise RunConfigMissing(f"{describe_missing_run(r, keys, redis_url, when=when)}; a run is started by "
-                                   f"`ddloco up` or a syncer (check --run-id and --redis-url)")
         if on_wait is not None and now >= next_warning:
             on_wait(describe_missing_run(r, keys, redis_url, when=" yet"))
             next_warning = now + warn_every_s
-        (stop.wait(0.2) if stop is not None else time.sleep(0.2))
+
+    blob = retry.until(lambda: r.hget(keys.config, "blob") or None, retry.Deadline(started + wait_s),
+                       interval_s=0.2, stop=stop, between=warn)
+    if blob:
+        return _parse_run_config(keys, blob)
+    when = f" after {time.monotonic() - started:.0f} s" if wait_s > 0 else ""
+    raise RunConfigMissing(f"{describe_missing_run(r, keys, redis_url, when=when)}; a run is started by "
+                           f"`ddloco up` or a syncer (check --run-id and --redis-url)")
 
 
 def _parse_run_config(keys: Keys, blob: str) -> RunConfig:
@@ -306,76 +308,6 @@ def check_run_config(r: redis.Redis, keys: Keys, cfg: RunConfig, **wait: Any) ->
     if theirs.digest() != cfg.digest():
         raise ConfigMismatch(f"refused: config of run {keys.run_id!r} differs: {describe_difference(cfg, theirs)}")
     return theirs
-
-
-class LeaseHeld(RuntimeError):
-    """Another live process holds this shard's lease (two shards must never own one fragment)."""
-
-
-_RENEW_LEASE = """
-local cur = redis.call('GET', KEYS[1])
-if cur == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-if not cur then return redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) and 1 or 0 end
-local ttl = redis.call('PTTL', KEYS[1])
-local e = tonumber(string.match(cur, '^[^:]+:%d+:(%d+)$'))
-if ttl < 0 or ttl > tonumber(ARGV[3]) or not e or e < tonumber(ARGV[4]) then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 2
-end
-return 0
-"""
-"""Renew our lease. Another value is a successor's (we stalled past the TTL: lost) only when a
-shard could have written it: a ``host:pid:epoch`` holder of an epoch not older than ours, with a
-TTL no longer than LEASE_TTL_MAX_S; anything else is taken back at once (returns 2)."""
-
-_LEASE_HOLDER = re.compile(r"[^:]+:\d+:(\d+)")
-
-
-def lease_is_plausible(value: str, pttl_ms: int) -> bool:
-    """Whether a lease key's value could be a shard's: a ``host:pid:epoch`` holder with a TTL
-    (every shard sets one) no longer than LEASE_TTL_MAX_S."""
-    return bool(_LEASE_HOLDER.fullmatch(value)) and 0 < pttl_ms <= LEASE_TTL_MAX_S * 1000
-
-
-def acquire_lease(r: redis.Redis, key: str, holder: str, *, ttl_s: float, wait_s: float) -> None:
-    """Take the lease, waiting up to ``wait_s`` for a crashed holder's lease to expire. A value no
-    shard writes (``lease_is_plausible``: no TTL, a longer one, not a holder) is stale: it is
-    counted and taken once it stayed unchanged for ``ttl_s`` (so no member's write keeps a shard out)."""
-    deadline = time.monotonic() + wait_s
-    stale: tuple[str, float] | None = None   # (implausible value, when first seen)
-    while not r.set(key, holder, nx=True, px=int(ttl_s * 1000)):
-        pipe = r.pipeline(transaction=False)
-        cur, pttl = pipe.get(key).pttl(key).execute()
-        now = time.monotonic()
-        if cur is not None and not lease_is_plausible(cur, pttl):
-            if stale is None or stale[0] != cur:
-                stale = (cur, now)
-                BAD_ENTRIES.reject("lease", "not_a_lease", key=key, value=cur, ttl_ms=pttl)
-            deadline = max(deadline, stale[1] + ttl_s + 1.0)
-            if now - stale[1] >= ttl_s and r.eval(
-                    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('SET', KEYS[1], ARGV[2], "
-                    "'PX', ARGV[3]) end return 0", 1, key, cur, holder, int(ttl_s * 1000)):
-                return
-        if now >= deadline:
-            raise LeaseHeld(f"refused: {key} is held by {cur!r} (is this shard already running?)")
-        time.sleep(min(0.2, ttl_s / 4))
-
-
-def renew_lease(r: redis.Redis, key: str, holder: str, *, ttl_s: float) -> bool:
-    """Extend our lease (re-take it if Redis lost it, or if it holds a value no successor shard
-    could have written: counted); False if another shard's process holds it."""
-    m = _LEASE_HOLDER.fullmatch(holder)
-    res = r.eval(_RENEW_LEASE, 1, key, holder, int(ttl_s * 1000), int(LEASE_TTL_MAX_S * 1000),
-                 int(m.group(1)) if m else 0)
-    if res == 2:
-        BAD_ENTRIES.reject("lease", "taken_back", key=key)
-    return bool(res)
-
-
-def release_lease(r: redis.Redis, key: str, holder: str) -> None:
-    """Give the lease up if it is still ours (graceful stop: a successor starts at once)."""
-    r.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
-           1, key, holder)
 
 
 def register_shard(pipe: Any, keys: Keys, shard: int, fields: Mapping[str, Any]) -> None:

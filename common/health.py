@@ -1,7 +1,8 @@
 """Container health checks that cost milliseconds: ``python -m common.health redis|http ...``.
 
 A health check runs every few seconds in every container, so it must not import torch (which
-``ddloco`` does): this module needs the standard library and ``common.redis_server`` only.
+``ddloco`` does): this module needs the standard library and ``common.redis_server`` (redis-py)
+only.
 
 - ``python -m common.health redis --port 6379 --password-file /keys/secret/redis.password``:
   healthy when Redis answers PING (after AUTH).
@@ -17,6 +18,7 @@ import sys
 import urllib.error
 import urllib.request
 
+from common import exits
 from common.redis_server import ping
 
 UP_METRIC = "ddloco_up"
@@ -59,14 +61,14 @@ def main(argv: list[str] | None = None) -> int:
                     password = f.read().strip()
             except OSError as e:
                 print(f"unhealthy: cannot read {args.password_file}: {e}", file=sys.stderr)
-                return 1
+                return exits.FAILURE
         why = redis_healthy(args.host, args.port, password, args.timeout)
     else:
         why = http_healthy(args.url, args.timeout)
     if why:
         print(f"unhealthy: {why}", file=sys.stderr)
-        return 1
-    return 0
+        return exits.FAILURE
+    return exits.OK
 
 
 if __name__ == "__main__":

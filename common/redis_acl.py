@@ -70,7 +70,7 @@ def reader_rules(run_id: str) -> str:
     """A user that reads the run's keys and writes none (``up``'s standby learners before they
     are told which learner to become; Redis >= 7)."""
     commands = " ".join(f"+{c}" for c in (*LEARNER_READS, *LEARNER_OTHER))
-    return f"resetkeys resetchannels %R~ddl:{{{run_id}}}:* -@all {commands}"
+    return f"resetkeys resetchannels %R~{Keys(run_id).prefix}* -@all {commands}"
 
 
 def role_rules(run_id: str) -> str:

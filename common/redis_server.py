@@ -24,14 +24,17 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any, Callable
 
+import redis
 import structlog
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
-from common.lifecycle import die_with_parent
+from common import exits, retry
+from common.lifecycle import die_with_parent, stop_processes
 
 log = structlog.get_logger("redis_server")
 
@@ -125,43 +128,29 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _command(host: str, port: int, command: bytes, timeout_s: float, password: str = "") -> bytes | None:
-    """Send one inline command (after AUTH when a password is given) and return the raw reply
-    (None if nothing answers)."""
+def _ask(host: str, port: int, timeout_s: float, password: str, command: Callable[[redis.Redis], Any]) -> Any:
+    """``command``'s answer from the server on (host, port), on a connection of its own (after
+    AUTH when a password is given), every step within ``timeout_s`` and tried once; None when
+    nothing (or no Redis) answers, or the server refuses. RESP2: a plain ``AUTH``, which a server
+    without a password refuses (RESP3's ``HELLO 3 AUTH default ...`` would pass)."""
+    client = redis.Redis(host=host, port=port, password=password or None, socket_timeout=timeout_s,
+                         socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0), protocol=2)
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as s:
-            if password:
-                s.sendall(b"AUTH " + password.encode() + b"\r\n")
-                if not s.recv(1024).startswith(b"+OK"):
-                    return None
-            s.sendall(command + b"\r\n")
-            reply = s.recv(65536)
-            if reply.startswith(b"$"):  # bulk string: read up to its announced length
-                head, _, body = reply.partition(b"\r\n")
-                while len(body) < int(head[1:]) + 2:
-                    more = s.recv(65536)
-                    if not more:
-                        break
-                    body += more
-                return head + b"\r\n" + body
-            return reply
-    except (OSError, ValueError):
+        with client:
+            return command(client)
+    except (redis.RedisError, OSError, ValueError):
         return None
 
 
 def ping(host: str, port: int, timeout_s: float = 0.5, password: str = "") -> bool:
     """True if a Redis server answers PING on (host, port) (after AUTH when a password is given)."""
-    reply = _command(host, port, b"PING", timeout_s, password)
-    return reply is not None and reply.startswith(b"+PONG")
+    return _ask(host, port, timeout_s, password, lambda r: r.ping()) is True
 
 
 def server_pid(host: str, port: int, timeout_s: float = 0.5, password: str = "") -> int | None:
     """Process id reported by the Redis server on (host, port) (INFO server), None if none."""
-    reply = _command(host, port, b"INFO server", timeout_s, password) or b""
-    for line in reply.splitlines():
-        if line.startswith(b"process_id:"):
-            return int(line.split(b":", 1)[1])
-    return None
+    pid = _ask(host, port, timeout_s, password, lambda r: r.info("server").get("process_id"))
+    return pid if type(pid) is int else None
 
 
 class EmbeddedRedis:
@@ -186,7 +175,6 @@ class EmbeddedRedis:
         self._proc: subprocess.Popen[bytes] | None = None
         self._tmp: str | None = None
         self._log_path: str | None = None
-        self._backoff = threading.Event()  # never set: paces retries on a fixed port
 
     @property
     def url(self) -> str:
@@ -222,28 +210,32 @@ class EmbeddedRedis:
         """Spawn the server and wait until it answers PING; RuntimeError with its log otherwise."""
         if self._proc is not None:
             return self
-        deadline = time.monotonic() + timeout_s
+        deadline = retry.Deadline.after(timeout_s)
         last_error = ""
-        while True:
+
+        def attempt() -> str | None:
+            """One server: 'ready', another outcome to give up on, None to try again (port taken)."""
+            nonlocal last_error
             if not self._fixed_port:
                 self.port = free_port(self.host)
             outcome = self._spawn_and_wait(deadline)
             if outcome == "ready":
-                atexit.register(self.stop)
-                log.info("redis_started", port=self.port, pid=self.pid, binary=self._binary)
-                return self
+                return outcome
             last_error = self._log_tail()
             self._cleanup_process()
-            if outcome != "port_taken" or time.monotonic() >= deadline:
-                break
-            if self._fixed_port:  # back off while the holder of our port lets go, then retry
-                self._backoff.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+            return None if outcome == "port_taken" else outcome
+
+        # a fixed port: back off while its holder lets go; a free port: another one at once
+        if retry.until(attempt, deadline, interval_s=0.1 if self._fixed_port else 0.0) == "ready":
+            atexit.register(self.stop)
+            log.info("redis_started", port=self.port, pid=self.pid, binary=self._binary)
+            return self
         self._remove_tmp()
         raise RuntimeError(f"redis-server ({self._binary}) did not start on "
                            f"{self.host}:{self.port} within {timeout_s:.1f}s; "
                            f"its output ends with:\n{last_error}")
 
-    def _spawn_and_wait(self, deadline: float) -> str:
+    def _spawn_and_wait(self, deadline: retry.Deadline) -> str:
         """'ready', 'port_taken', 'exited' or 'timeout'."""
         self._tmp = self._tmp or tempfile.mkdtemp(prefix="ddl-redis-")
         log_dir = self._log_dir or self._tmp
@@ -266,18 +258,19 @@ class EmbeddedRedis:
                 cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C in a terminal reaches the owner, not Redis
                 preexec_fn=lambda: die_with_parent(parent))
-        while True:
-            if server_pid(self.host, self.port, password=self.password) == self._proc.pid:  # ours, not a stranger's
-                return "ready"
-            try:  # waits on the process: returns early if it exits
-                self._proc.wait(timeout=_POLL_S)
-            except subprocess.TimeoutExpired:
-                pass
-            else:
-                taken = "Address already in use" in self._log_tail()
-                return "port_taken" if taken else "exited"
-            if time.monotonic() >= deadline:
-                return "timeout"
+        return retry.until(self._answer, deadline, interval_s=_POLL_S) or "timeout"
+
+    def _answer(self) -> str | None:
+        """'ready' when our server answers (ours, not a stranger's), 'port_taken' or 'exited' when
+        it died, None while it is starting."""
+        proc = self._proc
+        if proc is None:
+            return "exited"
+        if server_pid(self.host, self.port, password=self.password) == proc.pid:
+            return "ready"
+        if proc.poll() is None:
+            return None
+        return "port_taken" if "Address already in use" in self._log_tail() else "exited"
 
     def _log_tail(self) -> str:
         if not self._log_path or not os.path.exists(self._log_path):
@@ -288,15 +281,8 @@ class EmbeddedRedis:
 
     def _cleanup_process(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if proc is not None:
+            stop_processes([proc], timeout_s=_STOP_TIMEOUT_S)
 
     def _remove_tmp(self) -> None:
         tmp, self._tmp = self._tmp, None
@@ -335,7 +321,7 @@ def check() -> int:
         binary = find_redis_server()
     except RedisBinaryNotFound as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exits.USAGE
     print(f"redis-server: {binary}")
     try:
         print(f"version: {redis_version(binary)}")
@@ -347,12 +333,12 @@ def check() -> int:
         with EmbeddedRedis() as server:
             if not ping(server.host, server.port):
                 print(f"error: no PING answer from {server.url}", file=sys.stderr)
-                return 1
+                return exits.FAILURE
             print(f"started, pinged and stopped a server on {server.url}")
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+        return exits.FAILURE
+    return exits.OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,11 +355,11 @@ def main(argv: list[str] | None = None) -> int:
             print(find_redis_server())
         except RedisBinaryNotFound as e:
             print(f"error: {e}", file=sys.stderr)
-            return 2
-        return 0
+            return exits.USAGE
+        return exits.OK
     if not args.check:
         parser.print_help()
-        return 2
+        return exits.USAGE
     return check()
 
 

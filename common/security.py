@@ -17,6 +17,11 @@ its messages with the User-Id ``<role>:<id>``; the broker then checks that a mes
 suits the role and that its header's sender is that id (``authorize``). Adding a member is adding
 its public file before the member starts (libzmq does not retry a refused handshake); revoking one
 is deleting it (refused at its next connection: connections already open stay open).
+
+Threads: a ``ZapHandler`` runs on its own thread, which alone writes its ``failures`` and
+``admitted`` counts (a daemon's loop reads copies) and reloads the ``AllowList`` when a key file
+changes; the member's thread reloads it too when it needs a name not read yet (``public``). A
+reload replaces whole dicts, never edits them, so a reader sees the old list or the new one.
 """
 from __future__ import annotations
 
@@ -33,6 +38,10 @@ from typing import Iterable
 import zmq
 import zmq.auth
 
+from common import wire
+from common.keys import Keys
+from common.wire import topic_fragment, topic_kind
+
 ROLES = ("broker", "shard", "learner", "monitor")
 NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
@@ -43,7 +52,7 @@ DOMAINS = {
 }
 """ZAP domain of a server socket -> the roles it admits."""
 
-SENDS = {"open": "shard", "frag": "shard", "need": "shard", "upd": "learner", "have": "learner"}
+SENDS = {wire.OPEN: "shard", wire.FRAG: "shard", wire.NEED: "shard", wire.UPDATE: "learner", wire.HAVE: "learner"}
 """Message kind published through the broker -> the only role that may publish it."""
 
 
@@ -277,28 +286,24 @@ def authorize(user_id: str, topic: bytes, header: bytes) -> str | None:
     """Broker rule for one published message: None if ``user_id`` (``<role>:<id>``) may publish
     it, else the reason (one of ``REFUSE_REASONS``). Only shards publish open/frag/need, only
     learners upd/have, and the header's sender must be the authenticated id."""
-    import msgpack
     role, _, name = user_id.partition(":")
     if not role or not name:
         return "unauthenticated"
-    kind = topic.partition(b"|")[2].partition(b".")[0].decode(errors="replace")
-    need = SENDS.get(kind)
+    need = SENDS.get(topic_kind(topic))
     if need is None:
         return "unknown_kind"
     if role != need:
         return "wrong_role"
     try:
-        head = msgpack.unpackb(header, raw=False, max_str_len=1024, max_bin_len=0, max_array_len=256,
-                               max_map_len=64, strict_map_key=False)
-        sender = head.get("from") if isinstance(head, dict) else None
-    except Exception:
+        sender = wire.peek_sender(header)
+    except wire.HeaderError:
         return "malformed"
     if sender != name:
         return "sender_mismatch" if isinstance(sender, str) else "malformed"
     return None
 
 
-OWNED_KINDS = ("open", "frag", "need")
+OWNED_KINDS = (wire.OPEN, wire.FRAG, wire.NEED)
 """Kinds a shard publishes about one fragment: only the fragment's owner may."""
 
 
@@ -307,18 +312,11 @@ def owner_name(fragment: int, shards: int) -> str:
     return f"shard{fragment % shards}"
 
 
-def topic_fragment(topic: bytes) -> int | None:
-    """The fragment number of a topic ``<run>|<kind>.<pppp>`` (None if it has none)."""
-    digits = topic.rpartition(b".")[2]
-    return int(digits) if 0 < len(digits) <= 9 and digits.isdigit() else None
-
-
 def owner_refusal(user_id: str, topic: bytes, shards: int) -> str | None:
     """Broker rule after ``authorize``: a shard's ``open``/``frag``/``need`` goes on only from the
     fragment's owner. None when allowed; ``shards_unknown`` while the broker does not know S
     (refused: an unknown S must not let any shard speak for every fragment); ``not_owner``."""
-    kind = topic.partition(b"|")[2].partition(b".")[0].decode(errors="replace")
-    if kind not in OWNED_KINDS:
+    if topic_kind(topic) not in OWNED_KINDS:
         return None
     if shards < 1:
         return "shards_unknown"
@@ -340,7 +338,7 @@ def redis_acl_rules(run_id: str) -> str:
     SHUTDOWN, ACL, ...). Redis 6 cannot separate read from write per key pattern, so a member
     with it can still write another member's entries of the same run: on Redis >= 7 learners get
     users of their own instead (common/redis_acl.py, docs/SECURITY.md)."""
-    return f"~ddl:{{{run_id}}}:* +@all -@dangerous -@admin"
+    return f"~{Keys(run_id).prefix}* +@all -@dangerous -@admin"
 
 
 def from_options(keys_dir: str, name: str, insecure: bool) -> Security | None:

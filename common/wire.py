@@ -137,6 +137,20 @@ def topic_prefix(run: str, kind: str) -> bytes:
     return f"{run}|{kind}.".encode()
 
 
+def topic_kind(topic: bytes) -> str:
+    """The kind a topic ``<run>|<kind>.<pppp>`` names, read without decoding the message (the
+    broker's rules and counters): the text between the first ``|`` and the next ``.``, any bytes
+    decoded with replacement ("" when there is none)."""
+    return topic.partition(b"|")[2].partition(b".")[0].decode(errors="replace")
+
+
+def topic_fragment(topic: bytes) -> int | None:
+    """The fragment number a topic ``<run>|<kind>.<pppp>`` names: the digits after its last ``.``
+    (None when there are none, or more than 9)."""
+    digits = topic.rpartition(b".")[2]
+    return int(digits) if 0 < len(digits) <= 9 and digits.isdigit() else None
+
+
 def _crc(frames: Sequence[Any]) -> int:
     c = 0
     for f in frames:
@@ -181,6 +195,19 @@ def encode(*, kind: str, run: str, sender: str, fragment: int, values: torch.Ten
     if final:
         header["fin"] = True
     return [topic(run, kind, fragment), msgpack.packb(header, use_bin_type=True), *payload]
+
+
+def peek_sender(header: bytes) -> Any:
+    """The ``from`` field of a header frame, read without checking the rest (the broker's sender
+    rule, on every published message): None when the header is a map without it or not a map;
+    HeaderError when it is not msgpack within small bounds (no header holds a longer string,
+    array or map)."""
+    try:
+        head = msgpack.unpackb(header, raw=False, max_str_len=1024, max_bin_len=0, max_array_len=256,
+                               max_map_len=64, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise HeaderError(f"header is not msgpack: {type(e).__name__}") from None
+    return head.get("from") if isinstance(head, dict) else None
 
 
 def _frame_bytes(f: Any) -> Any:

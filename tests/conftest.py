@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import pytest
 import torch
 
+from common import retry
 from common.config import Endpoints, LearnerOptions, RunConfig, SyncerOptions
+from common.lifecycle import stop_processes  # noqa: F401  (tests import it from here: one way to stop a process)
 from common.redis_server import EmbeddedRedis, free_port
 from common.task import Task
 from ddloco.tasks.gpt import Batch
@@ -35,15 +36,10 @@ inner_warmup_steps = 2
 def wait_until(predicate: Callable[[], Any], timeout_s: float = 30.0, interval_s: float = 0.02,
                what: str = "condition") -> Any:
     """Poll ``predicate`` until it returns a truthy value; fail loudly with ``what`` on timeout."""
-    deadline = time.monotonic() + timeout_s
-    ev = threading.Event()
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        ev.wait(interval_s)
+    value = retry.until(lambda: predicate() or None, retry.Deadline.after(timeout_s), interval_s=interval_s)
+    if value is None:
+        raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+    return value
 
 
 @pytest.fixture
@@ -238,9 +234,3 @@ def start_hand_daemons(tmp_path: Any, redis_url: str, run_id: str, *, broker_arg
                               env={**env, **(syncer_env or {})}, stderr=subprocess.DEVNULL)]
     return HandDaemons(net, env, procs)
 
-
-def stop_processes(procs: list[Any]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
