@@ -46,7 +46,7 @@ class RoundCall:
     """``decide_round``'s reason: the log line and what tests assert."""
     reopen: bool = False
     """Still waiting for its quorum and unanswered long enough: send the open again."""
-    answers: int = 0
+    round_id: int = 0
 
 
 def xi_step_s(step_times_s: Sequence[float], *, slowest: bool, initial_s: float) -> float:
@@ -97,7 +97,7 @@ class RoundSchedule:
             decision, reason = decide_round(now, view, policy, grace_s=grace_s)
             reopen = (decision is Decision.WAIT_QUORUM
                       and now - rnd.last_sent_at >= self.reopen_after_s(rnd.attempt, xi_step))
-            calls.append(RoundCall(p, decision, reason, reopen, len(rnd.answers)))
+            calls.append(RoundCall(p, decision, reason, reopen, rnd.round_id))
         return calls
 
     def due(self, now: float, *, ready: Sequence[int], last_opened_s: Mapping[int, float],
@@ -124,9 +124,10 @@ class RoundSchedule:
 
 class RoundStateLog:
     """Each open round's state, logged on change (torchft's ``log_if_changed``): one line when the
-    (decision, reason) of a fragment's round changes, so a stuck round says why, and a waiting
-    one says nothing more until something changes. In the grace window only the decision and
-    the answers count (its reason counts down at every poll)."""
+    (decision, reason) of a fragment's round changes, so a stuck round says why ("waiting for
+    quorum: 1/3 answers, 4 live"), and a waiting one says nothing more until something changes.
+    In the grace window only the decision counts: its reason counts down at every poll, and the
+    round merges when the window ends whatever comes in meanwhile."""
 
     def __init__(self, emit: Callable[..., Any]) -> None:
         """``emit(event, **fields)``: a structlog logger's ``info``."""
@@ -136,10 +137,11 @@ class RoundStateLog:
 
     def observe(self, call: RoundCall) -> bool:
         """Log ``call`` when its state differs from the last one logged for its fragment; True if logged."""
-        key: tuple[Any, ...] = ((call.decision, call.answers) if call.decision is Decision.IN_GRACE
-                                else (call.decision, call.reason))
+        key: tuple[Any, ...] = ((call.round_id, call.decision) if call.decision is Decision.IN_GRACE
+                                else (call.round_id, call.decision, call.reason))
         if self._last.get(call.fragment) == key:
             return False
         self._last[call.fragment] = key
-        self._emit("syncer.round_state", fragment=call.fragment, decision=call.decision.value, reason=call.reason)
+        self._emit("syncer.round_state", fragment=call.fragment, round=call.round_id, decision=call.decision.value,
+                   reason=call.reason)
         return True
