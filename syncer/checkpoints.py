@@ -28,39 +28,40 @@ class LatestWriter:
     def __init__(self, write: Callable[[Any], None], *, name: str) -> None:
         self._write = write
         self._name = name
-        self._cond = threading.Condition()
+        self._pending_cond = threading.Condition()
+        """Guards ``_pending`` and ``_busy`` (the loop submits, the writer thread takes)."""
         self._pending: Any = None
         self._busy = False
         self._thread: threading.Thread | None = None
 
     def submit(self, item: Any) -> None:
-        with self._cond:
+        with self._pending_cond:
             self._pending = item
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            self._pending_cond.notify()
 
     def _loop(self) -> None:
         while True:
-            with self._cond:
+            with self._pending_cond:
                 while self._pending is None:
-                    self._cond.wait()
+                    self._pending_cond.wait()
                 item, self._pending, self._busy = self._pending, None, True
             try:
                 self._write(item)
             except Exception:  # the writer logs its own failures; the thread must outlive one
                 pass
             finally:
-                with self._cond:
+                with self._pending_cond:
                     self._busy = False
-                    self._cond.notify_all()
+                    self._pending_cond.notify_all()
 
     def close(self) -> None:
         """Wait until nothing is pending or being written; submitted items are written, not lost."""
-        with self._cond:
+        with self._pending_cond:
             while self._pending is not None or self._busy:
-                self._cond.wait()
+                self._pending_cond.wait()
 
 
 class CheckpointMismatch(RuntimeError):

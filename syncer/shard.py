@@ -47,7 +47,7 @@ from syncer.checkpoints import CheckpointMismatch, Checkpointing, LatestWriter
 from syncer.control_plane import ControlPlane
 from syncer.intake import Intake
 from syncer.merging import Merging
-from syncer.readings import SNAPSHOT_EVERY_S, Published, readings_of, snapshot_of
+from syncer.readings import SNAPSHOT_EVERY_S, Published, ShardSnapshot, readings_of, snapshot_of
 from syncer.recovery import Recovering
 from syncer.schedule import Learners, RoundSchedule, RoundStateLog
 from syncer.serving import Serving
@@ -178,7 +178,8 @@ class Shard(SetUp, ControlPlane, Intake, Merging, Recovering, Checkpointing, Ser
         """What ``/metrics`` shows now (on the loop thread: from a fresh snapshot)."""
         return readings_of(self._snapshot())
 
-    def _snapshot(self):
+    def _snapshot(self) -> ShardSnapshot:
+        """On the loop: what ``/metrics`` shows now (copies, published to the metrics thread)."""
         return snapshot_of(self.stats, self.frags, grace_s=self.grace_s, live_learners=len(self.live),
                            eval_loss=self._eval_loss)
 
