@@ -129,7 +129,9 @@ class NormClipper:
     answers were hostile). Until ``min_samples`` norms are known there is no reference: an outer
     gradient larger than ``ceiling_factor ×`` the fragment's own norm (``reference``, at least 1)
     is then dropped (scale 0) rather than merged, and the round's own weighted median bounds the
-    others (``round_bound``)."""
+    others (``round_bound``). Not thread-safe, and needs not be: one thread at a time owns a
+    fragment's clipper (a shard hands it to the merge worker with the merge and takes it back
+    with the result, ``syncer/merging.py``)."""
 
     factor: float = 4.0
     window: int = LEARNER_SAMPLES

@@ -789,16 +789,16 @@ def test_a_merge_runs_on_the_worker_thread_while_the_shard_answers_requests_and_
     (at the version before that merge), receives answers and another fragment merges on the
     second worker; released, the held merge lands."""
     from common.rpc import fetch_fragments
-    from syncer.shard import Shard
+    from syncer import merging
     entered, release = threading.Event(), threading.Event()
-    compute = Shard._compute_merge
+    compute = merging.compute_merge
 
-    def held(self, job):
-        if job.fragment.spec.index == 0 and not release.is_set():
+    def held(job):
+        if job.spec.index == 0 and not release.is_set():
             entered.set()
             release.wait(30)
-        return compute(self, job)
-    monkeypatch.setattr(Shard, "_compute_merge", held)
+        return compute(job)
+    monkeypatch.setattr(merging, "compute_merge", held)
     cluster = make_cluster(ASYNC)
     shard = cluster.start_shard(0, 1)
     cluster.start_learner(cluster.learner("l0", 0, step_time_floor_ms=5))

@@ -1,0 +1,175 @@
+"""Checkpoints of a shard: {Θ, momentum, version, next round} of every owned fragment, written
+atomically off the loop (``common.files.atomic_path(durable=True)``: temp file, fsync, rename,
+fsync of the directory), and loaded at start.
+
+Ownership: ``Checkpointing`` runs on the shard's loop thread. The writer thread (``LatestWriter``)
+gets each checkpoint as a state dict (references to tensors no one writes in place) and reads
+nothing of the live shard; it reports each outcome as a message (``_ckpt_outcomes``) that the
+loop counts into ``stats.checkpoints`` / ``stats.checkpoint_errors`` (``_count_checkpoints``).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from common import tokens as run_count
+from common.files import atomic_path
+
+
+class LatestWriter:
+    """One background thread that writes the newest submitted item; an item submitted while
+    another is being written replaces any item still waiting (intermediate ones are skipped)."""
+
+    def __init__(self, write: Callable[[Any], None], *, name: str) -> None:
+        self._write = write
+        self._name = name
+        self._pending_cond = threading.Condition()
+        """Guards ``_pending`` and ``_busy`` (the loop submits, the writer thread takes)."""
+        self._pending: Any = None
+        self._busy = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, item: Any) -> None:
+        with self._pending_cond:
+            self._pending = item
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._pending_cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._pending_cond:
+                while self._pending is None:
+                    self._pending_cond.wait()
+                item, self._pending, self._busy = self._pending, None, True
+            try:
+                self._write(item)
+            except Exception:  # the writer logs its own failures; the thread must outlive one
+                pass
+            finally:
+                with self._pending_cond:
+                    self._busy = False
+                    self._pending_cond.notify_all()
+
+    def close(self) -> None:
+        """Wait until nothing is pending or being written; submitted items are written, not lost."""
+        with self._pending_cond:
+            while self._pending is not None or self._busy:
+                self._pending_cond.wait()
+
+
+class CheckpointMismatch(RuntimeError):
+    """The checkpoint on disk belongs to another run config or shard layout."""
+
+
+class Checkpointing:
+    """The checkpoint steps of ``Shard`` (a mixin: the loop thread's state is the shard's)."""
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        if not self.options.checkpoint_dir:
+            return None
+        name = f"{self.endpoints.run_id}-shard{self.options.shard}of{self.options.shards}.pt"
+        return Path(self.options.checkpoint_dir).absolute() / name
+
+    def checkpoint(self, *, wait: bool = False) -> None:
+        """Snapshot {Θ, momentum, version, next_round} of every fragment (references to tensors no
+        merge writes in place: no copy, no extra memory) and hand it to the writer thread, which
+        writes it atomically (temp file, fsync, rename, fsync of the directory) off the loop. A
+        snapshot taken while the previous one is still being written replaces any snapshot still
+        waiting (the newest one wins).
+        ``wait``: write synchronously after the writer finished (the final checkpoint at stop)."""
+        if self.checkpoint_path is None:
+            return
+        state = {
+            "format": 2, "run_digest": self.run.digest(), "run_config": self.run.to_dict(),
+            "plan_digest": self.plan_digest, "shard": self.options.shard, "shards": self.options.shards,
+            "epoch": self.epoch,
+            # references, not copies: a fragment's tensors are replaced by every merge, never
+            # written in place (FragmentState), so the snapshot stays at its versions meanwhile
+            "fragments": {p: {"theta": f.theta, "momentum": f.momentum, "version": f.version,
+                              "next_round": f.next_round,
+                              **({} if f.master is None else {"master": f.master})}
+                          for p, f in self.frags.items()},
+            "merges": self.stats.merges, "saved_at": time.time(), "run_tokens": self.run_tokens,
+            "token_shares": dict(self.token_shares),
+        }
+        self._merges_since_ckpt = 0
+        if wait:
+            self._ckpt_writer.close()
+            self._write_checkpoint(state)
+            self._count_checkpoints()
+        else:
+            self._ckpt_writer.submit(state)
+
+    def _write_checkpoint(self, state: dict[str, Any]) -> None:
+        """Atomic and durable (``common.files.atomic_path``). Runs on the writer thread (or at
+        stop): it reads nothing of the live shard state and reports its outcome as a message."""
+        path = self.checkpoint_path
+        assert path is not None
+        t0 = time.perf_counter()
+        try:
+            with atomic_path(path, durable=True) as tmp:
+                torch.save(state, tmp)
+        except (OSError, RuntimeError) as e:  # disk full, directory gone: keep merging, the old one stays intact
+            self._ckpt_outcomes.put(False)
+            self.log.error("syncer.checkpoint_failed", path=str(path), error=str(e))
+            return
+        self._ckpt_outcomes.put(True)
+        self.log.info("syncer.checkpoint", path=str(path), write_s=round(time.perf_counter() - t0, 4),
+                      versions={p: fs["version"] for p, fs in state["fragments"].items()})
+
+    def _count_checkpoints(self) -> None:
+        """On the loop: count the writes the writer thread reported (written, failed)."""
+        while True:
+            try:
+                written = self._ckpt_outcomes.get_nowait()
+            except queue.Empty:
+                return
+            if written:
+                self.stats.checkpoints += 1
+            else:
+                self.stats.checkpoint_errors += 1
+
+    def _checkpoint_epoch(self) -> int:
+        """The epoch recorded in this shard's checkpoint (0: none, or unreadable)."""
+        path = self.checkpoint_path
+        if self.options.fresh or path is None or not path.exists():
+            return 0
+        try:
+            return int(torch.load(path, weights_only=True).get("epoch", 0))
+        except Exception:  # a damaged file is reported by _load_checkpoint
+            return 0
+
+    def _load_checkpoint(self) -> bool:
+        path = self.checkpoint_path
+        if path is None or not path.exists():
+            return False
+        state = torch.load(path, weights_only=True)
+        if (state.get("run_digest") not in {self.run.digest(), *self.run.legacy_digests()}
+                or state.get("plan_digest") != self.plan_digest):
+            raise CheckpointMismatch(f"checkpoint {path} belongs to another run config; move it away or use another --checkpoint-dir")
+        if (state["shard"], state["shards"]) != (self.options.shard, self.options.shards):
+            raise CheckpointMismatch(f"checkpoint {path} is for shard {state['shard']} of {state['shards']}")
+        for p, fs in state["fragments"].items():
+            f = self.frags[int(p)]
+            f.theta, f.momentum, f.version = fs["theta"], fs["momentum"], int(fs["version"])
+            f.master, f.reply = fs.get("master"), None
+            f.history = {f.version: f.theta}  # answers on older bases are refused as stale
+            f.next_round = int(fs["next_round"])
+        self.stats.merges = int(state.get("merges", 0))
+        self.run_tokens = int(state.get("run_tokens", 0))
+        self._since_unknown_unix = float(state.get("saved_at", self._since_unknown_unix))
+        # a checkpoint from before shares existed holds the total only: one share of it
+        self.token_shares = run_count.merge_shares(state.get("token_shares") or {},
+                                                   {} if "token_shares" in state or not self.run_tokens
+                                                   else {run_count.EARLIER: self.run_tokens})
+        self.log.info("syncer.resumed", path=str(path), versions={p: f.version for p, f in self.frags.items()})
+        return True
+

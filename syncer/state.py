@@ -1,0 +1,255 @@
+"""The shard's state: what a fragment, an open round, an answer, a recovery and the counters hold.
+
+Ownership (STYLE "Shells"): every object here is created, changed and read by the shard's loop
+thread (the thread that calls ``Shard.poll_once``), with two exceptions, both handed over as
+messages: a ``MergeInput`` goes to a merge worker and its ``MergeResult`` comes back
+(``syncer/merging.py``); a checkpoint's state dict goes to the writer thread
+(``syncer/checkpoints.py``). ``/metrics`` reads a ``ShardSnapshot`` the loop publishes
+(``syncer/readings.py``), never these.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from common import metrics
+from common.config import AlgoConfig
+from common.fragments import Fragment
+from common.robust import NormClipper
+CONTROL_REFRESH_S = 0.5
+REQUEST_DEDUPE_S = 5.0
+"""A requester asking again for the fragment version it was sent less than this long ago is
+ignored (the reply is on its way; a large fragment takes longer than a client's retry)."""
+MERGE_WORKERS = 2
+"""Worker threads for merges: a fragment merges once at a time, two fragments may merge together
+(torch releases the GIL), and a slow merge never stops the socket loop."""
+BEHIND_FACTOR = 1.2
+"""A fragment whose merges come more than this many times H learner steps apart is behind schedule."""
+RECOVERY_QUIET_S = 3.0
+RECOVERY_COPIES = 64
+"""Distinct copies (and learners) a recovering fragment keeps: bounded whatever members send."""
+"""A restarted shard that is not behind the run's record starts merging when no learner holding
+copies has been live for this long (after a Redis restart, learners come back within a heartbeat)."""
+HOLDING = ("training", "blocked", "flushing")
+"""Learner statuses that hold a copy of every fragment (recovery waits for their answers)."""
+
+
+@dataclass
+class Answer:
+    """One learner's answer to an open round, dequantized."""
+
+    sender: str
+    base: int
+    steps: int
+    tokens: int
+    delta: torch.Tensor
+    received_at: float
+    clip_steps: float | None = None
+    """Its steps as far as the time since its base allows: what may stretch the norm bound (common.robust)."""
+
+
+@dataclass
+class OpenRound:
+    round_id: int
+    opened_at: float
+    attempt: int = 0
+    last_sent_at: float = 0.0
+    answers: dict[str, Answer] = field(default_factory=dict)
+    quorum_at: float | None = None
+    timed: bool = True
+    """Some learner was past its join (training, blocked at the lock-step barrier, flushing) when
+    the round opened: its open-to-quorum time measures the
+    path (ξ_quorum). A round opened before any learner trained (shard start, learners still
+    booting or joining) waited for the learners instead: counted, it shut the grace window for
+    the next dozen rounds (10 % of the answers late in a 30 s `bench sync`)."""
+
+
+@dataclass
+class FragmentState:
+    """Global value, outer momentum, version and short history of one fragment.
+
+    ``theta``, ``master`` and ``momentum`` are replaced by new tensors (a merge, a recovery, a
+    checkpoint load), never written in place: the history, a checkpoint being written and a merge
+    running on the worker thread hold references to them, not copies."""
+
+    spec: Fragment
+    theta: torch.Tensor
+    """The value every replica holds (learners apply the broadcast updates to it bit-identically)."""
+    momentum: torch.Tensor
+    master: torch.Tensor | None = None
+    """The exact fp32 result of the outer steps when the downlink is quantized (None: ``theta``).
+    Every broadcast update is q(master − theta), so what quantization dropped from one update
+    travels in the next one (the replicas never drift from the master by more than one
+    update's quantization error, and small late outer steps are never lost)."""
+    reply: tuple[int, int, list[Any]] | None = None
+    """(epoch, version, frames) of the last full-value reply: requests for one version are encoded once."""
+    version: int = 0
+    history: dict[int, torch.Tensor] = field(default_factory=dict)
+    answered_unix: dict[str, tuple[int, float, float]] = field(default_factory=dict)
+    """Learner -> (round, reference, last) of its answers to this fragment: the round it last
+    answered, the wall time its claims in that round count from (its last answer to an earlier
+    round) and the time of its last answer. The steps an answer may claim follow the time since the
+    reference (common.robust); not the time since its base: a learner that carries its unmerged
+    steps keeps counting them across bases, and one that answers a re-sent open again still
+    counts from the same point."""
+    round: OpenRound | None = None
+    last_opened_at: float | None = None
+    next_round: int = 0
+    recovery: "Recovery | None" = None
+    """Set while the shard collects live learners' copies at start (no rounds meanwhile)."""
+    clipper: NormClipper | None = field(default_factory=NormClipper)
+    """Recent outer-gradient norms of this fragment (robust merge). None while a merge worker has
+    it (``MergeJob.clipper``): handed over with the merge, handed back with its result."""
+    merging: "MergeJob | None" = None
+    """A closed round whose merge runs on the worker thread (no new round opens meanwhile)."""
+    last_merged_at: float | None = None
+    failed_rounds: int = 0
+    """Rounds closed without a merge since the last merge (every answer dropped, not finite, no weight)."""
+    effective_h: float = 0.0
+    """EMA of the learner steps between two merges of this fragment (schedule check)."""
+
+
+@dataclass
+class MergeResult:
+    """What a merge worker hands back to the loop (the loop applies it: ``Merging._apply_merge``)."""
+
+    replica: torch.Tensor | None
+    """None: no merge (not finite, or every answer dropped by the clipper)."""
+    master: torch.Tensor | None
+    momentum: torch.Tensor | None
+    frames: list[Any]
+    clipped: list[str]
+    seconds: float
+    every_answer_dropped: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class MergeInput:
+    """Everything a merge worker reads (ALGORITHM §5), handed over by the loop: tensors no one
+    writes in place (``FragmentState``), the answers, and the fragment's clipper, which the
+    worker owns until the loop takes it back with the result. The worker gets no reference to
+    the shard nor to the ``FragmentState``: it cannot read the loop's state."""
+
+    spec: Fragment
+    theta: torch.Tensor
+    master: torch.Tensor | None
+    momentum: torch.Tensor
+    bases: dict[int, torch.Tensor]
+    """Version -> value of every base an answer names (the fragment's history, at submit)."""
+    answers: tuple[Answer, ...]
+    weights: torch.Tensor
+    clipper: NormClipper
+    algo: AlgoConfig
+    version: int
+    epoch: int
+    run_id: str
+    sender: str
+    scratch: threading.local
+    """Per merging thread: the buffers every merge on it reuses (``merging.scratch_buffers``)."""
+    largest_numel: int
+    """The shard's largest fragment: the size of those buffers."""
+
+
+@dataclass
+class MergeJob:
+    """A closed round whose merge runs on a worker: the loop's record of it (never read by the worker)."""
+
+    fragment: FragmentState
+    rnd: OpenRound
+    answers: list[Answer]
+    weights: torch.Tensor
+    closed_at: float
+    reason: str
+    grace: float
+    version: int
+    epoch: int
+    clipper: NormClipper
+    """The fragment's clipper, away with the worker until the loop applies the result."""
+    future: "Future[MergeResult] | None" = None
+    result: MergeResult | None = None
+
+
+@dataclass
+class Recovery:
+    """A (re)started shard asking live learners for the freshest copy of one fragment."""
+
+    recorded: int
+    """The newest version the run recorded for the fragment (Redis)."""
+    deadline: float
+    quiet_until: float = 0.0
+    """Not behind the record: if no learner holding copies is live by then, there is none to ask."""
+    asked_at: float = -1e9
+    answered: set[str] = field(default_factory=set)
+    copies: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """learner -> (version, CRC-32 of the values) of its copy (common.robust.choose_copy)."""
+    values: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    """(version, CRC-32) -> the values: one tensor per distinct copy, at most RECOVERY_COPIES."""
+    lone_limit: float = math.inf
+    """The newest version a copy only one learner holds may have (common.robust.choose_copy): the
+    run's record, or the checkpoint's version + the merges between two checkpoints; no limit when
+    the shard has neither (a wiped shard and an empty Redis: the freshest copy)."""
+
+
+@dataclass
+class ShardStats:
+    merges: int = 0
+    answers: int = 0
+    malformed: int = 0
+    late_answers: int = 0
+    stale_base: int = 0
+    wrong_run: int = 0
+    reopens: int = 0
+    nonfinite_rounds: int = 0
+    checkpoint_errors: int = 0
+    checkpoints: int = 0
+    versions_behind: int = 0
+    """Fragments that restarted below the run's recorded version (no live learner had it)."""
+    bytes_in: int = 0
+    bytes_out: int = 0
+    requests: int = 0
+    requests_deduped: int = 0
+    """Requests for a value just sent to the same requester (within REQUEST_DEDUPE_S): dropped."""
+    replies_cached: int = 0
+    """Fragment requests answered with the frames already encoded for that version."""
+    requests_deferred: int = 0
+    """Fragment requests left unanswered while the fragment was recovering (asked again)."""
+    rejected: dict[str, int] = field(default_factory=dict)
+    """Answers refused or clipped by the robust-merge rules, by reason (common.robust.REASONS)."""
+    round_s: metrics.Histogram = field(default_factory=metrics.Histogram)
+    """Seconds from a round's open to its merge, of every merged round of this process."""
+    merge_s: metrics.Histogram = field(default_factory=metrics.Histogram)
+    """Seconds of merge computation (worker thread) per merged round."""
+    claims_clamped: int = 0
+    """Answers whose claims were cut by at most CLAMP_TOLERANCE (an honest member's timing; apart from rejections)."""
+    rounds_behind: int = 0
+    weights_capped: int = 0
+    """Answers whose weight was cut to the round's median weight (common.robust.fair_weights)."""
+    """Merges that came later than the schedule allows: effective H > BEHIND_FACTOR × H."""
+
+    @property
+    def dropped(self) -> int:
+        refused = self.rejected.get("nonfinite_delta", 0)   # the others are cut, still merged
+        return self.malformed + self.late_answers + self.stale_base + self.wrong_run + self.nonfinite_rounds + refused
+
+
+def step_time_of(learner: dict[str, str]) -> float | None:
+    """A learner's step-time EMA from its Redis entry, when it is a plausible number of seconds."""
+    try:
+        t = float(learner.get("step_ema_s") or 0.0)
+    except (TypeError, ValueError):
+        return None
+    return t if math.isfinite(t) and 0 < t < 3600 else None
+
+
+def finite_or_nan(value: Any) -> float:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return math.nan
+    return x if math.isfinite(x) else math.nan
+
