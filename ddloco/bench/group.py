@@ -4,7 +4,7 @@
 
 For each sharding, real processes on this machine: an embedded Redis, the broker, one syncer and
 one learner that is a group of ``--nproc`` ranks (``ddloco learner --nproc N --group-sharding
-S``) on the synthetic task of ``--params`` parameters (``bench.synthetic``: a stack of square
+S``) on the synthetic task of ``--params`` parameters (``ddloco.bench.synthetic``: a stack of square
 Linear layers, an ``nn.ModuleList``, so FSDP makes each layer a unit). The learner trains
 ``--steps`` steps, answering rounds and applying merges, then flushes and ends. Reported per
 sharding, read from each rank's ``learner.group_trained`` record and the learner's Redis entry:
@@ -46,7 +46,7 @@ def _one(sharding: str, args: argparse.Namespace, redis_url: str, work: Path) ->
     pub, sub = free_port(), free_port()
     net = ["--insecure", "--redis-url", redis_url, "--broker-pub", f"tcp://127.0.0.1:{pub}",
            "--broker-sub", f"tcp://127.0.0.1:{sub}", "--run-id", run, "--log-format", "json"]
-    task = ["--task", "bench.synthetic:task", "--task-arg", f"params={int(args.params)}"]
+    task = ["--task", "ddloco.bench.synthetic:task", "--task-arg", f"params={int(args.params)}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "DDLOCO_INSECURE": "1"}
     procs: list[subprocess.Popen] = []
     logs = work / sharding

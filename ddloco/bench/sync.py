@@ -1,7 +1,7 @@
 """``ddloco bench sync``: does the sync path keep up with the learners? (issue "Scale")
 
 Runs the real daemons twice through ``ddloco up`` with a synthetic model of ``--params``
-parameters (``bench.synthetic``): once with the run's sync (rounds every H steps), once with
+parameters (``ddloco.bench.synthetic``): once with the run's sync (rounds every H steps), once with
 the same learner config and no rounds (H beyond the run's length), each for ``--minutes``.
 Learners are stopped at the cap (no flush), so a learner's rate is its steps over the time
 from joined to stopped. Reports:
@@ -45,7 +45,7 @@ from common.config import AlgoConfig
 def _up(tag: str, args: argparse.Namespace, out: Path, *, sync_every: int) -> dict[str, Any]:
     report = out / tag
     cmd = [sys.executable, "-m", "ddloco", "up", "--insecure", "--quiet", "--run-id", f"bsync-{tag}-{os.getpid()}",
-           "--task", "bench.synthetic:task", "--task-arg", f"params={int(args.params)}",
+           "--task", "ddloco.bench.synthetic:task", "--task-arg", f"params={int(args.params)}",
            "--learners", str(args.learners), "--syncers", str(args.syncers), "--steps", "0",
            "--minutes", str(args.minutes), "--step-time-floor-ms", str(args.step_time_floor_ms),
            "--sync-every", str(sync_every), "--fragments", str(args.fragments), "--tau", str(args.tau),

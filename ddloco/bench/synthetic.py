@@ -1,4 +1,4 @@
-"""A synthetic task of any size for ``ddloco bench sync``: ``--task bench.synthetic:task
+"""A synthetic task of any size for ``ddloco bench sync``: ``--task ddloco.bench.synthetic:task
 --task-arg params=N``.
 
 The model is a stack of square ``Linear`` layers (realistic tensor shapes: width 256 below 5 M

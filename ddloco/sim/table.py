@@ -1,4 +1,4 @@
-"""The paper's Table 1 (goodput vs chips and learners) reproduced with ``sim.cluster``."""
+"""The paper's Table 1 (goodput vs chips and learners) reproduced with ``ddloco.sim.cluster``."""
 from __future__ import annotations
 
 import math
