@@ -63,3 +63,30 @@ def write_report(out_dir: Path, report: dict[str, Any], monitor: Any) -> None:
     rows = [(lid, learner_intervals(monitor.samples[lid])) for lid in monitor.learner_ids]
     marks = [(t, MARK_LABELS.get(k, k[:2].upper())) for t, k, _ in getattr(monitor, "marks", [])]
     timeline_plot(out_dir / "timeline.png", rows, marks=marks, mark_key=MARK_MEANINGS)
+
+
+def broker_counters(r: Any, keys: Any) -> dict[str, Any]:
+    """The broker's security counters (its ``broker`` hash): refused CURVE handshakes
+    (``auth_failures``, by reason) and published messages dropped by the role rules."""
+    import redis as redis_lib
+    from common import entries
+    try:
+        h = r.hgetall(keys.broker)
+    except redis_lib.RedisError:
+        h = {}
+    return entries.parse_broker_entry(h)
+
+
+def add_chaos_results(report: dict[str, Any], runner: Any, sup: Any, *, chaos: Any,
+                      marks: list[tuple[float, str, str]]) -> None:
+    """The chaos harness's figures (``ChaosRunner.results``) and the supervisor's spares into
+    ``report``; each fault also a mark of the timeline, on the report's clock (the monitor's)."""
+    res = runner.results()
+    report.update(res)
+    report["chaos"] = str(chaos)
+    report["versions_regressed"] = report.get("versions_regressed", 0) + res["shard_versions_regressed"]
+    report["spares_used"] = sup.spares_used
+    report["spares_failed"] = sup.spares_failed
+    for e in res["chaos_events"]:
+        e["t"] = round(e["t"] + runner.report_t0, 3)
+        marks.append((e["t"], e["kind"], e["target"]))
