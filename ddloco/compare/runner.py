@@ -38,19 +38,10 @@ IN_PROCESS = ("single", "diloco_sync", "decoupled_emulated", "dp_emulated")
 CLUSTER = ("decoupled", "decoupled_lockstep", "decoupled_fp32")
 ALL_SYSTEMS = ("dp",) + IN_PROCESS + CLUSTER
 
-# two-sided 95 % Student t quantiles by degrees of freedom
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
-        20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
-        29: 2.045, 30: 2.042}
-"""Two-sided 95 % Student-t quantiles by degrees of freedom; beyond 30, ``_t95`` interpolates
-in 1/df towards the normal's 1.960 (40: 2.021, 60: 2.000, 120: 1.980, within 0.001)."""
-
-
 def _t95(df: int) -> float:
-    if df in _T95:
-        return _T95[df]
-    return 1.960 + (_T95[30] - 1.960) * 30 / df
+    """Two-sided 95 % Student-t quantile with ``df`` degrees of freedom."""
+    from scipy.stats import t
+    return float(t.ppf(0.975, df))
 
 
 def mean_ci(values: Sequence[float]) -> tuple[float, float, float]:
