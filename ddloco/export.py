@@ -27,6 +27,7 @@ import torch
 
 from common import control
 from common.config import RunConfig, run_config_from_dict
+from common.files import atomic_path
 from common.fragments import Fragment, model_plan, scatter, state_tensors
 from common.keys import Keys
 from common.task import Task, TaskError, bind_task, build_model
@@ -162,13 +163,12 @@ def save_state(model: torch.nn.Module, path: str | Path, fmt: str = "safetensors
     path.parent.mkdir(parents=True, exist_ok=True)
     # one contiguous CPU copy per name: tied tensors appear under each of their names
     state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
-    tmp = path.with_name(path.name + ".tmp")
-    if fmt == "safetensors":
-        from safetensors.torch import save_file
-        save_file(state, str(tmp))
-    else:
-        torch.save(state, tmp)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        if fmt == "safetensors":
+            from safetensors.torch import save_file
+            save_file(state, str(tmp))
+        else:
+            torch.save(state, tmp)
     return path
 
 

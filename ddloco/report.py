@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError
+from common.files import write_atomic
 from ddloco.plots import eval_loss_plot, merges_plot, timeline_plot
 
 
@@ -54,9 +55,7 @@ def check_report_dir(out_dir: Path) -> None:
 
 def write_report(out_dir: Path, report: dict[str, Any], monitor: Any) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / "report.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2, sort_keys=True, default=str))
-    tmp.replace(out_dir / "report.json")
+    write_atomic(out_dir / "report.json", json.dumps(report, indent=2, sort_keys=True, default=str))
     eval_loss_plot(out_dir / "eval_loss.png", report["eval_curve"],
                    task=report.get("config", {}).get("task", {}).get("name", ""))
     merges_plot(out_dir / "merges.png", report["merge_timeline"])
