@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from common import control
+from common import exits
 from common.config import RunConfig, run_config_from_dict
 from common.files import atomic_path
 from common.fragments import Fragment, model_plan, scatter, state_tensors
@@ -221,7 +222,7 @@ def main(argv: Sequence[str]) -> int:
     args = ap.parse_args(list(argv))
     if args.recalibrate_bn is not None and args.recalibrate_bn < 0:
         print(f"ddloco export: --recalibrate-bn must be >= 0, got {args.recalibrate_bn}", file=sys.stderr)
-        return 2
+        return exits.USAGE
     fmt = args.format or ("pt" if args.out.endswith(".pt") else "safetensors")
     url_source = "--redis-url" if args.redis_url else "DDLOCO_REDIS_URL"
     args.redis_url = args.redis_url or os.environ.get("DDLOCO_REDIS_URL") or None
@@ -257,4 +258,4 @@ def main(argv: Sequence[str]) -> int:
     n = sum(t.numel() for t in state_tensors(model).values())
     print(f"exported   {path} ({fmt}): {len(model.state_dict())} tensors, {n:,} values, fragment versions "
           f"{min(versions.values())}-{max(versions.values())} (sum {sum(versions.values())})")
-    return 0
+    return exits.OK

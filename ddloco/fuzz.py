@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 import zmq
 
 from common import control
+from common import exits
 from common.config import Endpoints
 from common.keys import Keys
 from ddloco.fuzz_frames import mutate, random_frames, templates
@@ -341,10 +342,10 @@ def main(argv: Sequence[str]) -> int:
         rep = run_fuzz(cfg.endpoints, count=args.count, seconds=args.seconds, seed=args.seed)
     except redis.RedisError as e:
         print(f"ddloco fuzz: Redis at {control.redact(cfg.endpoints.redis_url)}: {e}", file=sys.stderr)
-        return 1
+        return exits.FAILURE
     except control.RunConfigMissing as e:   # a run id that is not in this Redis: the user's input
         print(f"ddloco fuzz: {e}", file=sys.stderr)
-        return 2
+        return exits.USAGE
     d = rep.to_dict()
     if args.report:
         os.makedirs(args.report, exist_ok=True)
@@ -356,7 +357,7 @@ def main(argv: Sequence[str]) -> int:
           + f"; merges {rep.merges[0]:,} -> {rep.merges[1]:,}, learner steps {rep.learner_steps[0]:,} -> "
           f"{rep.learner_steps[1]:,}: training went on: {rep.training_went_on}")
     print(f"refused    broker {rep.broker}; shards {rep.shards_refused}")
-    return 0 if rep.ok else 1
+    return exits.OK if rep.ok else exits.FAILURE
 
 
 def _add_insider(ap: argparse.ArgumentParser) -> None:
@@ -386,12 +387,12 @@ def _main_insider(args: argparse.Namespace, cfg: Any) -> int:
         attacks = parse_attacks(args.attack)
     except ValueError as e:
         print(f"ddloco fuzz: --attack: {e}", file=sys.stderr)
-        return 2
+        return exits.USAGE
     if min(args.flood_rate, args.bigframe_mib, args.subscriptions) < 1 or args.settle_seconds < 0 \
             or args.busy_seconds <= 0 or (args.seconds is not None and args.seconds <= 0):
         print("ddloco fuzz: --seconds, --flood-rate, --bigframe-mib, --subscriptions and --busy-seconds must be "
               "> 0, --settle-seconds >= 0", file=sys.stderr)
-        return 2
+        return exits.USAGE
     out = Path(args.report or ".")
     try:
         control.fetch_run_config(control.connect(cfg.endpoints.redis_url), Keys(cfg.endpoints.run_id),
@@ -403,13 +404,13 @@ def _main_insider(args: argparse.Namespace, cfg: Any) -> int:
                           settle_s=args.settle_seconds, observer=observer)
     except redis.RedisError as e:
         print(f"ddloco fuzz: Redis at {control.redact(cfg.endpoints.redis_url)}: {e}", file=sys.stderr)
-        return 1
+        return exits.FAILURE
     except control.RunConfigMissing as e:
         print(f"ddloco fuzz: {e}", file=sys.stderr)
-        return 2
+        return exits.USAGE
     if args.report:
         out.mkdir(parents=True, exist_ok=True)
         (out / "insider.json").write_text(json.dumps(rep, indent=2, default=str))
     print(f"done       defended: {', '.join(rep['defended']) or 'none'}; NOT defended: "
           f"{', '.join(rep['not_defended']) or 'none'}" + (f"; {out / 'insider.json'}" if args.report else ""))
-    return 0 if not rep["not_defended"] else 1
+    return exits.OK if not rep["not_defended"] else exits.FAILURE
