@@ -5,13 +5,16 @@ promoting the hot spare when one is ready: a standby process that already import
 built the model); a learner that crashed is started again (``restart_crashed``), a frozen one
 killed and replaced (``replace_hung``).
 
-Threads: the supervisor's mutable state (``children``, ``spares``, the counters, ``last_beat``)
-is shared by `up`'s main loop, the hung-learner watchdog thread (``watch_hung``) and the chaos
-harness's thread (the ``chaos.Targets`` methods); every read or change of it holds ``lock`` (an
-RLock guarding the process lists and counters). ``halted`` is written by the main thread only
-(True once the run ends), read by the others. The main thread sets the configuration attributes
-(``fork_spares``, ``spares_wanted``, ``monitor``) before the other threads start, except
-``spares``/``spares_wanted`` at the end of the run, under ``lock``.
+Threads: the process lists and counters (``children``, ``spares``, ``spares_*``, ``forks``,
+``hung_replaced``, ``crash_restarts``) are shared by `up`'s main loop, the hung-learner watchdog
+thread (``watch_hung``) and the chaos harness's thread (the ``chaos.Targets`` methods); every
+change of them, and every read while those threads run, holds ``lock`` (an RLock guarding the
+process lists and their counters; the chaos harness holds it across a kill and its restart).
+``last_beat`` belongs to the watchdog thread. ``halted`` is written by the main thread only
+(True once the run ends), read by the others. The main thread sets ``fork_spares`` and
+``monitor`` before the other threads start, and ``spares_wanted`` (a plain int the others read;
+under ``lock`` at the end of the run). A restart on another thread reads the monitor's learner
+table as it changes (a RuntimeError is caught).
 """
 from __future__ import annotations
 
