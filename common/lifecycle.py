@@ -85,20 +85,26 @@ def process_start_time() -> float | None:
         return None
 
 
-def stop_processes(procs: Iterable[Any], timeout_s: float = 20.0) -> None:
-    """SIGTERM every process still running (a graceful stop), wait up to ``timeout_s`` for each,
-    then SIGKILL what is left."""
+def stop_processes(procs: Iterable[Any], timeout_s: float = 20.0, *, kill_wait_s: float | None = None) -> None:
+    """SIGTERM every process still running (a graceful stop), give them ``timeout_s`` together,
+    then SIGKILL what is left and reap it (waiting at most ``kill_wait_s`` for each; None: until it
+    is gone). ``procs``: ``subprocess.Popen`` or anything with its poll/terminate/wait/kill."""
     import subprocess
+    import time
     procs = list(procs)
     for p in procs:
         if p.poll() is None:
             p.terminate()
+    deadline = time.monotonic() + timeout_s
     for p in procs:
         try:
-            p.wait(timeout=timeout_s)
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
-            p.wait()
+            try:
+                p.wait(timeout=kill_wait_s)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def pid_alive(pid: int) -> bool:

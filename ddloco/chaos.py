@@ -20,109 +20,34 @@ runs, the harness watches Redis every 50 ms and measures, per fault: detection (
 incarnation leaves membership, or its replacement is seen; a stalled learner's heartbeat expires),
 rejoin (restart -> the first merge holding the replacement's first answer), and for shards the time
 to their first merge after the restart. Versions that go back anywhere are counted.
+
+The spec and the seeded schedule are ``ddloco/chaos_plan.py`` (pure). Threads: a ``ChaosRunner`` is
+a thread of its own and owns its measurements (``_watch``, ``_stalled``, ``_frag_max``, the
+counters); ``injected`` is shared with the caller's thread under ``lock``, ``results`` is read
+after ``halt``. It kills and restarts only through its ``Targets``, holding their ``lock`` (a kill
+and its restart are one step for whoever watches them: `up`'s supervisor).
 """
 from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 import redis
 
 from common import control
+from common import exits
 from common.config import ConfigError
 from common.keys import Keys
 from common.lifecycle import pid_alive
-
-KINDS = ("learner_kill", "stall", "shard_kill", "shard_wipe", "broker_restart", "redis_restart")
-
-
-@dataclass(frozen=True)
-class ChaosSpec:
-    seed: int = 0
-    learner_mtbf_s: float = 0.0
-    stalls: int = 0
-    stall_s: float = 20.0
-    shard_kills: int = 0
-    shard_wipes: int = 0
-    broker_restarts: int = 0
-    redis_restarts: int = 0
-
-    def __str__(self) -> str:
-        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
-
-
-def parse_chaos(text: str) -> ChaosSpec:
-    """``"seed=7,learner_mtbf_s=60,..."`` -> ChaosSpec; ConfigError naming a bad key or value."""
-    types = {f.name: f.type for f in fields(ChaosSpec)}
-    values: dict[str, Any] = {}
-    for item in (x.strip() for x in text.split(",")):
-        if not item:
-            continue
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or key not in types:
-            raise ConfigError(f"--chaos: {item!r} is not key=value with a key among {', '.join(types)}")
-        conv = int if types[key] in ("int", int) else float
-        try:
-            v = conv(raw.strip())
-        except ValueError:
-            raise ConfigError(f"--chaos: {key} must be {'an integer' if conv is int else 'a number'}, "
-                              f"got {raw.strip()!r}") from None
-        if v < 0:
-            raise ConfigError(f"--chaos: {key} must be >= 0, got {v}")
-        values[key] = v
-    spec = ChaosSpec(**values)
-    if spec.stalls and spec.stall_s <= 0:
-        raise ConfigError("--chaos: stall_s must be > 0 when stalls > 0")
-    return spec
-
-
-@dataclass(frozen=True)
-class Fault:
-    at_s: float
-    kind: str
-    target: str
-    """A learner id, ``shard<k>``, ``broker`` or ``redis``."""
-
-
-def plan_faults(spec: ChaosSpec, *, duration_s: float, learners: Sequence[str], shards: int) -> list[Fault]:
-    """The seeded schedule: learner kills as a Poisson process per learner (mean ``learner_mtbf_s``)
-    from 5 % to 85 % of the run, the other faults spread between 15 % and 80 % of it. The same
-    spec, duration and cluster give the same schedule."""
-    rng = random.Random(spec.seed)
-    out: list[Fault] = []
-    lo, hi = 0.05 * duration_s, 0.85 * duration_s
-    if spec.learner_mtbf_s > 0:
-        for lid in learners:
-            t = lo + rng.expovariate(1.0 / spec.learner_mtbf_s)
-            while t < hi:
-                out.append(Fault(round(t, 3), "learner_kill", lid))
-                t += rng.expovariate(1.0 / spec.learner_mtbf_s)
-    others = ([("stall", None)] * spec.stalls + [("shard_kill", None)] * spec.shard_kills
-              + [("shard_wipe", None)] * spec.shard_wipes + [("broker_restart", "broker")] * spec.broker_restarts
-              + [("redis_restart", "redis")] * spec.redis_restarts)
-    rng.shuffle(others)
-    n = len(others)
-    a, b = 0.15 * duration_s, 0.80 * duration_s
-    for i, (kind, target) in enumerate(others):  # one per slot of the window, jittered inside it
-        t = a + (b - a) * (i + rng.uniform(0.2, 0.8)) / max(n, 1)
-        if kind == "stall":
-            target = rng.choice(list(learners))
-        elif kind in ("shard_kill", "shard_wipe"):
-            target = f"shard{rng.randrange(max(shards, 1))}"
-        out.append(Fault(round(t, 3), kind, str(target)))
-    return sorted(out, key=lambda f: f.at_s)
-
+from ddloco.chaos_plan import KINDS, ChaosSpec, Fault, parse_chaos, plan_faults  # noqa: F401 (importable here)
 
 class Targets(Protocol):
     """What the harness can kill and restart (``ddloco up``'s own processes, or a running cluster's)."""
@@ -510,7 +435,7 @@ def main(argv: Sequence[str]) -> int:
         cfg = load_config(args.config)
     except ConfigError as e:
         print(f"ddloco chaos: {e}", file=sys.stderr)
-        return 2
+        return exits.USAGE
     ep = override(cfg.endpoints, redis_url=args.redis_url, run_id=args.run_id, broker_pub=args.broker_pub)
     keys = Keys(ep.run_id)
     try:
@@ -521,13 +446,13 @@ def main(argv: Sequence[str]) -> int:
             control.fetch_run_config(r, keys, redis_url=ep.redis_url)   # is the run there at all?
     except redis.RedisError as e:
         print(f"ddloco chaos: Redis at {control.redact(ep.redis_url)} failed: {e}", file=sys.stderr)
-        return 1
+        return exits.FAILURE
     except control.RunConfigMissing as e:   # a run id that is not in this Redis: the user's input
         print(f"ddloco chaos: {e}", file=sys.stderr)
-        return 2
+        return exits.USAGE
     if not learners:
         print(f"ddloco chaos: run {ep.run_id!r} at {control.redact(ep.redis_url)} has no live learner", file=sys.stderr)
-        return 1
+        return exits.FAILURE
     faults = plan_faults(spec, duration_s=args.minutes * 60, learners=learners, shards=shards)
     print(f"chaos      {len(faults)} faults over {args.minutes:g} min on {len(learners)} learners, {shards} shards "
           f"({spec})", flush=True)
@@ -548,4 +473,4 @@ def main(argv: Sequence[str]) -> int:
     print(json.dumps({k: v for k, v in res.items() if k != "chaos_events"}, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
-    return 0
+    return exits.OK

@@ -26,7 +26,9 @@ from typing import Callable, Sequence
 import torch
 
 from common import control
+from common import exits
 from common.config import RunConfig, run_config_from_dict
+from common.files import atomic_path
 from common.fragments import Fragment, model_plan, scatter, state_tensors
 from common.keys import Keys
 from common.task import Task, TaskError, bind_task, build_model
@@ -162,13 +164,12 @@ def save_state(model: torch.nn.Module, path: str | Path, fmt: str = "safetensors
     path.parent.mkdir(parents=True, exist_ok=True)
     # one contiguous CPU copy per name: tied tensors appear under each of their names
     state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
-    tmp = path.with_name(path.name + ".tmp")
-    if fmt == "safetensors":
-        from safetensors.torch import save_file
-        save_file(state, str(tmp))
-    else:
-        torch.save(state, tmp)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        if fmt == "safetensors":
+            from safetensors.torch import save_file
+            save_file(state, str(tmp))
+        else:
+            torch.save(state, tmp)
     return path
 
 
@@ -221,7 +222,7 @@ def main(argv: Sequence[str]) -> int:
     args = ap.parse_args(list(argv))
     if args.recalibrate_bn is not None and args.recalibrate_bn < 0:
         print(f"ddloco export: --recalibrate-bn must be >= 0, got {args.recalibrate_bn}", file=sys.stderr)
-        return 2
+        return exits.USAGE
     fmt = args.format or ("pt" if args.out.endswith(".pt") else "safetensors")
     url_source = "--redis-url" if args.redis_url else "DDLOCO_REDIS_URL"
     args.redis_url = args.redis_url or os.environ.get("DDLOCO_REDIS_URL") or None
@@ -257,4 +258,4 @@ def main(argv: Sequence[str]) -> int:
     n = sum(t.numel() for t in state_tensors(model).values())
     print(f"exported   {path} ({fmt}): {len(model.state_dict())} tensors, {n:,} values, fragment versions "
           f"{min(versions.values())}-{max(versions.values())} (sum {sum(versions.values())})")
-    return 0
+    return exits.OK

@@ -25,115 +25,19 @@ import argparse
 import json
 import os
 import random
-import struct
 import sys
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import msgpack
-import torch
 import zmq
 
-from common import control, wire
+from common import control
+from common import exits
 from common.config import Endpoints
 from common.keys import Keys
-
-WEIRD = [0, -1, 1, 2**31, 2**63 - 1, 2**64 - 1, -(2**63), 10**30, float("nan"), float("inf"), -float("inf"),
-         1e308, "", "x" * 300, "\x00", b"\xff" * 8, [], [1, 2, 3], {}, {"a": 1}, None, True, 1.5]
-
-
-def templates(run: str, sender: str, numels: Sequence[int], rng: random.Random) -> list[tuple[str, list[bytes]]]:
-    """(target, frames) of well-formed messages: what each endpoint is meant to receive."""
-    out: list[tuple[str, list[bytes]]] = []
-    for p, n in enumerate(numels):
-        v = torch.randn(n) * 0.01
-        for codec in ("int4", "fp32", "bf16", "int8"):
-            out.append(("broker", _bytes(wire.encode(kind=wire.UPDATE, run=run, sender=sender, fragment=p, values=v,
-                                                     codec=codec, epoch=1, round=rng.randrange(8), base=1, steps=4,
-                                                     tokens=256))))
-        out.append(("broker", _bytes(wire.encode(kind=wire.HAVE, run=run, sender=sender, fragment=p, values=v,
-                                                 codec="fp32", epoch=1, version=1))))
-        out.append(("broker", _bytes(wire.encode(kind=wire.FRAG, run=run, sender=sender, fragment=p, values=v,
-                                                 codec="fp32", epoch=1, version=10**6))))
-        out.append(("broker", _bytes(wire.encode(kind=wire.OPEN, run=run, sender=sender, fragment=p, epoch=1,
-                                                 round=0, version=1))))
-        out.append(("shard", _bytes(wire.encode(kind=wire.GET, run=run, sender=sender, fragment=p))))
-    out.append(("peer", [b"state?", sender.encode()]))
-    out.append(("peer", [b"state?"]))
-    return out
-
-
-def _bytes(frames: list[Any]) -> list[bytes]:
-    return [bytes(memoryview(f)) if not isinstance(f, bytes) else f for f in frames]
-
-
-def _fix_crc(frames: list[bytes]) -> list[bytes]:
-    """Recompute a wire header's CRC over the (mutated) payload, so the decoders behind it run."""
-    try:
-        head = msgpack.unpackb(frames[1], raw=False, strict_map_key=False)
-        if isinstance(head, dict) and "crc" in head:
-            crc = 0
-            for f in frames[2:]:
-                crc = zlib.crc32(f, crc)
-            head["crc"] = crc
-            head["sizes"] = [len(f) for f in frames[2:]]
-            return [frames[0], msgpack.packb(head, use_bin_type=True), *frames[2:]]
-    except Exception:
-        pass
-    return frames
-
-
-def mutate(frames: list[bytes], rng: random.Random) -> list[bytes]:
-    """One to three wire-aware mutations of a message."""
-    fr = [bytearray(f) for f in frames]
-    for _ in range(rng.randint(1, 3)):
-        op = rng.randrange(10)
-        i = rng.randrange(len(fr)) if fr else 0
-        if op == 0 and fr and fr[i]:                       # flip bytes
-            for _ in range(rng.randint(1, 8)):
-                j = rng.randrange(len(fr[i]))
-                fr[i][j] = rng.randrange(256)
-        elif op == 1 and fr:                               # cut a frame
-            fr[i] = fr[i][:rng.randrange(len(fr[i]) + 1)]
-        elif op == 2 and fr:                               # extend a frame
-            fr[i] += bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
-        elif op == 3 and len(fr) > 1:                      # drop a frame
-            del fr[i]
-        elif op == 4:                                      # add a frame
-            fr.insert(rng.randrange(len(fr) + 1), bytearray(rng.randbytes(rng.randint(0, 128))))
-        elif op in (5, 6) and len(fr) > 1:                 # a header field gets a weird value
-            try:
-                head = msgpack.unpackb(bytes(fr[1]), raw=False, strict_map_key=False)
-                if isinstance(head, dict) and head:
-                    key = rng.choice(list(head))
-                    if rng.random() < 0.15:
-                        del head[key]
-                    else:
-                        head[key] = rng.choice(WEIRD)
-                    fr[1] = bytearray(msgpack.packb(head, use_bin_type=True))
-            except Exception:
-                fr[1] = bytearray(rng.randbytes(rng.randint(0, 64)))
-        elif op == 7 and fr:                               # topic: another kind, fragment or run
-            t = bytes(fr[0]).split(b"|", 1)
-            kind = rng.choice([b"upd", b"have", b"frag", b"open", b"need", b"get", b"zzz", b""])
-            frag = rng.choice([b"0000", b"9999", b"-001", b"abcd", b""])
-            fr[0] = bytearray((t[0] if rng.random() < 0.8 else rng.randbytes(4)) + b"|" + kind + b"." + frag)
-        elif op == 8 and len(fr) > 2:                      # swap payload frames
-            j = rng.randrange(2, len(fr))
-            fr[i], fr[j] = fr[j], fr[i]
-        else:                                              # int4/bf16 scales at the extremes
-            if len(fr) > 3 and len(fr[3]) >= 2:
-                fr[3][0:2] = struct.pack("<H", rng.choice([0x7F7F, 0xFF7F, 0x7F80, 0xFFFF, 0x0001]))
-    out = [bytes(f) for f in fr]
-    return _fix_crc(out) if rng.random() < 0.5 else out
-
-
-def random_frames(rng: random.Random) -> list[bytes]:
-    return [rng.randbytes(rng.choice([0, 1, 4, 16, 64, 300])) for _ in range(rng.randint(1, 6))]
-
+from ddloco.fuzz_frames import mutate, random_frames, templates
 
 @dataclass
 class Sample:
@@ -239,6 +143,128 @@ def _state(pid: int) -> str:
         return "X"
 
 
+class _Targets:
+    """The fuzzer's sockets: one PUB at the broker, a DEALER per shard and per learner peer endpoint
+    (found through Redis, refreshed every 2 s), and fresh one-off connections."""
+
+    def __init__(self, endpoints: Endpoints, r: Any, keys: Keys, sec: Any) -> None:
+        self.endpoints, self.r, self.keys, self.sec = endpoints, r, keys, sec
+        self.ctx = zmq.Context()
+        self.pub = self.sock(zmq.PUB, endpoints.broker_pub, "broker")
+        self.dealers: dict[str, zmq.Socket] = {}
+
+    def sock(self, kind: int, endpoint: str, server: str | None, mode: str = "listed") -> zmq.Socket:
+        s = self.ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 10_000)
+        if self.sec is not None and mode != "plain":
+            if mode == "listed":
+                self.sec.client(s, server)
+            else:                                   # a key nobody listed
+                s.curve_serverkey = self.sec.allow.public(server)
+                s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
+        s.connect(endpoint)
+        return s
+
+    def refresh(self) -> None:
+        _, eps = control.shard_endpoints(self.r, self.keys)
+        for k, ep in eps.items():
+            name = f"shard{k}"
+            if name not in self.dealers:
+                self.dealers[name] = self.sock(zmq.DEALER, ep, name)
+        for lid, h in control.live_learners(self.r, self.keys).items():
+            if h.get("peer") and lid not in self.dealers and lid != "fuzzer":
+                self.dealers[lid] = self.sock(zmq.DEALER, h["peer"], lid)
+
+    def drain(self) -> None:
+        for d in list(self.dealers.values()):    # replies (GET answers, "busy") are read and dropped
+            while d.poll(0):
+                d.recv_multipart()
+
+
+def _throw(rng: random.Random, by_target: dict[str, list[list[bytes]]], targets: _Targets,
+           rep: FuzzReport) -> bool:
+    """One input, counted in ``rep``; True for a fresh connection (an unlisted key or no CURVE)."""
+    roll = rng.random()
+    if roll < 0.0005:                        # a fresh connection: unlisted key or no CURVE
+        mode = rng.choice(["unlisted", "plain"])
+        s = targets.sock(zmq.PUB, targets.endpoints.broker_pub, "broker", mode)
+        try:
+            s.send_multipart(rng.choice(by_target["broker"]), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        s.close(linger=0)
+        rep.handshakes_tried += 1
+        rep.inputs["handshake"] += 1
+        return True
+    if roll < 0.6:
+        target, s = "broker", targets.pub
+    else:
+        names = list(targets.dealers)
+        if not names:
+            target, s = "broker", targets.pub
+        else:
+            name = rng.choice(names)
+            target, s = ("shard" if name.startswith("shard") else "peer"), targets.dealers[name]
+    if rng.random() < 0.1:
+        frames, bucket = random_frames(rng), "random"
+        if target == "broker" and rng.random() < 0.5:   # a routable topic, random rest
+            frames[0] = rng.choice(by_target["broker"])[0]
+    else:
+        frames, bucket = mutate(rng.choice(by_target[target]), rng), target
+    if not frames or (target == "broker" and len(frames) < 1):
+        frames = [b""]
+    try:
+        s.send_multipart(frames, zmq.NOBLOCK)
+    except zmq.Again:
+        rep.dropped_at_send += 1
+    rep.inputs[bucket] += 1
+    return False
+
+
+def _storm(rng: random.Random, by_target: dict[str, list[list[bytes]]], targets: _Targets, rep: FuzzReport,
+           watch: ClusterWatch, *, count: int, seconds: float, t0: float, say: Callable[[str], None]) -> None:
+    """``count`` inputs or ``seconds``, whichever ends first; the cluster sampled every 2 s."""
+    n = 0
+    last_sample = t0
+    while n < count and time.monotonic() - t0 < seconds:
+        n += 1
+        if _throw(rng, by_target, targets, rep):
+            continue
+        if n % 256 == 0:
+            targets.drain()
+        now = time.monotonic()
+        if now - last_sample >= 2.0:
+            last_sample = now
+            _take(watch.sample(), rep)
+            say(f"[{now - t0:6.1f}s] {n:,} inputs | merges {rep.merges[1]:,} | steps {rep.learner_steps[1]:,}"
+                    f" | crashes {len(rep.crashes)} | hangs {len(rep.hangs)}")
+            targets.refresh()
+
+
+def _after_storm(watch: ClusterWatch, rep: FuzzReport, r: Any, keys: Keys, t0: float) -> None:
+    """Does training go on (merges and steps still rising, within 6 s)? And what was refused."""
+    end = time.monotonic() + 6.0
+    s0 = s1 = watch.sample()
+    _take(s0, rep)
+    while time.monotonic() < end:
+        time.sleep(0.5)
+        s1 = watch.sample()
+        _take(s1, rep)
+        if s1.merges > s0.merges and s1.steps > s0.steps:
+            break
+    rep.training_went_on = rep.merges[1] > rep.merges[0] and rep.learner_steps[1] > rep.learner_steps[0] \
+        and s1.merges > s0.merges
+    rep.seconds = round(time.monotonic() - t0, 2)
+    from common.entries import parse_broker_entry
+    broker = parse_broker_entry(r.hgetall(keys.broker))   # any member can write it: parsed, never trusted
+    rep.broker = {"refused": broker["broker_refused"], "auth_failures": broker["auth_failures_by_reason"]}
+    for k, sh in control.shard_table(r, keys).items():
+        for key, v in sh.items():
+            if key.startswith("rejected_") or key in ("malformed", "wrong_run", "dropped"):
+                rep.shards_refused[key] = rep.shards_refused.get(key, 0) + int(float(v))
+
+
 def run_fuzz(endpoints: Endpoints, *, count: int, seconds: float, seed: int = 0, say: Callable[[str], None] = print,
              watch: ClusterWatch | None = None, numels: Sequence[int] | None = None) -> FuzzReport:
     """Throw ``count`` inputs (or for ``seconds``, whichever ends first) at the run's endpoints."""
@@ -260,118 +286,23 @@ def run_fuzz(endpoints: Endpoints, *, count: int, seconds: float, seed: int = 0,
     rep = FuzzReport(seed=seed, inputs={"broker": 0, "shard": 0, "peer": 0, "random": 0, "handshake": 0})
     tmpl = templates(endpoints.run_id, "fuzzer", numels, rng)
     by_target = {t: [f for tt, f in tmpl if tt == t] for t in ("broker", "shard", "peer")}
-    ctx = zmq.Context()
-
-    def sock(kind: int, endpoint: str, server: str | None, mode: str = "listed") -> zmq.Socket:
-        s = ctx.socket(kind)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SNDHWM, 10_000)
-        if sec is not None and mode != "plain":
-            if mode == "listed":
-                sec.client(s, server)
-            else:                                   # a key nobody listed
-                s.curve_serverkey = sec.allow.public(server)
-                s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
-        s.connect(endpoint)
-        return s
-
-    pub = sock(zmq.PUB, endpoints.broker_pub, "broker")
-    dealers: dict[str, zmq.Socket] = {}
-
-    def refresh_targets() -> None:
-        _, eps = control.shard_endpoints(r, keys)
-        for k, ep in eps.items():
-            name = f"shard{k}"
-            if name not in dealers:
-                dealers[name] = sock(zmq.DEALER, ep, name)
-        for lid, h in control.live_learners(r, keys).items():
-            if h.get("peer") and lid not in dealers and lid != "fuzzer":
-                dealers[lid] = sock(zmq.DEALER, h["peer"], lid)
-
-    refresh_targets()
+    targets = _Targets(endpoints, r, keys, sec)
+    targets.refresh()
     first = watch.sample()
     rep.rss_kb_start = dict(first.rss_kb)
     rep.rss_kb_max = dict(first.rss_kb)
     rep.merges = (first.merges, first.merges)
     rep.learner_steps = (first.steps, first.steps)
     t0 = time.monotonic()
-    last_sample = t0
-    n = 0
     say(f"fuzz       seed {seed}: up to {count:,} inputs for up to {seconds:g}s at the broker, "
-        f"{sum(1 for d in dealers if d.startswith('shard'))} shard(s), "
-        f"{sum(1 for d in dealers if not d.startswith('shard'))} learner peer endpoint(s); CURVE "
+        f"{sum(1 for d in targets.dealers if d.startswith('shard'))} shard(s), "
+        f"{sum(1 for d in targets.dealers if not d.startswith('shard'))} learner peer endpoint(s); CURVE "
         + ("on (as listed learner 'fuzzer')" if sec else "off"))
     try:
-        while n < count and time.monotonic() - t0 < seconds:
-            roll = rng.random()
-            if roll < 0.0005:                        # a fresh connection: unlisted key or no CURVE
-                mode = rng.choice(["unlisted", "plain"])
-                s = sock(zmq.PUB, endpoints.broker_pub, "broker", mode)
-                try:
-                    s.send_multipart(rng.choice(by_target["broker"]), zmq.NOBLOCK)
-                except zmq.Again:
-                    pass
-                s.close(linger=0)
-                rep.handshakes_tried += 1
-                rep.inputs["handshake"] += 1
-                n += 1
-                continue
-            if roll < 0.6:
-                target, s = "broker", pub
-            else:
-                names = list(dealers)
-                if not names:
-                    target, s = "broker", pub
-                else:
-                    name = rng.choice(names)
-                    target, s = ("shard" if name.startswith("shard") else "peer"), dealers[name]
-            if rng.random() < 0.1:
-                frames, bucket = random_frames(rng), "random"
-                if target == "broker" and rng.random() < 0.5:   # a routable topic, random rest
-                    frames[0] = rng.choice(by_target["broker"])[0]
-            else:
-                frames, bucket = mutate(rng.choice(by_target[target]), rng), target
-            if not frames or (target == "broker" and len(frames) < 1):
-                frames = [b""]
-            try:
-                s.send_multipart(frames, zmq.NOBLOCK)
-            except zmq.Again:
-                rep.dropped_at_send += 1
-            rep.inputs[bucket] += 1
-            n += 1
-            if n % 256 == 0:
-                for d in list(dealers.values()):    # replies (GET answers, "busy") are read and dropped
-                    while d.poll(0):
-                        d.recv_multipart()
-            now = time.monotonic()
-            if now - last_sample >= 2.0:
-                last_sample = now
-                _take(watch.sample(), rep)
-                say(f"[{now - t0:6.1f}s] {n:,} inputs | merges {rep.merges[1]:,} | steps {rep.learner_steps[1]:,}"
-                        f" | crashes {len(rep.crashes)} | hangs {len(rep.hangs)}")
-                refresh_targets()
-        # after the storm: does training go on? (merges and steps still rising)
-        end = time.monotonic() + 6.0
-        s0 = s1 = watch.sample()
-        _take(s0, rep)
-        while time.monotonic() < end:
-            time.sleep(0.5)
-            s1 = watch.sample()
-            _take(s1, rep)
-            if s1.merges > s0.merges and s1.steps > s0.steps:
-                break
-        rep.training_went_on = rep.merges[1] > rep.merges[0] and rep.learner_steps[1] > rep.learner_steps[0] \
-            and s1.merges > s0.merges
-        rep.seconds = round(time.monotonic() - t0, 2)
-        from common.entries import parse_broker_entry
-        broker = parse_broker_entry(r.hgetall(keys.broker))   # any member can write it: parsed, never trusted
-        rep.broker = {"refused": broker["broker_refused"], "auth_failures": broker["auth_failures_by_reason"]}
-        for k, sh in control.shard_table(r, keys).items():
-            for key, v in sh.items():
-                if key.startswith("rejected_") or key in ("malformed", "wrong_run", "dropped"):
-                    rep.shards_refused[key] = rep.shards_refused.get(key, 0) + int(float(v))
+        _storm(rng, by_target, targets, rep, watch, count=count, seconds=seconds, t0=t0, say=say)
+        _after_storm(watch, rep, r, keys, t0)
     finally:
-        ctx.destroy(linger=0)
+        targets.ctx.destroy(linger=0)
     return rep
 
 
@@ -411,10 +342,10 @@ def main(argv: Sequence[str]) -> int:
         rep = run_fuzz(cfg.endpoints, count=args.count, seconds=args.seconds, seed=args.seed)
     except redis.RedisError as e:
         print(f"ddloco fuzz: Redis at {control.redact(cfg.endpoints.redis_url)}: {e}", file=sys.stderr)
-        return 1
+        return exits.FAILURE
     except control.RunConfigMissing as e:   # a run id that is not in this Redis: the user's input
         print(f"ddloco fuzz: {e}", file=sys.stderr)
-        return 2
+        return exits.USAGE
     d = rep.to_dict()
     if args.report:
         os.makedirs(args.report, exist_ok=True)
@@ -426,7 +357,7 @@ def main(argv: Sequence[str]) -> int:
           + f"; merges {rep.merges[0]:,} -> {rep.merges[1]:,}, learner steps {rep.learner_steps[0]:,} -> "
           f"{rep.learner_steps[1]:,}: training went on: {rep.training_went_on}")
     print(f"refused    broker {rep.broker}; shards {rep.shards_refused}")
-    return 0 if rep.ok else 1
+    return exits.OK if rep.ok else exits.FAILURE
 
 
 def _add_insider(ap: argparse.ArgumentParser) -> None:
@@ -456,12 +387,12 @@ def _main_insider(args: argparse.Namespace, cfg: Any) -> int:
         attacks = parse_attacks(args.attack)
     except ValueError as e:
         print(f"ddloco fuzz: --attack: {e}", file=sys.stderr)
-        return 2
+        return exits.USAGE
     if min(args.flood_rate, args.bigframe_mib, args.subscriptions) < 1 or args.settle_seconds < 0 \
             or args.busy_seconds <= 0 or (args.seconds is not None and args.seconds <= 0):
         print("ddloco fuzz: --seconds, --flood-rate, --bigframe-mib, --subscriptions and --busy-seconds must be "
               "> 0, --settle-seconds >= 0", file=sys.stderr)
-        return 2
+        return exits.USAGE
     out = Path(args.report or ".")
     try:
         control.fetch_run_config(control.connect(cfg.endpoints.redis_url), Keys(cfg.endpoints.run_id),
@@ -473,13 +404,13 @@ def _main_insider(args: argparse.Namespace, cfg: Any) -> int:
                           settle_s=args.settle_seconds, observer=observer)
     except redis.RedisError as e:
         print(f"ddloco fuzz: Redis at {control.redact(cfg.endpoints.redis_url)}: {e}", file=sys.stderr)
-        return 1
+        return exits.FAILURE
     except control.RunConfigMissing as e:
         print(f"ddloco fuzz: {e}", file=sys.stderr)
-        return 2
+        return exits.USAGE
     if args.report:
         out.mkdir(parents=True, exist_ok=True)
         (out / "insider.json").write_text(json.dumps(rep, indent=2, default=str))
     print(f"done       defended: {', '.join(rep['defended']) or 'none'}; NOT defended: "
           f"{', '.join(rep['not_defended']) or 'none'}" + (f"; {out / 'insider.json'}" if args.report else ""))
-    return 0 if not rep["not_defended"] else 1
+    return exits.OK if not rep["not_defended"] else exits.FAILURE

@@ -1,7 +1,15 @@
 """The `up` monitor: progress lines, evaluation of the global model, the run's figures.
 
 The global model is the union of the shards' current fragments, fetched over the request path
-(``common.rpc``) and evaluated on the task's fixed held-out batches.
+(``common.rpc``) and evaluated on the task's fixed held-out batches. The run's figures are
+computed by ``ddloco.run_figures``.
+
+Threads: `up`'s main thread (its control loop) owns the monitor. A periodic evaluation runs on
+the ``monitor-eval`` thread (``evaluate_in_background``): while it runs, that thread owns the
+model and what an evaluation writes (``model``, ``params``, ``versions``, ``evals``, ``last_eval``);
+the main thread reads them only after ``wait_evaluation`` (``evaluate`` and ``adopt_final`` wait
+first), and at most one evaluation runs at a time; it only reads the learners' counters
+(``learners``, ``lives``: the token count). Everything else is the main thread's.
 """
 from __future__ import annotations
 
@@ -20,13 +28,8 @@ from common.rpc import fetch_fragments
 from common.security import Security
 from common.task import Task, TaskError, build_model, evaluate
 from common.running_stats import recalibrate
-
-
-def _f(h: dict[str, str], k: str, default: float = 0.0) -> float:
-    try:
-        return float(h.get(k, default))
-    except (TypeError, ValueError):
-        return default
+from ddloco.run_figures import as_float as _f
+from ddloco.run_figures import global_downtime, learner_processes, learner_time, problems, summary_line
 
 
 class Monitor:
@@ -386,30 +389,10 @@ class Monitor:
             contributors.update(e["contributors"])
             merge_times.append(float(e["t"]))
             fragments_merged.add(int(e["fragment"]))
-        # goodput: useful learner time / provisioned learner time (ALGORITHM §9). A learner slot
-        # is provisioned from its first step (the first process joined) to its last process's
-        # end, gaps between a killed process and its replacement and the replacement's boot
-        # included; useful is the time in inner steps of every process in it (a killed one: up to
-        # its last heartbeat; a step is counted at most 3x the learner's usual step time, so a
-        # frozen process earns nothing).
+        provisioned, useful, flushing = learner_time([self._lives_of(lid) for lid in self.learner_ids], self.t0)
+        downtime, span = global_downtime(merge_times, list(self.learners.values()), self.t0,
+                                         gap_s=self.cfg.syncer.downtime_gap_s)
         lives = self.learner_lives()
-        provisioned = useful = flushing = 0.0
-        for lid in self.learner_ids:
-            mine = self._lives_of(lid)
-            if not mine:
-                continue
-            start = min(_f(h, "started_at", self.t0) + _f(h, "boot_s") for h in mine)
-            end = max(_f(h, "stopped_at", 0.0) or _f(h, "updated_at", time.time()) for h in mine)
-            provisioned += max(0.0, end - start)
-            useful += sum(_f(h, "train_s") for h in mine)
-            flushing += sum(_f(h, "flush_s") for h in mine)
-        joined = [(_f(h, "started_at") + _f(h, "boot_s")) for h in self.learners.values() if _f(h, "boot_s") > 0]
-        train_start = min(joined) if joined else self.t0
-        train_end = max([_f(h, "stopped_at", 0.0) for h in self.learners.values()] + [train_start])
-        gap_s = self.cfg.syncer.downtime_gap_s
-        points = [train_start] + sorted(t for t in merge_times if train_start <= t <= train_end) + [train_end]
-        downtime = sum(b - a for a, b in zip(points, points[1:]) if b - a > gap_s)
-        span = max(1e-9, train_end - train_start)
         ev0 = next((e for e in self.evals if e["tokens"] == 0), self.evals[0] if self.evals else None)
         evf = self.evals[-1] if len(self.evals) > 1 else None
         return {
@@ -441,11 +424,7 @@ class Monitor:
             "weights_capped": int(sum(_f(h, "weights_capped") for h in shards.values())),
             "failures_injected": {},
             "versions_regressed": int(sum(_f(h, "versions_regressed") for h in lives)),
-            "learner_processes": len({(lid, h.get("incarnation")) for (lid, _), h in self.lives.items()}
-                                     | {(e.get("learner"), e.get("incarnation")) for e in self.events
-                                        if e.get("kind") == "join" and e.get("incarnation")}
-                                     | {(lid, h.get("incarnation")) for lid, h in self.learners.items()
-                                        if h.get("incarnation")}),
+            "learner_processes": learner_processes(self.lives, self.events, self.learners),
             "learner_restarts": self.replaced_incarnations(),
             "contributors": sorted(contributors),
             "every_learner_contributed": set(self.learner_ids) <= contributors,
@@ -466,30 +445,5 @@ class Monitor:
             "merge_timeline": [(round(float(e["t"]) - self.t0, 3), int(e["fragment"])) for e in merges],
         }
 
-    @staticmethod
-    def problems(rep: dict[str, Any]) -> list[str]:
-        """Why a run that ended without a failure still did not work (empty: it did): a fragment
-        that never merged or stopped merging (its values stayed behind), or a final model no
-        better than the initial one."""
-        out = []
-        if rep.get("fragments_never_merged"):
-            out.append(f"fragment(s) {', '.join(map(str, rep['fragments_never_merged']))} never merged "
-                       f"(their values are the initial model's)")
-        out += [line for p, line in rep.get("fragments_lagging", {}).items()
-                if int(p) not in rep.get("fragments_never_merged", [])]
-        ini, fin = rep.get("eval_loss_initial"), rep.get("eval_loss_final")
-        if ini is not None and fin is not None and not fin < ini and not rep.get("resumed_from"):
-            out.append(f"the final model's eval loss {fin:.4f} is not below the initial {ini:.4f}")
-        return out
-
-    def summary_line(self, rep: dict[str, Any]) -> str:
-        ini, fin = rep["eval_loss_initial"], rep["eval_loss_final"]
-        ratio = f" ({fin / ini:.2f}x)" if ini and fin else ""
-        head = "interrupted" if rep.get("interrupted") else "done"
-        return (f"{head:<10} run {rep['run_id']}: {rep['wall_s']:.0f}s wall, {rep['steps_total']} steps, "
-                f"{rep['merges']} merges, "
-                f"eval loss {ini if ini is None else round(ini, 3)} -> {fin if fin is None else round(fin, 3)}{ratio}, "
-                f"goodput {rep['goodput']:.2f} (learner time spent training; {rep.get('flush_share', 0):.0%} went to "
-                f"the final flush), uptime {rep['uptime']:.2f} (wall time the global model advanced), "
-                f"every learner contributed: {rep['every_learner_contributed']}, "
-                f"every fragment merged: {rep['every_fragment_merged']}, processes left: {len(rep['processes_left'])}")
+    problems = staticmethod(problems)
+    summary_line = staticmethod(summary_line)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from common.files import atomic_path
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -48,13 +49,8 @@ def _figure(width_in: float, height_in: float) -> tuple[Figure, Axes]:
 def _save(fig: Figure, path: str | os.PathLike[str]) -> Figure:
     """Tight layout, then the PNG at ``path`` (matplotlib records itself in its Software text)."""
     fig.tight_layout()
-    tmp = f"{os.fspath(path)}.tmp{os.getpid()}-{threading.get_ident()}"
-    try:
+    with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=DPI)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return fig
 
 

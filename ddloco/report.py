@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError
+from common.files import write_atomic
 from ddloco.plots import eval_loss_plot, merges_plot, timeline_plot
 
 
@@ -54,12 +55,37 @@ def check_report_dir(out_dir: Path) -> None:
 
 def write_report(out_dir: Path, report: dict[str, Any], monitor: Any) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / "report.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2, sort_keys=True, default=str))
-    tmp.replace(out_dir / "report.json")
+    write_atomic(out_dir / "report.json", json.dumps(report, indent=2, sort_keys=True, default=str))
     eval_loss_plot(out_dir / "eval_loss.png", report["eval_curve"],
                    task=report.get("config", {}).get("task", {}).get("name", ""))
     merges_plot(out_dir / "merges.png", report["merge_timeline"])
     rows = [(lid, learner_intervals(monitor.samples[lid])) for lid in monitor.learner_ids]
     marks = [(t, MARK_LABELS.get(k, k[:2].upper())) for t, k, _ in getattr(monitor, "marks", [])]
     timeline_plot(out_dir / "timeline.png", rows, marks=marks, mark_key=MARK_MEANINGS)
+
+
+def broker_counters(r: Any, keys: Any) -> dict[str, Any]:
+    """The broker's security counters (its ``broker`` hash): refused CURVE handshakes
+    (``auth_failures``, by reason) and published messages dropped by the role rules."""
+    import redis as redis_lib
+    from common import entries
+    try:
+        h = r.hgetall(keys.broker)
+    except redis_lib.RedisError:
+        h = {}
+    return entries.parse_broker_entry(h)
+
+
+def add_chaos_results(report: dict[str, Any], runner: Any, sup: Any, *, chaos: Any,
+                      marks: list[tuple[float, str, str]]) -> None:
+    """The chaos harness's figures (``ChaosRunner.results``) and the supervisor's spares into
+    ``report``; each fault also a mark of the timeline, on the report's clock (the monitor's)."""
+    res = runner.results()
+    report.update(res)
+    report["chaos"] = str(chaos)
+    report["versions_regressed"] = report.get("versions_regressed", 0) + res["shard_versions_regressed"]
+    report["spares_used"] = sup.spares_used
+    report["spares_failed"] = sup.spares_failed
+    for e in res["chaos_events"]:
+        e["t"] = round(e["t"] + runner.report_t0, 3)
+        marks.append((e["t"], e["kind"], e["target"]))

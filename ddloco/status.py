@@ -12,6 +12,7 @@ import redis
 
 from common import control
 from common import entries
+from common import exits
 from common.config import Endpoints
 from common.keys import Keys
 from ddloco.cli import EXIT_USAGE
@@ -193,16 +194,16 @@ def watch_status(endpoints: Endpoints, *, interval_s: float = 1.0, count: int = 
                     if (count and n >= count) or wait.wait(interval_s):
                         break
             except BrokenPipeError:   # the reader left (`| head`): done
-                return 0
-            return 1 if error else 0
+                return exits.OK
+            return exits.FAILURE if error else exits.OK
         with Live(render(None, error="", updated_at=None), console=console, auto_refresh=False) as live:
             while True:
                 live.update(refresh(), refresh=True)
                 if (count and n >= count) or wait.wait(interval_s):
                     break
     except KeyboardInterrupt:
-        return 0
-    return 1 if error else 0
+        return exits.OK
+    return exits.FAILURE if error else exits.OK
 
 
 def run_status(endpoints: Endpoints, *, as_json: bool, watch_s: float | None = None, count: int = 0) -> int:
@@ -214,13 +215,13 @@ def run_status(endpoints: Endpoints, *, as_json: bool, watch_s: float | None = N
         st = collect_status(r, keys, redis_url=endpoints.redis_url)
     except redis.RedisError as e:
         print(f"ddloco status: Redis at {control.redact(endpoints.redis_url)} failed: {e}", file=sys.stderr)
-        return 1
+        return exits.FAILURE
     except control.RunConfigMissing as e:   # a run id that is not in this Redis: the user's input
         print(f"ddloco status: {e}", file=sys.stderr)
         return EXIT_USAGE
     if as_json:
         print(json.dumps(st, indent=2, sort_keys=True))
-        return 0
+        return exits.OK
     print(f"run {st['run_id']} (config {st['config_digest']}): {st['live_learners']} live learner(s)")
     print(describe_eval(st["eval"]))
     print(f"{'learner':<20} {'status':<9} {'steps':>7} {'tokens':>10} {'step_s':>7} {'loss':>6} {'merged':>7} {'last':>7}")
@@ -233,4 +234,4 @@ def run_status(endpoints: Endpoints, *, as_json: bool, watch_s: float | None = N
         print(f"WARNING {line}")
     for k, s in st["shards"].items():
         print(f"shard {k}: {s['status']} merges={s['merges']} dropped={s['dropped']} rpc={s['rpc']}")
-    return 0
+    return exits.OK

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from common.lifecycle import stop_processes
 from ddloco.bench.equal_tokens import loss_at
 
 
@@ -87,9 +88,7 @@ def attacked_run(attack: str, seed: int, args: argparse.Namespace, out: Path) ->
                             cwd=cwd, env=env, capture_output=True, text=True)
         up.wait(timeout=args.minutes * 60 + 300)
     finally:
-        if up.poll() is None:
-            up.terminate()
-            up.wait(60)
+        stop_processes([up], 60.0)
     ins_path = out / f"{attack}-s{seed}-fuzz" / "insider.json"
     if not ins_path.exists():
         raise RuntimeError(f"ddloco fuzz --insider wrote no report: {fz.stdout[-1500:]}{fz.stderr[-1500:]}")

@@ -31,6 +31,8 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
+from common.lifecycle import stop_processes
+
 HERE = Path(__file__).resolve().parent.parent
 RUN = "bench"
 
@@ -100,9 +102,7 @@ class Stage:
         time.sleep(1.0)   # settle before the baseline
 
     def close(self) -> None:
-        for p in (self.broker, self.victim):
-            p.terminate()
-            p.wait(10)
+        stop_processes((self.broker, self.victim), 10.0)
         self.ctx.destroy(linger=0)
 
 
@@ -234,8 +234,7 @@ def attack_peer(st: Stage, seconds: float = 60.0, state_mib: int = 16) -> dict[s
             sock.close(linger=0)
             return out
         finally:
-            harness.terminate()
-            harness.wait(10)
+            stop_processes([harness], 10.0)
 
 
 def peer_harness(keys: str, broker_pub: str, broker_sub: str, state_mib: str, ready: str) -> None:

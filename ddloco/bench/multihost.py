@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from common import control
+from common.exits import FAILURE, OK, USAGE
 from common.keys import Keys
 from common.lifecycle import stop_processes
 from common.redis_server import EmbeddedRedis, free_port
@@ -194,7 +195,7 @@ def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, every_s: floa
     raise TimeoutError(f"{what}: not within {timeout_s:.0f} s")
 
 
-def main(argv: Sequence[str]) -> int:
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m ddloco.bench.multihost", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", default="1gbit,1gbit,100mbit,100mbit",
@@ -207,123 +208,135 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--cut-s", type=float, default=20.0, help="how long the link stays down (default 20)")
     ap.add_argument("--step-time-floor-ms", type=float, default=50.0)
     ap.add_argument("--json", metavar="FILE", help="write every figure here")
-    args = ap.parse_args(list(argv))
-    if os.geteuid() != 0 or not shutil.which("tc"):
-        print("bench.multihost: needs root and iproute2 (ip, tc): it makes network namespaces", file=sys.stderr)
-        return 2
-    rates = [r.strip() for r in args.rates.split(",") if r.strip()]
-    topo = Topology(rates)
-    work = Path(tempfile.mkdtemp(prefix="ddloco-multihost-"))
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    relays: list[DelayRelay] = []
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    result: dict[str, Any] = {"rates": rates, "delay_ms_one_way": args.delay_ms, "learners": {}}
-    try:
-        topo.create()
-        print(f"network: bridge {BRIDGE} {HOST_IP}/24; " + ", ".join(
-            f"learner {i} in {topo.ns(i)} at {topo.ip(i)}, {r} each way" for i, r in enumerate(rates)), flush=True)
-        from common.security import create_keys
-        lids = [f"l{i}" for i in range(len(rates))]
-        create_keys(work / "keys", shards=args.syncers, learners=lids)
-        password = os.urandom(12).hex()
-        with EmbeddedRedis(host=HOST_IP, log_dir=str(work), password=password) as redis_srv:
-            pub, sub = free_port(HOST_IP), free_port(HOST_IP)
-            pub_d, sub_d = free_port(HOST_IP), free_port(HOST_IP)
-            for listen, target in (((HOST_IP, pub_d), (HOST_IP, pub)), ((HOST_IP, sub_d), (HOST_IP, sub))):
-                relays.append(DelayRelay(listen, target, args.delay_ms / 1000).start())
-            env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "DDLOCO_KEYS": str(work / "keys"),
-                   "DDLOCO_REDIS_URL": redis_srv.url}
-            common = ["--run-id", RUN_ID, "--log-format", "json"]
+    return ap.parse_args(list(argv))
 
-            def start(name: str, argv: list[str]) -> None:
-                log = open(work / f"{name}.log", "ab")
-                procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                               stdin=subprocess.DEVNULL)
-            ddl = [sys.executable, "-m", "ddloco"]
-            start("broker", [*ddl, "broker", *common, "--xsub", f"tcp://{HOST_IP}:{pub}",
-                             "--xpub", f"tcp://{HOST_IP}:{sub}"])
-            for k in range(args.syncers):
-                start(f"syncer{k}", [*ddl, "syncer", *common, "--broker-pub", f"tcp://{HOST_IP}:{pub}",
-                                     "--broker-sub", f"tcp://{HOST_IP}:{sub}", "--shard", str(k), "--shards",
-                                     str(args.syncers), "--rpc-bind", f"tcp://{HOST_IP}:0",
-                                     "--checkpoint-dir", str(work / "ck")])
-            for i, lid in enumerate(lids):
-                start(lid, ["ip", "netns", "exec", topo.ns(i), *ddl, "learner", *common,
-                            "--broker-pub", f"tcp://{HOST_IP}:{pub_d}", "--broker-sub", f"tcp://{HOST_IP}:{sub_d}",
-                            "--learner-id", lid, "--data-shard", str(i), "--peer-bind", "tcp://0.0.0.0:7100",
-                            "--advertise-host", topo.ip(i), "--step-time-floor-ms", str(args.step_time_floor_ms)])
-            r = control.connect(redis_srv.url)
-            keys = Keys(RUN_ID)
 
-            def merged(lid: str) -> int:
-                return int(r.hget(keys.learner(lid), "merged_contributions") or 0)
-            wait_for(lambda: all(merged(lid) > 0 for lid in lids), 600, "every learner contributing", 0.5)
-            t0 = time.monotonic()
-            start_counts = [topo.counters(i) for i in range(len(rates))]
-            samples: list[tuple[float, list[tuple[int, int]]]] = [(t0, start_counts)]
-            cut: dict[str, Any] = {}
-            cut_lid = lids[0]
-            end = t0 + args.minutes * 60
-            merge_times: list[float] = []
-            seen_merges = len(control.read_events(r, keys, kind="merge"))
-            print(f"every learner contributing; measuring for {args.minutes:.1f} min, cutting {cut_lid}'s link at "
-                  f"+{args.cut_at:.0f} s for {args.cut_s:.0f} s", flush=True)
-            while time.monotonic() < end and not stop.is_set():
-                now = time.monotonic()
-                samples.append((now, [topo.counters(i) for i in range(len(rates))]))
-                merges = control.read_events(r, keys, kind="merge")
-                merge_times += [now] * (len(merges) - seen_merges)
-                seen_merges = len(merges)
-                live = control.live_learners(r, keys)
-                if "cut_t" not in cut and now - t0 >= args.cut_at:
-                    topo.cut(0)
-                    cut["cut_t"] = now
-                    print(f"+{now - t0:.0f} s: cut {cut_lid}'s link", flush=True)
-                elif "cut_t" in cut and "detect_s" not in cut and cut_lid not in live:
-                    cut["detect_s"] = round(now - cut["cut_t"], 2)
-                    print(f"+{now - t0:.0f} s: membership dropped {cut_lid} ({cut['detect_s']} s after the cut)",
-                          flush=True)
-                elif "cut_t" in cut and "heal_t" not in cut and now - cut["cut_t"] >= args.cut_s:
-                    topo.heal(0)
-                    cut["heal_t"] = now
-                    cut["merged_at_heal"] = merged(cut_lid)
-                    print(f"+{now - t0:.0f} s: healed {cut_lid}'s link", flush=True)
-                elif "heal_t" in cut and "back_in_membership_s" not in cut and cut_lid in live:
-                    cut["back_in_membership_s"] = round(now - cut["heal_t"], 2)
-                elif "heal_t" in cut and "rejoin_s" not in cut and merged(cut_lid) > cut["merged_at_heal"]:
-                    cut["rejoin_s"] = round(now - cut["heal_t"], 2)
-                    print(f"+{now - t0:.0f} s: {cut_lid} contributes again ({cut['rejoin_s']} s after the heal, "
-                          "not restarted)", flush=True)
-                stop.wait(0.5)
-            t_end = time.monotonic()
-            during = [t for t in merge_times if cut.get("cut_t", 0) <= t <= cut.get("heal_t", 0)]
-            cut["merges_while_cut"] = len(during)
-            gaps = [b - a for a, b in zip(merge_times, merge_times[1:])]
-            cut["largest_merge_gap_s"] = round(max(gaps), 2) if gaps else None
-            cut["restarted"] = procs[cut_lid].poll() is not None
-            result["cut"] = {k: v for k, v in cut.items() if not k.endswith("_t")}
-            for i, lid in enumerate(lids):
-                up = (samples[-1][1][i][0] - start_counts[i][0]) * 8 / (t_end - t0)
-                down = (samples[-1][1][i][1] - start_counts[i][1]) * 8 / (t_end - t0)
-                peak_up = peak_down = 0.0
-                for (ta, ca), (tb, cb) in zip(samples, samples[2:]):   # ~1 s windows
-                    peak_up = max(peak_up, (cb[i][0] - ca[i][0]) * 8 / (tb - ta))
-                    peak_down = max(peak_down, (cb[i][1] - ca[i][1]) * 8 / (tb - ta))
-                h = r.hgetall(keys.learner(lid))
-                link = rate_bits(rates[i])
-                result["learners"][lid] = {
-                    "link": rates[i], "up_mbit_s": round(up / 1e6, 3), "down_mbit_s": round(down / 1e6, 3),
-                    "peak_up_mbit_s": round(peak_up / 1e6, 2), "peak_down_mbit_s": round(peak_down / 1e6, 2),
-                    "up_of_link": round(up / link, 5), "down_of_link": round(down / link, 5),
-                    "peak_of_link": round(max(peak_up, peak_down) / link, 4),
-                    "steps": int(float(h.get("steps", 0))), "merged_contributions": int(h.get("merged_contributions", 0))}
-            result["seconds"] = round(t_end - t0, 1)
-    finally:
-        stop_processes(procs.values())
-        for relay in relays:
+class _Rehearsal:
+    """One rehearsal: the cluster on the namespaces' links, the measurement, the figures (one
+    thread; a SIGTERM only sets ``stop``)."""
+
+    def __init__(self, args: argparse.Namespace, rates: list[str], topo: Topology, work: Path) -> None:
+        self.args, self.rates, self.topo, self.work = args, rates, topo, work
+        self.lids = [f"l{i}" for i in range(len(rates))]
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.relays: list[DelayRelay] = []
+        self.stop = threading.Event()
+        self.result: dict[str, Any] = {"rates": rates, "delay_ms_one_way": args.delay_ms, "learners": {}}
+        self.keys = Keys(RUN_ID)
+
+    def start(self, redis_srv: EmbeddedRedis) -> None:
+        """The broker (behind the delay relays), the shards, one learner per namespace."""
+        args, topo, work = self.args, self.topo, self.work
+        pub, sub = free_port(HOST_IP), free_port(HOST_IP)
+        pub_d, sub_d = free_port(HOST_IP), free_port(HOST_IP)
+        for listen, target in (((HOST_IP, pub_d), (HOST_IP, pub)), ((HOST_IP, sub_d), (HOST_IP, sub))):
+            self.relays.append(DelayRelay(listen, target, args.delay_ms / 1000).start())
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "DDLOCO_KEYS": str(work / "keys"),
+               "DDLOCO_REDIS_URL": redis_srv.url}
+        common = ["--run-id", RUN_ID, "--log-format", "json"]
+
+        def start(name: str, argv: list[str]) -> None:
+            log = open(work / f"{name}.log", "ab")
+            self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                stdin=subprocess.DEVNULL)
+        ddl = [sys.executable, "-m", "ddloco"]
+        start("broker", [*ddl, "broker", *common, "--xsub", f"tcp://{HOST_IP}:{pub}",
+                         "--xpub", f"tcp://{HOST_IP}:{sub}"])
+        for k in range(args.syncers):
+            start(f"syncer{k}", [*ddl, "syncer", *common, "--broker-pub", f"tcp://{HOST_IP}:{pub}",
+                                 "--broker-sub", f"tcp://{HOST_IP}:{sub}", "--shard", str(k), "--shards",
+                                 str(args.syncers), "--rpc-bind", f"tcp://{HOST_IP}:0",
+                                 "--checkpoint-dir", str(work / "ck")])
+        for i, lid in enumerate(self.lids):
+            start(lid, ["ip", "netns", "exec", topo.ns(i), *ddl, "learner", *common,
+                        "--broker-pub", f"tcp://{HOST_IP}:{pub_d}", "--broker-sub", f"tcp://{HOST_IP}:{sub_d}",
+                        "--learner-id", lid, "--data-shard", str(i), "--peer-bind", "tcp://0.0.0.0:7100",
+                        "--advertise-host", topo.ip(i), "--step-time-floor-ms", str(args.step_time_floor_ms)])
+        self.r = control.connect(redis_srv.url)
+
+    def merged(self, lid: str) -> int:
+        return int(self.r.hget(self.keys.learner(lid), "merged_contributions") or 0)
+
+    def _cut_step(self, cut: dict[str, Any], now: float, t0: float, live: dict[str, Any]) -> None:
+        """The cut's next event, if due: cut, detected, healed, back in membership, merged again."""
+        args, cut_lid = self.args, self.lids[0]
+        if "cut_t" not in cut and now - t0 >= args.cut_at:
+            self.topo.cut(0)
+            cut["cut_t"] = now
+            print(f"+{now - t0:.0f} s: cut {cut_lid}'s link", flush=True)
+        elif "cut_t" in cut and "detect_s" not in cut and cut_lid not in live:
+            cut["detect_s"] = round(now - cut["cut_t"], 2)
+            print(f"+{now - t0:.0f} s: membership dropped {cut_lid} ({cut['detect_s']} s after the cut)",
+                  flush=True)
+        elif "cut_t" in cut and "heal_t" not in cut and now - cut["cut_t"] >= args.cut_s:
+            self.topo.heal(0)
+            cut["heal_t"] = now
+            cut["merged_at_heal"] = self.merged(cut_lid)
+            print(f"+{now - t0:.0f} s: healed {cut_lid}'s link", flush=True)
+        elif "heal_t" in cut and "back_in_membership_s" not in cut and cut_lid in live:
+            cut["back_in_membership_s"] = round(now - cut["heal_t"], 2)
+        elif "heal_t" in cut and "rejoin_s" not in cut and self.merged(cut_lid) > cut["merged_at_heal"]:
+            cut["rejoin_s"] = round(now - cut["heal_t"], 2)
+            print(f"+{now - t0:.0f} s: {cut_lid} contributes again ({cut['rejoin_s']} s after the heal, "
+                  "not restarted)", flush=True)
+
+    def measure(self) -> None:
+        """Once every learner contributes: link counters and merges every 0.5 s, the cut and heal."""
+        args, r, keys, n = self.args, self.r, self.keys, len(self.rates)
+        wait_for(lambda: all(self.merged(lid) > 0 for lid in self.lids), 600, "every learner contributing", 0.5)
+        t0 = time.monotonic()
+        samples: list[tuple[float, list[tuple[int, int]]]] = [(t0, [self.topo.counters(i) for i in range(n)])]
+        cut: dict[str, Any] = {}
+        end = t0 + args.minutes * 60
+        merge_times: list[float] = []
+        seen_merges = len(control.read_events(r, keys, kind="merge"))
+        print(f"every learner contributing; measuring for {args.minutes:.1f} min, cutting {self.lids[0]}'s link at "
+              f"+{args.cut_at:.0f} s for {args.cut_s:.0f} s", flush=True)
+        while time.monotonic() < end and not self.stop.is_set():
+            now = time.monotonic()
+            samples.append((now, [self.topo.counters(i) for i in range(n)]))
+            merges = control.read_events(r, keys, kind="merge")
+            merge_times += [now] * (len(merges) - seen_merges)
+            seen_merges = len(merges)
+            self._cut_step(cut, now, t0, control.live_learners(r, keys))
+            self.stop.wait(0.5)
+        t_end = time.monotonic()
+        during = [t for t in merge_times if cut.get("cut_t", 0) <= t <= cut.get("heal_t", 0)]
+        cut["merges_while_cut"] = len(during)
+        gaps = [b - a for a, b in zip(merge_times, merge_times[1:])]
+        cut["largest_merge_gap_s"] = round(max(gaps), 2) if gaps else None
+        cut["restarted"] = self.procs[self.lids[0]].poll() is not None
+        self.result["cut"] = {k: v for k, v in cut.items() if not k.endswith("_t")}
+        self._link_figures(samples, t0, t_end)
+        self.result["seconds"] = round(t_end - t0, 1)
+
+    def _link_figures(self, samples: list[tuple[float, list[tuple[int, int]]]], t0: float, t_end: float) -> None:
+        """Per learner: mean and peak (~1 s windows) rates up and down, against its link."""
+        start_counts = samples[0][1]
+        for i, lid in enumerate(self.lids):
+            up = (samples[-1][1][i][0] - start_counts[i][0]) * 8 / (t_end - t0)
+            down = (samples[-1][1][i][1] - start_counts[i][1]) * 8 / (t_end - t0)
+            peak_up = peak_down = 0.0
+            for (ta, ca), (tb, cb) in zip(samples, samples[2:]):   # ~1 s windows
+                peak_up = max(peak_up, (cb[i][0] - ca[i][0]) * 8 / (tb - ta))
+                peak_down = max(peak_down, (cb[i][1] - ca[i][1]) * 8 / (tb - ta))
+            h = self.r.hgetall(self.keys.learner(lid))
+            link = rate_bits(self.rates[i])
+            self.result["learners"][lid] = {
+                "link": self.rates[i], "up_mbit_s": round(up / 1e6, 3), "down_mbit_s": round(down / 1e6, 3),
+                "peak_up_mbit_s": round(peak_up / 1e6, 2), "peak_down_mbit_s": round(peak_down / 1e6, 2),
+                "up_of_link": round(up / link, 5), "down_of_link": round(down / link, 5),
+                "peak_of_link": round(max(peak_up, peak_down) / link, 4),
+                "steps": int(float(h.get("steps", 0))), "merged_contributions": int(h.get("merged_contributions", 0))}
+
+    def close(self) -> None:
+        stop_processes(self.procs.values())
+        for relay in self.relays:
             relay.stop()
-        topo.teardown()
+        self.topo.teardown()
+
+
+def _print_result(result: dict[str, Any], rates: list[str], args: argparse.Namespace) -> None:
     print(f"\nover {result.get('seconds')} s ({len(rates)} learners, {args.delay_ms:.0f} ms one-way to the broker):")
     print(f"{'learner':<8} {'link':>8} {'up Mbit/s':>10} {'down Mbit/s':>12} {'peak (1 s)':>11} {'peak/link':>10} {'merged':>7}")
     for lid, m in result["learners"].items():
@@ -331,9 +344,34 @@ def main(argv: Sequence[str]) -> int:
               f"{max(m['peak_up_mbit_s'], m['peak_down_mbit_s']):>11.1f} {m['peak_of_link']:>10.3f} "
               f"{m['merged_contributions']:>7}")
     print("cut: " + json.dumps(result.get("cut", {})))
+
+
+def main(argv: Sequence[str]) -> int:
+    args = _parse(argv)
+    if os.geteuid() != 0 or not shutil.which("tc"):
+        print("bench.multihost: needs root and iproute2 (ip, tc): it makes network namespaces", file=sys.stderr)
+        return USAGE
+    rates = [r.strip() for r in args.rates.split(",") if r.strip()]
+    topo = Topology(rates)
+    work = Path(tempfile.mkdtemp(prefix="ddloco-multihost-"))
+    run = _Rehearsal(args, rates, topo, work)
+    signal.signal(signal.SIGTERM, lambda *_: run.stop.set())
+    try:
+        topo.create()
+        print(f"network: bridge {BRIDGE} {HOST_IP}/24; " + ", ".join(
+            f"learner {i} in {topo.ns(i)} at {topo.ip(i)}, {r} each way" for i, r in enumerate(rates)), flush=True)
+        from common.security import create_keys
+        create_keys(work / "keys", shards=args.syncers, learners=run.lids)
+        password = os.urandom(12).hex()
+        with EmbeddedRedis(host=HOST_IP, log_dir=str(work), password=password) as redis_srv:
+            run.start(redis_srv)
+            run.measure()
+    finally:
+        run.close()
+    _print_result(run.result, rates, args)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return 0 if result.get("cut", {}).get("rejoin_s") is not None else 1
+        Path(args.json).write_text(json.dumps(run.result, indent=2))
+    return OK if run.result.get("cut", {}).get("rejoin_s") is not None else FAILURE
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Sequence
 
 from common import control
+from common.exits import OK
 from common.keys import Keys
 from common.lifecycle import stop_processes
 from common.redis_server import EmbeddedRedis, free_port
@@ -44,7 +45,7 @@ def _wait(predicate, timeout_s: float, what: str):
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-def main(argv: Sequence[str]) -> int:
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m ddloco.bench.rejoin", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--learners", type=int, default=4)
@@ -53,91 +54,117 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--step-time-floor-ms", type=float, default=50.0)
     ap.add_argument("--standby", action="store_true", help="replace the killed learner by a hot spare")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(list(argv))
-    work = Path(tempfile.mkdtemp(prefix="ddloco-rejoin-"))
-    procs: dict[str, subprocess.Popen] = {}
-    rows: list[dict[str, float]] = []
-    with EmbeddedRedis(log_dir=str(work)) as redis_srv:
-        pub, sub = free_port(), free_port()
-        net = ["--redis-url", redis_srv.url, "--broker-pub", f"tcp://127.0.0.1:{pub}",
-               "--broker-sub", f"tcp://127.0.0.1:{sub}", "--run-id", "rejoin", "--log-format", "json"]
+    return ap.parse_args(list(argv))
+
+
+class _Cluster:
+    """The bench's cluster (one thread): its processes by name, the spares started so far."""
+
+    def __init__(self, args: argparse.Namespace, work: Path, redis_url: str) -> None:
+        self.args, self.work = args, work
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.spares = 0
+        self.pub, self.sub = free_port(), free_port()
+        self.net = ["--redis-url", redis_url, "--broker-pub", f"tcp://127.0.0.1:{self.pub}",
+                    "--broker-sub", f"tcp://127.0.0.1:{self.sub}", "--run-id", "rejoin", "--log-format", "json"]
         from common.security import create_keys
         create_keys(work / "keys", shards=args.syncers, learners=[f"l{i}" for i in range(args.learners)])
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "DDLOCO_KEYS": str(work / "keys")}
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "DDLOCO_KEYS": str(work / "keys")}
+        self.r = control.connect(redis_url)
+        self.keys = Keys("rejoin")
 
-        def start(name: str, *argv: str, stdin: bool = False) -> None:
-            log = open(work / f"{name}.log", "ab")
-            procs[name] = subprocess.Popen([sys.executable, "-m", "ddloco", *argv], stdout=log,
-                                           stderr=subprocess.STDOUT, env=env,
-                                           stdin=subprocess.PIPE if stdin else subprocess.DEVNULL)
+    def start(self, name: str, *argv: str, stdin: bool = False) -> None:
+        log = open(self.work / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "ddloco", *argv], stdout=log,
+                                            stderr=subprocess.STDOUT, env=self.env,
+                                            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL)
 
-        spares = [0]
+    def start_spare(self) -> None:
+        self.spares += 1
+        self.start(f"spare{self.spares}", "learner", *self.net, "--standby", "--step-time-floor-ms",
+                   str(self.args.step_time_floor_ms), stdin=True)
 
-        def start_spare() -> None:
-            spares[0] += 1
-            start(f"spare{spares[0]}", "learner", *net, "--standby", "--step-time-floor-ms",
-                  str(args.step_time_floor_ms), stdin=True)
+    def learner(self, i: int) -> None:
+        if self.args.standby:
+            spare = self.procs.pop(f"spare{self.spares}")
+            spare.stdin.write((json.dumps({"learner_id": f"l{i}", "data_shard": i}) + "\n").encode())
+            spare.stdin.flush()
+            self.procs[f"l{i}"] = spare
+            return   # the next spare starts after this rejoin is measured (its boot takes CPU)
+        self.start(f"l{i}", "learner", *self.net, "--learner-id", f"l{i}", "--data-shard", str(i),
+                   "--step-time-floor-ms", str(self.args.step_time_floor_ms))
 
-        def learner(i: int) -> None:
-            if args.standby:
-                spare = procs.pop(f"spare{spares[0]}")
-                spare.stdin.write((json.dumps({"learner_id": f"l{i}", "data_shard": i}) + "\n").encode())
-                spare.stdin.flush()
-                procs[f"l{i}"] = spare
-                return   # the next spare starts after this rejoin is measured (its boot takes CPU)
-            start(f"l{i}", "learner", *net, "--learner-id", f"l{i}", "--data-shard", str(i),
-                  "--step-time-floor-ms", str(args.step_time_floor_ms))
-        r = control.connect(redis_srv.url)
-        keys = Keys("rejoin")
-        try:
-            start("broker", "broker", "--xsub", f"tcp://127.0.0.1:{pub}", "--xpub", f"tcp://127.0.0.1:{sub}",
-                  "--shards", str(args.syncers))
-            for k in range(args.syncers):
-                start(f"s{k}", "syncer", *net, "--shard", str(k), "--shards", str(args.syncers),
-                      "--checkpoint-dir", str(work / "ck"))
-            for i in range(args.learners):
-                start(f"l{i}", "learner", *net, "--learner-id", f"l{i}", "--data-shard", str(i),
-                      "--step-time-floor-ms", str(args.step_time_floor_ms))
-            if args.standby:
-                start_spare()
-            _wait(lambda: all(int(r.hget(keys.learner(f"l{i}"), "merged_contributions") or 0) > 0
-                              for i in range(args.learners)), 300, "every learner contributing")
-            for n in range(args.restarts):
-                i = n % args.learners
-                lid = f"l{i}"
-                if args.standby:
-                    log = work / f"spare{spares[0]}.log"
-                    _wait(lambda: "learner.standby_ready" in log.read_text(errors="replace"), 120, "spare ready")
-                procs[lid].send_signal(signal.SIGKILL)
-                procs[lid].wait()
-                old = r.hget(keys.learner(lid), "incarnation")
-                t_restart = time.time()
-                learner(i)
-                _wait(lambda: r.hget(keys.learner(lid), "incarnation") not in (None, old), 120, "new incarnation")
-                merged_at = _wait(lambda: (lambda v: v if v and float(v) > t_restart else None)(
-                    r.hget(keys.learner(lid), "last_merged_at")), 120, "first merged contribution")
-                if args.standby:
-                    time.sleep(2.0)   # the serving peer's next 20 steps, undisturbed by a booting spare
-                    start_spare()
-                _wait(lambda: "first_answer" in json.loads(r.hget(keys.learner(lid), "boot_phases") or "{}"), 10,
-                      "the first answer in the counters (next heartbeat)")
-                h = r.hgetall(keys.learner(lid))
-                phases = json.loads(h.get("boot_phases") or "{}")
-                start_gap = float(h["started_at"]) - t_restart   # Popen -> process start
-                row = {k: round(start_gap + phases.get(k, float("nan")), 3) for k in PHASES[:-1]}
-                row["first_merge"] = round(float(merged_at) - t_restart, 3)
-                rows.append(row)
-                print(f"restart {n + 1}: " + ", ".join(f"{k} {v:.2f}s" for k, v in row.items()), flush=True)
-        finally:
-            stop_processes(procs.values())
-    medians = {k: round(statistics.median(row[k] for row in rows), 3) for k in PHASES}
-    costs = []   # what serving a joiner cost the peer: its next 20 steps against its step time before
+    def start_all(self) -> None:
+        """Broker, shards, learners (and a spare); returns once every learner contributed."""
+        args, r, keys = self.args, self.r, self.keys
+        self.start("broker", "broker", "--xsub", f"tcp://127.0.0.1:{self.pub}", "--xpub",
+                   f"tcp://127.0.0.1:{self.sub}", "--shards", str(args.syncers))
+        for k in range(args.syncers):
+            self.start(f"s{k}", "syncer", *self.net, "--shard", str(k), "--shards", str(args.syncers),
+                       "--checkpoint-dir", str(self.work / "ck"))
+        for i in range(args.learners):
+            self.start(f"l{i}", "learner", *self.net, "--learner-id", f"l{i}", "--data-shard", str(i),
+                       "--step-time-floor-ms", str(args.step_time_floor_ms))
+        if args.standby:
+            self.start_spare()
+        _wait(lambda: all(int(r.hget(keys.learner(f"l{i}"), "merged_contributions") or 0) > 0
+                          for i in range(args.learners)), 300, "every learner contributing")
+
+    def restart(self, i: int) -> dict[str, float]:
+        """SIGKILL learner i, start it again (or a spare as it), and time its phases."""
+        r, keys, lid = self.r, self.keys, f"l{i}"
+        if self.args.standby:
+            log = self.work / f"spare{self.spares}.log"
+            _wait(lambda: "learner.standby_ready" in log.read_text(errors="replace"), 120, "spare ready")
+        self.procs[lid].send_signal(signal.SIGKILL)
+        self.procs[lid].wait()
+        old = r.hget(keys.learner(lid), "incarnation")
+        t_restart = time.time()
+        self.learner(i)
+        _wait(lambda: r.hget(keys.learner(lid), "incarnation") not in (None, old), 120, "new incarnation")
+        merged_at = _wait(lambda: (lambda v: v if v and float(v) > t_restart else None)(
+            r.hget(keys.learner(lid), "last_merged_at")), 120, "first merged contribution")
+        if self.args.standby:
+            time.sleep(2.0)   # the serving peer's next 20 steps, undisturbed by a booting spare
+            self.start_spare()
+        _wait(lambda: "first_answer" in json.loads(r.hget(keys.learner(lid), "boot_phases") or "{}"), 10,
+              "the first answer in the counters (next heartbeat)")
+        h = r.hgetall(keys.learner(lid))
+        phases = json.loads(h.get("boot_phases") or "{}")
+        start_gap = float(h["started_at"]) - t_restart   # Popen -> process start
+        row = {k: round(start_gap + phases.get(k, float("nan")), 3) for k in PHASES[:-1]}
+        row["first_merge"] = round(float(merged_at) - t_restart, 3)
+        return row
+
+
+def _peer_costs(work: Path) -> list[float]:
+    """What serving a joiner cost the peer: its next 20 steps against its step time before."""
+    costs = []
     for log in work.glob("*.log"):
         for line in log.read_text(errors="replace").splitlines():
             if '"learner.bootstrap_serve_cost"' in line:
                 e = json.loads(line)
                 if e.get("slowdown") is not None:
                     costs.append(e["slowdown"])
+    return costs
+
+
+def main(argv: Sequence[str]) -> int:
+    args = _parse(argv)
+    work = Path(tempfile.mkdtemp(prefix="ddloco-rejoin-"))
+    rows: list[dict[str, float]] = []
+    with EmbeddedRedis(log_dir=str(work)) as redis_srv:
+        cluster = _Cluster(args, work, redis_srv.url)
+        try:
+            cluster.start_all()
+            for n in range(args.restarts):
+                row = cluster.restart(n % args.learners)
+                rows.append(row)
+                print(f"restart {n + 1}: " + ", ".join(f"{k} {v:.2f}s" for k, v in row.items()), flush=True)
+        finally:
+            stop_processes(cluster.procs.values())
+    medians = {k: round(statistics.median(row[k] for row in rows), 3) for k in PHASES}
+    costs = _peer_costs(work)
     if costs:
         medians["peer_slowdown"] = round(statistics.median(costs), 4)
         medians["peer_slowdown_max"] = round(max(costs), 4)
@@ -145,7 +172,7 @@ def main(argv: Sequence[str]) -> int:
         print(json.dumps({"restarts": rows, "median_s": medians, "peer_slowdowns": costs}, indent=2))
     else:
         print("median seconds from restart: " + ", ".join(f"{k} {v:.2f}" for k, v in medians.items()))
-    return 0
+    return OK
 
 
 if __name__ == "__main__":

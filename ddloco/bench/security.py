@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from common.lifecycle import stop_processes
 from ddloco.bench.micro import _lo_bytes
 
 
@@ -58,9 +59,7 @@ def run_fuzz(count: int, seconds: float, out: Path, minutes: float) -> dict:
         print(res.stdout[-3000:], res.stderr[-2000:], sep="\n")
         up.wait(timeout=minutes * 60 + 300)
     finally:
-        if up.poll() is None:
-            up.terminate()
-            up.wait(60)
+        stop_processes([up], 60.0)
     fz = json.loads((out / "fuzz" / "fuzz.json").read_text())
     rep = json.loads((out / "fuzz-up" / "report.json").read_text())
     summary = {"fuzz": fz, "up_exit": up.returncode, "eval_curve": rep["eval_curve"],

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from common.config import run_config_from_dict
+from common.files import write_atomic
 from common.task import batch_to, bind_task, build_model, count_tokens, evaluate, scalar_loss
 from ddloco.compare.systems import SystemResult, eval_steps
 from learner.inner import inner_step, make_inner_optimizer
@@ -71,10 +72,7 @@ def main() -> int:
             res = SystemResult("dp", seed, world, steps, tokens_per_step * steps, wall, curve[-1][1], curve,
                                per_step / max(1, tokens_per_step),
                                {"backend": dist.get_backend(), "device": str(device)})
-            tmp = args.out + ".tmp"
-            with open(tmp, "w") as fh:
-                json.dump(res.to_dict(), fh)
-            os.replace(tmp, args.out)
+            write_atomic(args.out, json.dumps(res.to_dict()))
     finally:
         dist.destroy_process_group()
     return 0

@@ -32,25 +32,21 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from common.config import ConfigError, ConfigFile, RunConfig, load_config, override, run_config_from_dict
+from common.exits import FAILURE as EXIT_FAILURE
+from common.exits import OK as EXIT_OK
+from common.files import write_atomic
 
 DEFAULT_SYSTEMS = ("dp", "single", "diloco_sync", "decoupled_lockstep", "decoupled")
 IN_PROCESS = ("single", "diloco_sync", "decoupled_emulated", "dp_emulated")
 CLUSTER = ("decoupled", "decoupled_lockstep", "decoupled_fp32")
 ALL_SYSTEMS = ("dp",) + IN_PROCESS + CLUSTER
-
-# two-sided 95 % Student t quantiles by degrees of freedom
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
-        20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
-        29: 2.045, 30: 2.042}
-"""Two-sided 95 % Student-t quantiles by degrees of freedom; beyond 30, ``_t95`` interpolates
-in 1/df towards the normal's 1.960 (40: 2.021, 60: 2.000, 120: 1.980, within 0.001)."""
-
+EXIT_INTERRUPTED = 130
+"""Ctrl-C: the finished runs are kept in DIR/runs (``--resume`` goes on from them)."""
 
 def _t95(df: int) -> float:
-    if df in _T95:
-        return _T95[df]
-    return 1.960 + (_T95[30] - 1.960) * 30 / df
+    """Two-sided 95 % Student-t quantile with ``df`` degrees of freedom."""
+    from scipy.stats import t
+    return float(t.ppf(0.975, df))
 
 
 def mean_ci(values: Sequence[float]) -> tuple[float, float, float]:
@@ -332,132 +328,159 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def _main(args: argparse.Namespace, argv: list[str]) -> int:
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in ALL_SYSTEMS]
-    if unknown or not systems:
-        raise ConfigError(f"unknown system(s) {unknown}; choose from {', '.join(ALL_SYSTEMS)}")
-    if args.learners < 1 or args.eval_points < 1 or args.jobs < 1:
-        raise ConfigError("--learners, --eval-points and --jobs must be >= 1")
-    seeds = ([int(x) for x in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds)))
-    if not seeds:
-        raise ConfigError("--seeds must be >= 1")
-    cfg = load_config(args.config)
-    run = apply_sets(cfg.run, {"task": {"spec": args.task}, "algo": {}})
-    run = apply_sets(run, parse_set(args.set))
-    per_batch = tokens_per_batch(run)
-    steps = args.tokens // (args.learners * per_batch)
-    if steps < 1:
-        raise ConfigError(f"--tokens {args.tokens} is less than one step of {args.learners} learners "
-                          f"x {per_batch} tokens")
-    if steps * args.learners * per_batch != args.tokens:
-        print(f"note: {args.tokens:,} tokens is not a whole number of steps; using {steps} steps "
-              f"= {steps * args.learners * per_batch:,} tokens", flush=True)
-    report = Path(args.report)
-    report.mkdir(parents=True, exist_ok=True)
-    print(f"compare    {', '.join(systems)} | M={args.learners} | {steps} steps per learner "
-          f"({steps * args.learners * per_batch:,} tokens) | seeds {seeds} | report {report}", flush=True)
-    results: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
-    failures: list[str] = []
-    t_start = time.time()
+class _Comparison:
+    """One `ddloco compare`: the command's checks, then its runs (reused, in process, or each on its
+    own: a cluster or DDP) and their results; everything on the calling thread."""
 
-    def identity(system: str, seed: int) -> dict[str, Any]:
+    def __init__(self, args: argparse.Namespace, argv: list[str]) -> None:
+        self.args, self.argv = args, argv
+        self.systems = systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+        unknown = [s for s in systems if s not in ALL_SYSTEMS]
+        if unknown or not systems:
+            raise ConfigError(f"unknown system(s) {unknown}; choose from {', '.join(ALL_SYSTEMS)}")
+        if args.learners < 1 or args.eval_points < 1 or args.jobs < 1:
+            raise ConfigError("--learners, --eval-points and --jobs must be >= 1")
+        self.seeds = seeds = ([int(x) for x in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds)))
+        if not seeds:
+            raise ConfigError("--seeds must be >= 1")
+        self.cfg = load_config(args.config)
+        run = apply_sets(self.cfg.run, {"task": {"spec": args.task}, "algo": {}})
+        self.run = run = apply_sets(run, parse_set(args.set))
+        self.per_batch = per_batch = tokens_per_batch(run)
+        self.steps = steps = args.tokens // (args.learners * per_batch)
+        if steps < 1:
+            raise ConfigError(f"--tokens {args.tokens} is less than one step of {args.learners} learners "
+                              f"x {per_batch} tokens")
+        if steps * args.learners * per_batch != args.tokens:
+            print(f"note: {args.tokens:,} tokens is not a whole number of steps; using {steps} steps "
+                  f"= {steps * args.learners * per_batch:,} tokens", flush=True)
+        self.report = report = Path(args.report)
+        report.mkdir(parents=True, exist_ok=True)
+        print(f"compare    {', '.join(systems)} | M={args.learners} | {steps} steps per learner "
+              f"({steps * args.learners * per_batch:,} tokens) | seeds {seeds} | report {report}", flush=True)
+        self.results: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+        self.failures: list[str] = []
+        self.t_start = time.time()
+
+    def identity(self, system: str, seed: int) -> dict[str, Any]:
         """What a finished run must share with this command to be reused by --resume."""
-        r = system_run(system, apply_sets(run, {"task": {"seed": seed}}), args.learners)
-        ident: dict[str, Any] = {"run_digest": r.digest(), "learners": args.learners, "steps": steps,
+        args = self.args
+        r = system_run(system, apply_sets(self.run, {"task": {"seed": seed}}), args.learners)
+        ident: dict[str, Any] = {"run_digest": r.digest(), "learners": args.learners, "steps": self.steps,
                                  "eval_points": args.eval_points}
         if system == "decoupled_emulated":
             ident["delay_steps"] = args.delay_steps
         if system in CLUSTER:
-            ident.update(syncers=args.syncers, learner=asdict(cfg.learner), syncer=asdict(cfg.syncer))
+            ident.update(syncers=args.syncers, learner=asdict(self.cfg.learner), syncer=asdict(self.cfg.syncer))
         if system == "dp":
             ident["device"] = args.device
         return ident
 
-    def reusable(system: str, seed: int) -> dict[str, Any] | None:
-        path = report / "runs" / f"{system}-s{seed}.json"
-        if args.render_only:
+    def reusable(self, system: str, seed: int) -> dict[str, Any] | None:
+        path = self.report / "runs" / f"{system}-s{seed}.json"
+        if self.args.render_only:
             if not path.exists():
                 raise ConfigError(f"--render-only: {path} is missing")
             old = json.loads(path.read_text())
             cluster_report = Path(old.get("extra", {}).get("report", ""))
             if system in CLUSTER and cluster_report.is_file():  # figures re-derived from the raw report
                 old["bytes_per_token"] = cluster_bytes_per_token(json.loads(cluster_report.read_text()))
-            results[system].append(old)
+            self.results[system].append(old)
             return old
-        if not args.resume or not path.exists():
+        if not self.args.resume or not path.exists():
             return None
         try:
             old = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             return None
-        if old.get("identity") != identity(system, seed):
+        if old.get("identity") != self.identity(system, seed):
             return None
         print(f"reused     {system} seed {seed}: eval loss {old['eval_loss_final']:.4f} ({path})", flush=True)
-        results[system].append(old)
+        self.results[system].append(old)
         return old
 
-    def done(system: str, seed: int, res: dict[str, Any]) -> None:
-        res["identity"] = identity(system, seed)
-        results[system].append(res)
-        (report / "runs").mkdir(exist_ok=True)
-        (report / "runs" / f"{system}-s{seed}.json").write_text(json.dumps(res, indent=1))
-        print(f"[{time.time() - t_start:7.0f}s] {system:<20} seed {seed}: eval loss {res['eval_loss_final']:.4f} "
+    def done(self, system: str, seed: int, res: dict[str, Any]) -> None:
+        res["identity"] = self.identity(system, seed)
+        self.results[system].append(res)
+        (self.report / "runs").mkdir(exist_ok=True)
+        (self.report / "runs" / f"{system}-s{seed}.json").write_text(json.dumps(res, indent=1))
+        print(f"[{time.time() - self.t_start:7.0f}s] {system:<20} seed {seed}: eval loss {res['eval_loss_final']:.4f} "
               f"at {res['tokens']:,} tokens ({res['wall_s']:.0f}s)", flush=True)
 
-    in_proc = [(s, seed) for s in systems if s in IN_PROCESS for seed in seeds if reusable(s, seed) is None]
-    if in_proc:
+    def run_in_process(self) -> None:
+        """The in-process systems, ``--jobs`` at a time; one failed run is reported, the others count."""
+        args = self.args
+        in_proc = [(s, seed) for s in self.systems if s in IN_PROCESS for seed in self.seeds
+                   if self.reusable(s, seed) is None]
+        if not in_proc:
+            return
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
             futures = {}
             for s, seed in in_proc:
-                r = apply_sets(run, {"task": {"seed": seed}})
-                futures[pool.submit(_in_process, s, r.to_dict(), args.learners, steps, seed, args.eval_points,
+                r = apply_sets(self.run, {"task": {"seed": seed}})
+                futures[pool.submit(_in_process, s, r.to_dict(), args.learners, self.steps, seed, args.eval_points,
                                     args.delay_steps)] = (s, seed)
             for fut, (s, seed) in futures.items():
                 try:
-                    done(s, seed, fut.result())
+                    self.done(s, seed, fut.result())
                 except Exception as e:  # one failed run is reported, the others still count
-                    failures.append(f"{s} seed {seed}: {e!r}")
+                    self.failures.append(f"{s} seed {seed}: {e!r}")
                     print(f"FAILED     {s} seed {seed}: {e!r}", file=sys.stderr, flush=True)
-    for s in systems:
-        if s in IN_PROCESS:
-            continue
-        for seed in seeds:
-            if reusable(s, seed) is not None:
-                continue
-            r = apply_sets(run, {"task": {"seed": seed}})
-            workdir = report / "runs" / f"{s}-s{seed}"
-            try:
-                if s == "dp":
-                    res = run_dp(r, learners=args.learners, steps=steps, seed=seed, eval_points=args.eval_points,
-                                 workdir=workdir, device=args.device)
-                else:
-                    res = run_cluster(s, replace(cfg, run=r), learners=args.learners, steps=steps, seed=seed,
-                                      workdir=workdir, syncers=args.syncers, per_batch=per_batch)
-                done(s, seed, res)
-            except KeyboardInterrupt:
-                print("interrupted: the finished runs are in DIR/runs (--resume goes on from them)",
-                      file=sys.stderr, flush=True)
-                return 130
-            except Exception as e:
-                failures.append(f"{s} seed {seed}: {e}")
-                print(f"FAILED     {s} seed {seed}: {e}", file=sys.stderr, flush=True)
-    summary = summarise({s: sorted(v, key=lambda r: r["seed"]) for s, v in results.items()}, args.eval_points)
-    meta = {"task": run.task.spec, "learners": args.learners, "tokens": steps * args.learners * per_batch,
-            "steps_per_learner": steps, "seeds": seeds, "algo": asdict(run.algo), "task_config": asdict(run.task),
-            "command": "ddloco compare " + " ".join(a for a in argv if a not in ("--render-only", "--resume")),
-            "wall_s": round(time.time() - t_start, 1),
-            "failures": failures}
-    doc = {"meta": meta, "systems": summary}
-    tmp = report / "compare.json.tmp"
-    tmp.write_text(json.dumps(doc, indent=1))
-    tmp.replace(report / "compare.json")
-    write_markdown(report / "compare.md", summary, meta)
-    if summary:
-        write_plot(report / "compare.png", summary,
-                   f"Eval loss vs tokens, M={args.learners}, {len(seeds)} seed(s)")
-    print((report / "compare.md").read_text(), flush=True)
-    return 1 if failures else 0
+
+    def run_separately(self) -> bool:
+        """DDP and the clusters, one at a time; False on Ctrl-C (the finished runs are kept)."""
+        args = self.args
+        for s in (s for s in self.systems if s not in IN_PROCESS):
+            for seed in self.seeds:
+                if self.reusable(s, seed) is not None:
+                    continue
+                r = apply_sets(self.run, {"task": {"seed": seed}})
+                workdir = self.report / "runs" / f"{s}-s{seed}"
+                try:
+                    if s == "dp":
+                        res = run_dp(r, learners=args.learners, steps=self.steps, seed=seed,
+                                     eval_points=args.eval_points, workdir=workdir, device=args.device)
+                    else:
+                        res = run_cluster(s, replace(self.cfg, run=r), learners=args.learners, steps=self.steps,
+                                          seed=seed, workdir=workdir, syncers=args.syncers, per_batch=self.per_batch)
+                    self.done(s, seed, res)
+                except KeyboardInterrupt:
+                    print("interrupted: the finished runs are in DIR/runs (--resume goes on from them)",
+                          file=sys.stderr, flush=True)
+                    return False
+                except Exception as e:
+                    self.failures.append(f"{s} seed {seed}: {e}")
+                    print(f"FAILED     {s} seed {seed}: {e}", file=sys.stderr, flush=True)
+        return True
+
+    def write(self) -> int:
+        """compare.json, compare.md, compare.png; the exit status (1 if any run failed)."""
+        args, run, report = self.args, self.run, self.report
+        summary = summarise({s: sorted(v, key=lambda r: r["seed"]) for s, v in self.results.items()},
+                            args.eval_points)
+        meta = {"task": run.task.spec, "learners": args.learners,
+                "tokens": self.steps * args.learners * self.per_batch,
+                "steps_per_learner": self.steps, "seeds": self.seeds, "algo": asdict(run.algo),
+                "task_config": asdict(run.task),
+                "command": "ddloco compare " + " ".join(a for a in self.argv if a not in ("--render-only", "--resume")),
+                "wall_s": round(time.time() - self.t_start, 1),
+                "failures": self.failures}
+        doc = {"meta": meta, "systems": summary}
+        write_atomic(report / "compare.json", json.dumps(doc, indent=1))
+        write_markdown(report / "compare.md", summary, meta)
+        if summary:
+            write_plot(report / "compare.png", summary,
+                       f"Eval loss vs tokens, M={args.learners}, {len(self.seeds)} seed(s)")
+        print((report / "compare.md").read_text(), flush=True)
+        return EXIT_FAILURE if self.failures else EXIT_OK
+
+
+def _main(args: argparse.Namespace, argv: list[str]) -> int:
+    comparison = _Comparison(args, argv)
+    comparison.run_in_process()
+    if not comparison.run_separately():
+        return EXIT_INTERRUPTED
+    return comparison.write()
 
 
 def cli_main(argv: Sequence[str] | None = None) -> int:

@@ -194,6 +194,87 @@ def run_diloco_sync(task: Task, algo: AlgoConfig, *, learners: int, steps: int, 
                         curve, bytes_per_token, {"syncs": syncs})
 
 
+class _EmulatedRounds:
+    """The state of ``run_decoupled_emulated`` (one thread): the shards' fp32 masters, the
+    learners' replicas, bases and contribution counters, and what crossed the network."""
+
+    def __init__(self, task: Task, algo: AlgoConfig, *, learners: int, seed: int) -> None:
+        self.task, self.algo = task, algo
+        self.tokens = 0
+        self.reps = _replicas(task, algo, learners, seed, lambda: self.tokens)
+        self.glob = build_model(task, seed)
+        self.gparams = state_tensors(self.glob)
+        self.plan = plan = _plan(task, self.glob, algo.fragments)
+        self.theta = [gather(self.gparams, f) for f in plan]                 # the shards' fp32 masters
+        self.replica = [x.clone() for x in self.theta]                        # what every learner holds
+        self.momentum = [torch.zeros_like(x) for x in self.theta]
+        self.version = [0] * len(plan)
+        self.history = [{0: x.clone()} for x in self.theta]
+        self.base = [[(0, x.clone()) for x in self.theta] for _ in self.reps]  # per learner: (version, value)
+        self.c_steps = [[0] * len(plan) for _ in self.reps]
+        self.c_tokens = [[0] * len(plan) for _ in self.reps]
+        self.answered: list[dict[int, Contribution]] = [{} for _ in self.reps]
+        self.bytes_up = self.bytes_down = 0
+        self.merges = 0
+
+    def train_step(self) -> None:
+        """Every learner's inner step; each step counts towards every fragment's contribution."""
+        for m, r in enumerate(self.reps):
+            batch = next(r.data)
+            inner_step(r.model, r.opt, r.sched, scalar_loss(self.task, r.model, batch), self.algo)
+            n_tok = count_tokens(self.task, batch)
+            self.tokens += n_tok
+            for p in range(len(self.plan)):
+                self.c_steps[m][p] += 1
+                self.c_tokens[m][p] += n_tok
+
+    def deliver(self, p: int) -> None:
+        algo, plan = self.algo, self.plan
+        for m, r in enumerate(self.reps):
+            value, self.c_steps[m][p], self.c_tokens[m][p] = receive_merged(
+                self.replica[p], gather(r.params, plan[p]), self.base[m][p][1], self.answered[m].pop(p, None),
+                self.c_steps[m][p], self.c_tokens[m][p], carry=algo.carry_local_steps, mix_alpha=algo.mix_alpha)
+            scatter(r.params, plan[p], value)
+            self.base[m][p] = (self.version[p], self.replica[p].clone())
+            self.bytes_down += quant.payload_nbytes(plan[p].numel, algo.downlink_codec)
+
+    def open_round(self, p: int) -> None:
+        algo, plan, replica = self.algo, self.plan, self.replica
+        outer, toks, stps = [], [], []
+        for m, r in enumerate(self.reps):
+            if self.c_steps[m][p] < 1:
+                continue
+            snap = gather(r.params, plan[p])
+            bv, bval = self.base[m][p]
+            delta = snap - bval                                                        # δ_m
+            deq = quant.decode(quant.encode(delta, algo.uplink_codec), algo.uplink_codec, delta.numel())
+            self.bytes_up += quant.payload_nbytes(delta.numel(), algo.uplink_codec)
+            outer.append(replica[p] - (self.history[p][bv] + deq))                     # Δ_m (vs the replica)
+            toks.append(self.c_tokens[m][p])
+            stps.append(self.c_steps[m][p])
+            self.answered[m][p] = Contribution(snap, self.c_steps[m][p], self.c_tokens[m][p])
+        if not outer:
+            return
+        weights = contribution_weights(toks, stps)
+        self.theta[p], self.momentum[p] = outer_update(self.theta[p], self.momentum[p], torch.stack(outer), weights,
+                                                       plan[p].spans, algo, merges_done=self.version[p])
+        if algo.downlink_codec == "fp32":
+            replica[p] = self.theta[p].clone()
+        else:   # the shard's update downlink (ALGORITHM §7): replicas += deq(q(master − replica))
+            replica[p], _ = quantized_update(replica[p], self.theta[p], algo.downlink_codec)
+        self.version[p] += 1
+        self.history[p][self.version[p]] = replica[p].clone()
+        for v in sorted(self.history[p])[:-algo.history_versions]:
+            del self.history[p][v]
+        self.merges += 1
+
+    def global_loss(self) -> float:
+        """The global model as the shards serve it (the replicas' value), evaluated."""
+        for p, f in enumerate(self.plan):
+            scatter(self.gparams, f, self.replica[p])
+        return evaluate(self.task, self.glob)
+
+
 def run_decoupled_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps: int, seed: int,
                            eval_points: int = 8, threads: int = 1, delay_steps: int = 2) -> SystemResult:
     """Decoupled DiLoCo's rounds, deterministic and in one process (see the module docstring).
@@ -204,99 +285,35 @@ def run_decoupled_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps
     merged with the shard's math (weights, RDA/mean, outer step) and scheduled to arrive
     ``delay_steps`` boundaries later. At the end every fragment is flushed once."""
     _set_threads(threads)
-    H, P = algo.sync_every_steps, algo.fragments
+    H = algo.sync_every_steps
     if not 0 <= delay_steps < H:
         raise ValueError(f"delay_steps must be in [0, H={H}), got {delay_steps}")
     t0 = time.perf_counter()
-    tokens = 0
-    reps = _replicas(task, algo, learners, seed, lambda: tokens)
-    glob = build_model(task, seed)
-    gparams = state_tensors(glob)
-    plan = _plan(task, glob, P)
-    theta = [gather(gparams, f) for f in plan]                       # the shards' fp32 masters
-    replica = [x.clone() for x in theta]                               # what every learner holds
-    momentum = [torch.zeros_like(x) for x in theta]
-    version = [0] * len(plan)
-    history = [{0: x.clone()} for x in theta]
-    base = [[(0, x.clone()) for x in theta] for _ in reps]             # per learner: (version, value)
-    c_steps = [[0] * len(plan) for _ in reps]
-    c_tokens = [[0] * len(plan) for _ in reps]
-    answered: list[dict[int, Contribution]] = [{} for _ in reps]
+    em = _EmulatedRounds(task, algo, learners=learners, seed=seed)
+    fragments = range(len(em.plan))
     in_flight: list[tuple[int, int]] = []                              # (deliver at boundary, fragment)
-    offsets = [(p * H) // len(plan) for p in range(len(plan))]
+    offsets = [(p * H) // len(em.plan) for p in fragments]
     marks = set(eval_steps(steps, eval_points))
-    curve = [(0, evaluate(task, glob))]
-    bytes_up = bytes_down = 0
-    merges = 0
-
-    def deliver(p: int) -> None:
-        nonlocal bytes_down
-        for m, r in enumerate(reps):
-            value, c_steps[m][p], c_tokens[m][p] = receive_merged(
-                replica[p], gather(r.params, plan[p]), base[m][p][1], answered[m].pop(p, None), c_steps[m][p],
-                c_tokens[m][p], carry=algo.carry_local_steps, mix_alpha=algo.mix_alpha)
-            scatter(r.params, plan[p], value)
-            base[m][p] = (version[p], replica[p].clone())
-            bytes_down += quant.payload_nbytes(plan[p].numel, algo.downlink_codec)
-
-    def open_round(p: int) -> None:
-        nonlocal bytes_up, merges
-        outer, toks, stps = [], [], []
-        for m, r in enumerate(reps):
-            if c_steps[m][p] < 1:
-                continue
-            snap = gather(r.params, plan[p])
-            bv, bval = base[m][p]
-            delta = snap - bval                                                        # δ_m
-            deq = quant.decode(quant.encode(delta, algo.uplink_codec), algo.uplink_codec, delta.numel())
-            bytes_up += quant.payload_nbytes(delta.numel(), algo.uplink_codec)
-            outer.append(replica[p] - (history[p][bv] + deq))                          # Δ_m (vs the replica)
-            toks.append(c_tokens[m][p])
-            stps.append(c_steps[m][p])
-            answered[m][p] = Contribution(snap, c_steps[m][p], c_tokens[m][p])
-        if not outer:
-            return
-        weights = contribution_weights(toks, stps)
-        theta[p], momentum[p] = outer_update(theta[p], momentum[p], torch.stack(outer), weights, plan[p].spans,
-                                             algo, merges_done=version[p])
-        if algo.downlink_codec == "fp32":
-            replica[p] = theta[p].clone()
-        else:   # the shard's update downlink (ALGORITHM §7): replicas += deq(q(master − replica))
-            replica[p], _ = quantized_update(replica[p], theta[p], algo.downlink_codec)
-        version[p] += 1
-        history[p][version[p]] = replica[p].clone()
-        for v in sorted(history[p])[:-algo.history_versions]:
-            del history[p][v]
-        merges += 1
-
+    curve = [(0, evaluate(task, em.glob))]
     for t in range(1, steps + 1):
-        for m, r in enumerate(reps):
-            batch = next(r.data)
-            inner_step(r.model, r.opt, r.sched, scalar_loss(task, r.model, batch), algo)
-            n_tok = count_tokens(task, batch)
-            tokens += n_tok
-            for p in range(len(plan)):
-                c_steps[m][p] += 1
-                c_tokens[m][p] += n_tok
+        em.train_step()
         for due in [x for x in in_flight if x[0] <= t]:
             in_flight.remove(due)
-            deliver(due[1])
+            em.deliver(due[1])
         if t < steps:
-            for p in range(len(plan)):
+            for p in fragments:
                 if t >= offsets[p] and (t - offsets[p]) % H == 0 and t > 0:
-                    open_round(p)
+                    em.open_round(p)
                     in_flight.append((t + delay_steps, p))
         else:  # the budget is spent: every learner's remaining steps are merged once (a flush)
             for _, p in sorted(in_flight):
-                deliver(p)
+                em.deliver(p)
             in_flight.clear()
-            for p in range(len(plan)):
-                open_round(p)
-                deliver(p)
-        if t in marks:   # the global model as the shards serve it (the replicas' value)
-            for p, f in enumerate(plan):
-                scatter(gparams, f, replica[p])
-            curve.append((tokens, evaluate(task, glob)))
-    return SystemResult("decoupled_emulated", seed, learners, steps, tokens, time.perf_counter() - t0,
-                        curve[-1][1], curve, (bytes_up + bytes_down) / max(1, tokens),
-                        {"merges": merges, "delay_steps": delay_steps})
+            for p in fragments:
+                em.open_round(p)
+                em.deliver(p)
+        if t in marks:
+            curve.append((em.tokens, em.global_loss()))
+    return SystemResult("decoupled_emulated", seed, learners, steps, em.tokens, time.perf_counter() - t0,
+                        curve[-1][1], curve, (em.bytes_up + em.bytes_down) / max(1, em.tokens),
+                        {"merges": em.merges, "delay_steps": delay_steps})

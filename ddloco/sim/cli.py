@@ -17,12 +17,13 @@ import sys
 import time
 from typing import Any, Sequence
 
+from common.exits import FAILURE as EXIT_FAILURE
+from common.exits import USAGE as EXIT_USAGE
 from ddloco.sim import bandwidth as bw
 from ddloco.sim.cluster import (DEFAULT_FAILURES, MODES, Estimate, FailureModel, Scenario, Summary,
                          simulate_seeds)
 from ddloco.sim.hetero import HeteroConfig, Policy, simulate_hetero, standard_policies
 
-EXIT_FAILURE, EXIT_USAGE = 1, 2
 
 
 class UsageError(ValueError):
@@ -320,6 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_seed_flags(r, failures=DEFAULT_FAILURES)
     r.set_defaults(func=cmd_run)
 
+    _add_hetero(sub)
+    _add_bandwidth(sub)
+    return p
+
+
+def _add_hetero(sub: Any) -> None:
     defaults = HeteroConfig()
     h = sub.add_parser("hetero", help="heterogeneous learners: lock-step vs K=1 vs K=1 + grace",
                        description="Learners with different step times and per-step noise: "
@@ -354,6 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--json", action="store_true", help="print one JSON object")
     h.set_defaults(func=cmd_hetero)
 
+
+def _add_bandwidth(sub: Any) -> None:
     bdef = bw.BandwidthConfig()
     b = sub.add_parser("bandwidth", help="WAN bandwidth: data-parallel vs Decoupled DiLoCo",
                        description="Bandwidth per learner to keep compute utilisation >= u, "
@@ -376,7 +385,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only this payload codec (default: fp32, bf16, int4)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.set_defaults(func=cmd_bandwidth)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

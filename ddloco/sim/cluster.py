@@ -384,19 +384,13 @@ def simulate(scenario: Scenario, model: FailureModel = FailureModel(), *, seed: 
                      n_failures, horizon)
 
 
-# t_{0.975, df} for two-sided 95 % confidence intervals (df = seeds - 1).
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-         9: 2.262, 10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
-
-
 def t_quantile_975(df: int) -> float:
-    """Student-t 97.5 % quantile (table; between entries the next smaller df's, which is
-    conservative; the normal 1.96 beyond 30)."""
+    """Student-t 97.5 % quantile with ``df`` degrees of freedom: the half-width factor of a
+    two-sided 95 % confidence interval (df = seeds - 1); NaN below 1."""
+    from scipy.stats import t
     if df < 1:
         return math.nan
-    if df > 30:
-        return 1.96
-    return _T975[max(d for d in _T975 if d <= df)]
+    return float(t.ppf(0.975, df))
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,13 @@ TINY = dict(n_layer=1, n_embd=16, n_head=2, seq_len=16, batch_size=4, eval_batch
 def test_mean_ci_is_the_student_t_interval() -> None:
     m, lo, hi = runner.mean_ci([1.0, 2.0, 3.0])
     assert m == 2.0
-    assert hi - m == pytest.approx(4.303 * 1.0 / math.sqrt(3), rel=1e-6)
+    assert hi - m == pytest.approx(4.303 * 1.0 / math.sqrt(3), rel=2e-4)   # t tables' 3 decimals
     assert m - lo == pytest.approx(hi - m)
     assert runner.mean_ci([5.0]) == (5.0, 5.0, 5.0)
     # twelve seeds: t with 11 degrees of freedom (2.201), not the normal's 1.96
     twelve = [float(i) for i in range(12)]
     m, lo, hi = runner.mean_ci(twelve)
-    assert hi - m == pytest.approx(2.201 * statistics.stdev(twelve) / math.sqrt(12))
+    assert hi - m == pytest.approx(2.201 * statistics.stdev(twelve) / math.sqrt(12), rel=2e-4)
     assert runner._t95(60) == pytest.approx(2.000, abs=0.002) and runner._t95(120) == pytest.approx(1.980, abs=0.002)
 
 

@@ -2,7 +2,8 @@
 import sys
 import time
 
-from ddloco.up import Child, Supervisor
+from ddloco.cluster import Child
+from ddloco.supervisor import Supervisor
 
 
 def _supervisor(tmp_path):
@@ -51,7 +52,7 @@ def test_no_replacement_while_every_heartbeat_is_stale_or_the_learner_is_not_tra
 def test_a_learner_that_crashed_is_started_again_but_not_a_refused_or_killed_one(tmp_path):
     """Exit 1 (an exception, Redis gone too long): started again, at most CRASH_RESTARTS_MAX
     times. Exit 3 (refused) would be refused again; a signal is the chaos harness's to handle."""
-    from ddloco.up import CRASH_RESTARTS_MAX
+    from ddloco.supervisor import CRASH_RESTARTS_MAX
     (tmp_path / "logs").mkdir()
     codes = {"crash": "1", "refused": "3"}
     argv = lambda lid, index: [sys.executable, "-c", f"raise SystemExit({codes.get(lid, 0)})"]  # noqa: E731
@@ -142,8 +143,8 @@ def test_a_killed_learner_is_replaced_by_a_fork_of_the_standby_factory_any_numbe
             old.proc.kill()
             sup.restart("a")
             new = next(c for c in sup.learners() if c.name == "a")
-            wait_until(lambda: new.pid is not None and "I am a" in new.log_tail(20 + round_), 10,
-                       what="the forked learner running and writing to a's log")
+            wait_until(lambda: new.pid is not None and new.log_tail(20 + round_).count("I am a") == round_ + 1, 10,
+                       what="the forked learner running and writing to a's log")  # this fork's line, not the last one's
             assert new.alive() and new.pid not in (old.pid, factory.pid)
             forked.append(new)
         assert sup.spares_used == 3 and sup.spares == [factory] and factory.alive()

@@ -12,7 +12,7 @@ import pytest
 
 from common.config import ConfigError
 from ddloco.cli import _run_id_given
-from ddloco.up import STATE_FILE, new_run_id, resolve_resume
+from ddloco.resume import STATE_FILE, new_run_id, resolve_resume
 
 
 def _stopped(runs: Path, name: str, run_id: str, *, checkpoint: bool = True) -> Path:
@@ -77,7 +77,7 @@ def test_up_picks_a_new_run_id_unless_a_flag_or_the_config_file_names_one(tmp_pa
 
 
 class _Monitor:
-    """What ``_adopt_freshest_model`` reads of the monitor: the model of its last evaluation and
+    """What ``adopt_freshest_model`` reads of the monitor: the model of its last evaluation and
     that model's fragment versions; records the model it is told to adopt."""
 
     def __init__(self, versions: dict[int, int]) -> None:
@@ -111,13 +111,13 @@ def _checkpoint(d: Path, versions: dict[int, int]) -> Any:
 
 @pytest.mark.parametrize("case", ["checkpoints fresher", "checkpoints as fresh", "live fresher", "no checkpoints"])
 def test_on_ctrl_c_the_freshest_complete_model_becomes_the_final_one(tmp_path, case):
-    from ddloco.up import _adopt_freshest_model
+    from ddloco.resume import adopt_freshest_model
     stopped = {0: 5, 1: 5, 2: 4, 3: 4}   # 18 merges in the shards' checkpoints
     live = {"checkpoints fresher": {0: 4, 1: 4, 2: 4, 3: 4}, "checkpoints as fresh": dict(stopped),
             "live fresher": {0: 6, 1: 5, 2: 5, 3: 4}, "no checkpoints": {0: 1, 1: 1, 2: 0, 3: 0}}[case]
     task = None if case == "no checkpoints" else _checkpoint(tmp_path / "ck", stopped)
     monitor, said = _Monitor(dict(live)), []
-    _adopt_freshest_model(monitor, str(tmp_path / "ck"), "r", task, said.append)
+    adopt_freshest_model(monitor, str(tmp_path / "ck"), "r", task, said.append)
     if case.startswith("checkpoints"):
         assert monitor.adopted is not None and monitor.adopted[1] == stopped
     else:
