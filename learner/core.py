@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import queue
 import secrets
-import socket
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -44,7 +41,8 @@ from learner.group import Group, group_from_env, resolve_sharding
 from learner.group_member import GroupMember
 from learner.heartbeat import Heartbeat
 from learner.inner import apply_step, load_optimizer_state, make_inner_optimizer
-from learner.join import JoinTimeout, Joining, LearnerRefused, resolve_device  # noqa: F401 (importable here)
+from learner.join import (JoinTimeout, Joining, LearnerRefused, data_stream, resolve_device,  # noqa: F401
+                          resolve_learner_id)
 from learner.network import NetworkThread, optimizer_digest
 from learner.outbox import Outbox
 from learner.pace import Pace
@@ -52,26 +50,6 @@ from learner.published import Published
 from learner.receipt import Bases, Receipt
 from learner.stats import (STEP_TIME_WARMUP, LearnerStats, LearnerSummary, LearnerView,  # noqa: F401 (importable here)
                            step_time_estimate)
-
-
-def data_stream(options: LearnerOptions, learner_id: str) -> int:
-    """The learner's data stream: ``data_shard``, else one derived from its id (scaled replicas
-    with unique ids get distinct streams)."""
-    if options.data_shard >= 0:
-        return options.data_shard
-    return zlib.crc32(learner_id.encode()) % (2**31 - 1)
-
-
-def resolve_learner_id(options: LearnerOptions) -> str:
-    """The learner's id: as configured, else <hostname>-<pid>."""
-    return options.learner_id or f"{socket.gethostname()}-{os.getpid()}"
-
-
-def new_receipt(learner: Learner) -> Receipt:
-    """The receipt of a joining learner (every fragment unknown), owned by its training thread."""
-    return ownership.owned(Receipt(len(learner.plan), carry=learner.algo.carry_local_steps,
-                                   mix_alpha=learner.algo.mix_alpha, stats=learner._stats, log=learner.log),
-                           "receipt")
 
 
 @dataclass

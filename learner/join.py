@@ -7,22 +7,27 @@ the join event, and loading the current fragments from the shards.
 """
 from __future__ import annotations
 
+import os
 import queue
 import secrets
+import socket
 import time
+import zlib
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Callable
 
 import redis
 import torch
 
 from common import control, tokens as run_count
-from common.config import ConfigError, RunConfig
+from common.config import ConfigError, LearnerOptions, RunConfig
 from common.fragments import Fragment, describe_plan_difference, model_plan, plan_digest, state_tensors
 from common.log import get_logger
 from common.task import TaskError, TaskNotAllowed, bind_task, build_model, check_task
+from learner import ownership
 from learner.inner import apply_step, make_inner_optimizer
 from learner.messages import Fetch, FragmentArrived, RoundOpened
+from learner.receipt import Receipt
 from learner.staging import HostStaging, staging_for
 
 REDIS_JOIN_PATIENCE_S = 30.0
@@ -47,6 +52,26 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def data_stream(options: LearnerOptions, learner_id: str) -> int:
+    """The learner's data stream: ``data_shard``, else one derived from its id (scaled replicas
+    with unique ids get distinct streams)."""
+    if options.data_shard >= 0:
+        return options.data_shard
+    return zlib.crc32(learner_id.encode()) % (2**31 - 1)
+
+
+def resolve_learner_id(options: LearnerOptions) -> str:
+    """The learner's id: as configured, else <hostname>-<pid>."""
+    return options.learner_id or f"{socket.gethostname()}-{os.getpid()}"
+
+
+def new_receipt(learner: Any) -> Receipt:
+    """The receipt of a joining learner (every fragment unknown), owned by its training thread."""
+    return ownership.owned(Receipt(len(learner.plan), carry=learner.algo.carry_local_steps,
+                                   mix_alpha=learner.algo.mix_alpha, stats=learner._stats, log=learner.log),
+                           "receipt")
+
+
 class Joining:
     """Prepare, refuse or join; see the module docstring."""
 
@@ -55,7 +80,6 @@ class Joining:
         """Bind the task to ``run``, build the model and its plan, dry-run one batch: every check
         that can refuse this learner, before it writes anything to Redis. ``shared``: ``run`` came
         from Redis (its task spec is imported only if this machine allows it)."""
-        from learner.core import data_stream
         self.task, self.run_cfg = bind_task(run, self.task, shared=shared)
         self.algo = self.run_cfg.algo
         self.device = self._resolve_device()
@@ -137,7 +161,6 @@ class Joining:
                slowdown: float | None = None, metrics_port: int | None = None) -> None:
         """A prepared standby process becomes learner ``learner_id`` (a restart that skips the
         interpreter, imports and model build). Its life and boot phases count from now."""
-        from learner.core import data_stream
         self.options = replace(self.options, learner_id=learner_id,
                                **{k: v for k, v in (("data_shard", data_shard), ("max_steps", max_steps),
                                                     ("slowdown", slowdown), ("metrics_port", metrics_port))
@@ -152,7 +175,6 @@ class Joining:
 
     # ------------------------------------------------------------------ joining
     def _join_control(self) -> None:
-        from learner.core import new_receipt
         self.prepare()
         # a restarted learner resumes its data stream (read before the heartbeat first writes it)
         self.data_position = control.data_position(self.redis, self.keys, self.id)
