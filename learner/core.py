@@ -12,7 +12,10 @@ Three threads, each the only one to touch its own state:
   pipeline per interval and publishes the shards' endpoints and the run's token count.
 Hand-over between them is by queues of typed messages (learner/messages.py) and values replaced
 whole; the training thread never does I/O. A helper thread that fails puts its error on
-``_failures``; the training thread raises it. learner/ownership.py checks all this in tests.
+``_failures``; the training thread raises it. Shared by design, thread-safe by construction: the
+queues, the ``Outbox`` (its own lock), the Redis client (a connection pool), the ``stop`` events.
+Attributes set before the helper threads start (id, options, plan, stream, incarnation) are
+not changed afterwards. learner/ownership.py checks all this in tests.
 """
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ class Published:
 
     @property
     def status(self) -> str:
-        return self._status
+        """As last published (on the training thread: as set)."""
+        return self._view.status
 
     @status.setter
     def status(self, value: str) -> None:
