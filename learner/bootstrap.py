@@ -29,7 +29,8 @@ PEER_STATE_FORMAT = 1
 LOOPBACK = ("tcp://127.", "tcp://localhost:", "ipc://", "inproc://")
 
 
-def reachable_peers(live: dict[str, dict[str, str]], *, me: str, here: str, fresh_after: float) -> list[tuple[str, str]]:
+def reachable_peers(live: dict[str, dict[str, str]], *, me: str, here: str,
+                    fresh_after: float) -> list[tuple[str, str]]:
     """(learner id, peer endpoint) of the training learners this one can ask, sorted: heartbeat
     newer than ``fresh_after`` (not a frozen one), and a loopback endpoint only on this host."""
     return sorted((lid, h["peer"]) for lid, h in live.items()
