@@ -107,7 +107,7 @@ class PeerBootstrap:
                 if ok:
                     self._apply(item)
             elif isinstance(item, RoundOpened):
-                self.receipt.pending_open[item.fragment] = item
+                self.receipt.keep_open(item)
             else:
                 self._handle(item)
         if ok:

@@ -257,5 +257,5 @@ class Joining:
                 if self.receipt.known(item.fragment):   # an update needs the full value first
                     need.discard(item.fragment)
             elif isinstance(item, RoundOpened):
-                self.receipt.pending_open[item.fragment] = item
+                self.receipt.keep_open(item)
 

@@ -125,6 +125,11 @@ class Receipt:
             if v is not None and v > self.base_version[p]:
                 self.want_fetch(p, int(self.base_epoch[p]), v, now)
 
+    def keep_open(self, o: RoundOpened) -> None:
+        """A round of o.fragment opened while joining: kept to answer once joined (no fetch: the
+        join brings every fragment)."""
+        self.pending_open[o.fragment] = o
+
     def on_open(self, o: RoundOpened, now: float) -> None:
         """A round of o.fragment opened: kept to answer; a shard of another life (restarted, maybe
         from an older checkpoint: adopt its state) or a version past ours (a missed broadcast)
