@@ -48,7 +48,7 @@ from learner.join import (JoinTimeout, Joining, LearnerRefused, data_stream, res
                           resolve_learner_id)
 from learner.network import NetworkThread, optimizer_digest
 from learner.outbox import Outbox
-from learner.pace import Pace
+from learner.pace import StepPace
 from learner.published import Published
 from learner.receipt import Bases, Receipt
 from learner.stats import (STEP_TIME_WARMUP, LearnerStats, LearnerSummary, LearnerView,  # noqa: F401 (importable here)
@@ -69,7 +69,7 @@ class _Loop:
     ready_s: float = 0.0                    # what reading them took (part of the step)
 
 
-class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange, Pace):
+class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
     """One learner. ``Learner(...).run()`` joins, trains until ``max_steps`` or ``stop``, leaves."""
 
     network_class: type[NetworkThread] = NetworkThread
@@ -100,8 +100,6 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange, Pace):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox = Outbox()
         self._failures: queue.SimpleQueue = queue.SimpleQueue()
-        self._losses: list[torch.Tensor] = []
-        self._loss_seen = 0
         self._threads_stop = threading.Event()
         self._started_at = time.time()
         self.joined_versions: dict[int, int] = {}
@@ -111,20 +109,17 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange, Pace):
         self._sched: Any = None
         self._boot_optimizer: dict[str, Any] | None = None
         self._boot_life_steps = 0
-        self._timed_steps = 0
-        """Inner steps of this life seen by the step-time estimate (``step_time_estimate``)."""
         self.incarnation = secrets.token_hex(4)
         """This process's life under ``self.id``: a restart with the same id is a new incarnation."""
         self.metrics: metrics.MetricsServer | None = None
         self.heartbeat: Heartbeat | None = None
+        self.pace: StepPace | None = None
+        """The pace of the inner steps (made when training starts)."""
         self.net: NetworkThread | None = None
         ranks = group_from_env()
         self.group: Group | None = Group(*ranks) if ranks is not None else None
         """This process's rank of a torchrun learner (learner/group.py); None: a learner of one process."""
         self._init_group_member()
-        self._schedule_dip: tuple[int, float] | None = None
-        """While the schedule reads a run token count below its highest: (reads so far, lowest
-        ratio of the schedule's factor to the factor at the highest count)."""
 
     # ------------------------------------------------------------------ run
     def run(self) -> LearnerSummary:
@@ -268,9 +263,9 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange, Pace):
             stats.steps += 1
             stats.tokens += tokens
             # emulated slower chip / accelerator step time; the pace the shards see; the loss EMA
-            self._pace(t_iter, t0 - loop.ready_s)
+            self._watch_serve_cost(self.pace.after_step(t_iter, t0 - loop.ready_s))
             loop.ready = None
-            self._note_loss(loss)
+            self.pace.note_loss(loss)
             self._publish()
 
     def _start_loop(self) -> _Loop:
@@ -280,6 +275,7 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange, Pace):
         train_model = group.wrap(self.model, self.device, self._sharding) if group is not None else self.model
         if group is not None and group.sharded:
             self._shard_for_training()
+        self.pace = StepPace(stats=self._stats, options=self.options, algo=self.algo, log=self.log, stop=self.stop)
         opt, sched = make_inner_optimizer(self.model.parameters(), self.algo, tokens=self._step_run_tokens)
         if self._boot_optimizer is not None:  # a peer's AdamW state and place in the per-life ramp
             load_optimizer_state(opt, self._boot_optimizer)
@@ -345,6 +341,27 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange, Pace):
                 loss.backward()
             loss_sum = loss_sum + loss.detach().float()        # stays on the device: no sync
         return loss_sum
+
+    # ------------------------------------------------------------------ the schedule's token count
+    def _step_run_tokens(self) -> float:
+        """The global token count the learning-rate schedule reads: in a group, rank 0's count
+        as of the last step boundary (the same on every rank), else the live one."""
+        tokens = self._group_run_tokens if self.group is not None else self.run_tokens()
+        self.pace.note_schedule_tokens(tokens)
+        return tokens
+
+    def run_tokens(self) -> float:
+        """The run's global token count now: the last value the control thread published plus
+        our tokens since (training thread)."""
+        seen, ours_then = self.heartbeat.run_count if self.heartbeat is not None else (self._run_count_at_join, 0)
+        return seen + (self._stats.tokens - ours_then)
+
+    def _autocast(self) -> Any:
+        """bf16 autocast of the forward pass (``learner.autocast``), or a no-op context."""
+        mode = self.options.autocast
+        if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
     # ------------------------------------------------------------------ flush and lock-step
     def _flush(self) -> None:

@@ -8,7 +8,9 @@ import urllib.request
 
 import pytest
 
+from common import control
 from common.config import AlgoConfig, RunConfig
+from common.keys import Keys
 from learner import ownership
 from learner.core import Learner
 from tests.conftest import wait_until
@@ -32,6 +34,9 @@ def test_learners_train_serve_a_peer_and_report_with_every_thread_on_its_own_sta
     assert "learner_steps_total" in text
     base = cluster.learner("late", 1, step_time_floor_ms=5, max_steps=30)
     # a loaded machine: the peer's heartbeat may be a second old, its state a while on the way
+    r, keys = control.connect(cluster.endpoints.redis_url), Keys(cluster.endpoints.run_id)
+    wait_until(lambda: control.live_learners(r, keys).get("first", {}).get("status") == "training", 30,
+               what="the first learner a training member (the shards keep the membership set)")
     late = Learner(endpoints=base.endpoints, task=base.task, run=base._run_arg, stop=base.stop,
                    options=dataclasses.replace(base.options, heartbeat_interval_s=1.0, peer_timeout_s=30.0))
     t = cluster.start_learner(late)
