@@ -288,3 +288,82 @@ def max_frame_bytes(largest_numel: int) -> int:
 def message_nbytes(frames: Sequence[Any]) -> int:
     """Total bytes of a frame list (for counters)."""
     return sum(len(memoryview(_frame_bytes(f))) for f in frames)
+
+
+# ------------------------------------------------------------------ peer bootstrap (learner <-> learner)
+# A joining learner's DEALER asks a training peer's ROUTER for its state (ALGORITHM §8). Every peer
+# message is ``[verb, head, piece?]``; ``head`` is a msgpack map with the peer format's version ``v``:
+#
+#     ask    [b"state?", {v, from}]                      joiner -> peer
+#     busy   [b"busy",   {v}]                            peer -> joiner: not now (load from the shards)
+#     state  [b"state",  {v, skeleton, sizes, pieces}]   peer -> joiner: the state's msgpack skeleton
+#     chunk  [b"chunk",  {v, i, off, crc}, piece]        peer -> joiner: bytes of tensor i at off, CRC32
+#
+# The format is private between learners of the same version: another version is refused
+# (``PeerVersionError``) and counted like any malformed message.
+
+PEER_VERSION = 1
+PEER_ASK, PEER_BUSY, PEER_STATE, PEER_CHUNK = b"state?", b"busy", b"state", b"chunk"
+_PEER_HEAD_KEYS = {PEER_ASK: ("from",), PEER_BUSY: (), PEER_STATE: ("skeleton", "sizes", "pieces"),
+                   PEER_CHUNK: ("i", "off", "crc")}
+
+
+class PeerVersionError(HeaderError):
+    """A peer message of another peer format version."""
+
+
+@dataclass(frozen=True)
+class PeerMessage:
+    """A decoded peer message: its verb, its head (without ``v``) and, for a chunk, the piece."""
+
+    verb: bytes
+    head: dict[str, Any]
+    piece: Any = None
+
+
+def _peer(verb: bytes, head: dict[str, Any], *piece: Any) -> list[Any]:
+    return [verb, msgpack.packb({"v": PEER_VERSION, **head}, use_bin_type=True), *piece]
+
+
+def encode_peer_ask(requester: str) -> list[Any]:
+    return _peer(PEER_ASK, {"from": requester[:200]})
+
+
+def encode_peer_busy() -> list[Any]:
+    return _peer(PEER_BUSY, {})
+
+
+def encode_peer_state(skeleton: Any, sizes: Sequence[int], pieces: int) -> list[Any]:
+    return _peer(PEER_STATE, {"skeleton": skeleton, "sizes": list(sizes), "pieces": pieces})
+
+
+def encode_peer_chunk(index: int, offset: int, piece: Any) -> list[Any]:
+    """A piece of tensor ``index`` at byte ``offset``; ``piece`` (a buffer) is sent as its own frame."""
+    return _peer(PEER_CHUNK, {"i": index, "off": offset, "crc": zlib.crc32(piece)}, piece)
+
+
+def decode_peer(frames: Sequence[Any]) -> PeerMessage:
+    """The exact inverse of the ``encode_peer_*`` functions; ``WireError`` on anything else (a
+    ``PeerVersionError`` for another format version, a ``PayloadError`` for a damaged chunk)."""
+    frames = [f if isinstance(f, bytes) else bytes(memoryview(_frame_bytes(f))) for f in frames]
+    if not frames or frames[0] not in _PEER_HEAD_KEYS:
+        raise FrameError(f"not a peer verb: {frames[0][:16]!r}" if frames else "no frames")
+    verb = frames[0]
+    if len(frames) != (3 if verb == PEER_CHUNK else 2):
+        raise FrameError(f"peer {verb.decode()}: {len(frames)} frames")
+    try:
+        head = msgpack.unpackb(frames[1], raw=False, strict_map_key=False)
+    except Exception as e:   # msgpack raises several types for garbage
+        raise HeaderError(f"peer head is not msgpack: {e!r}"[:200]) from None
+    if not isinstance(head, dict) or "v" not in head:
+        raise HeaderError("peer head is not a map with a version")
+    if head["v"] != PEER_VERSION:
+        raise PeerVersionError(f"peer format version {head['v']!r}, this learner speaks {PEER_VERSION}")
+    missing = [k for k in _PEER_HEAD_KEYS[verb] if k not in head]
+    if missing:
+        raise HeaderError(f"peer {verb.decode()}: missing {missing}")
+    head.pop("v")
+    piece = frames[2] if verb == PEER_CHUNK else None
+    if piece is not None and zlib.crc32(piece) != head["crc"]:
+        raise PayloadError("peer chunk checksum mismatch")
+    return PeerMessage(verb, head, piece)

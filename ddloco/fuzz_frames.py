@@ -35,7 +35,7 @@ def templates(run: str, sender: str, numels: Sequence[int], rng: random.Random) 
         out.append(("broker", _bytes(wire.encode(kind=wire.OPEN, run=run, sender=sender, fragment=p, epoch=1,
                                                  round=0, version=1))))
         out.append(("shard", _bytes(wire.encode(kind=wire.GET, run=run, sender=sender, fragment=p))))
-    out.append(("peer", [b"state?", sender.encode()]))
+    out.append(("peer", wire.encode_peer_ask(sender)))
     out.append(("peer", [b"state?"]))
     return out
 

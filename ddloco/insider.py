@@ -413,7 +413,7 @@ def attack_slowpeer(ins: Insider, seconds: float) -> dict[str, Any]:
     def ask() -> None:
         for s in socks.values():
             try:
-                s.send_multipart([b"state?", SENDER.encode()], zmq.NOBLOCK)
+                s.send_multipart(wire.encode_peer_ask(SENDER), zmq.NOBLOCK)
                 asked[0] += 1
             except zmq.Again:
                 pass

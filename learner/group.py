@@ -27,6 +27,9 @@ contributes its part of them (``gather_fragments``: one reduce to rank 0 per fra
 applies the merges that arrived and takes its answers' snapshots from those values, and the
 fragments it changed reach every rank's shard (``share_changed``). After the last step the
 group gathers the whole model once (``materialize``) so rank 0 can flush alone.
+
+Ownership: a ``Group`` belongs to the training thread of its rank (every collective is called
+there, at the same point of the loop on every rank).
 """
 from __future__ import annotations
 

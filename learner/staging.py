@@ -13,6 +13,9 @@ PyTorch's caching host allocator, which keeps it for reuse.
 On a CPU learner there is nothing to stage: ``staging_for`` returns None and the learner keeps
 its plain path (host tensors throughout). A torchrun group keeps the plain path too (its ranks
 exchange host values over the group's collectives).
+
+Ownership: a ``HostStaging`` belongs to the training thread (it alone calls ``to_host`` and
+``to_device``); the network thread only queries the event ``to_host`` returned with an answer.
 """
 from __future__ import annotations
 

@@ -204,6 +204,7 @@ def attack_flood(st: Stage, rate: int = 20_000, seconds: float = 10.0) -> dict[s
 
 
 def attack_peer(st: Stage, seconds: float = 60.0, state_mib: int = 16) -> dict[str, Any]:
+    from common import wire
     with tempfile.TemporaryDirectory() as d:
         ready = Path(d) / "endpoint"
         harness = subprocess.Popen([sys.executable, __file__, "peer-harness", st.keys, st.pub, st.sub,
@@ -225,7 +226,7 @@ def attack_peer(st: Stage, seconds: float = 60.0, state_mib: int = 16) -> dict[s
             peak, asks = l0, 0
             end = time.monotonic() + seconds
             while time.monotonic() < end:
-                sock.send_multipart([b"state?", b"mallory"])
+                sock.send_multipart(wire.encode_peer_ask("mallory"))
                 asks += 1
                 peak = max(peak, rss_mb(harness.pid))
                 time.sleep(0.2)

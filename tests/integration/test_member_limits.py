@@ -246,7 +246,7 @@ def test_a_peer_that_never_reads_gets_one_state_in_flight_not_one_per_second(ctx
         asker.setsockopt(zmq.LINGER, 0)
         asker.setsockopt(zmq.RCVHWM, 1)        # takes nothing from the connection once one message waits
         asker.connect(nt.peer_endpoint)
-        wait_until(lambda: asker.send_multipart([b"state?", b"mallory"]) or nt.peer_requests_refused >= 150, 30,
+        wait_until(lambda: asker.send_multipart(wire.encode_peer_ask("mallory")) or nt.peer_requests_refused >= 150, 30,
                    interval_s=0.02, what="3 s of requests")
         assert len(wanted) == 1, f"{len(wanted)} snapshots for a client that never read"
         assert nt._serving is not None and nt._serving["next"] < len(nt._serving["pieces"])
