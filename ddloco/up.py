@@ -28,7 +28,7 @@ import json
 from common.config import ConfigError, ConfigFile, check_value, dump_toml, endpoint_problem, override
 from common.keys import Keys
 from common.lifecycle import die_with_parent, pid_alive
-from ddloco.cli import EXIT_REFUSED, EXIT_USAGE
+from common.exits import REFUSED as EXIT_REFUSED, USAGE as EXIT_USAGE
 from common.security import redis_acl_rules
 from ddloco.logs import print_digest
 from ddloco.monitor import Monitor
