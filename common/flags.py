@@ -66,7 +66,7 @@ class Flag:
         text = field_doc(self.owner, self.field)
         if self.note:
             text = f"{text.rstrip('.')}; {self.note}"
-        if self.sets is None and self.default not in ("", None):
+        if self.sets is None and self.default not in ("", None) and "default" not in text:   # told once
             text = f"{text.rstrip('.')} (default {self.default})"
         return text.replace("%", "%%")
 

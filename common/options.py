@@ -43,7 +43,8 @@ class LearnerOptions:
     learner_id: str = ""
     """Unique id; empty means <hostname>-<pid>."""
     data_shard: int = -1
-    """Which stream of training batches this learner reads (-1: derived from the learner id)."""
+    """Which stream of training batches (default: derived from the learner id) this learner reads; in a
+    config file -1 means derived."""
     max_steps: int = 0
     """Stop after this many inner steps (0 = run until stopped)."""
     slowdown: float = 1.0
