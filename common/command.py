@@ -7,7 +7,9 @@ keys and Redis before anything starts, set up logging, and turn the user's error
     return run_command("ddloco syncer", args, env, cmd_syncer)   # exit 2 + one line on bad input
 
 Only entry points read the environment: each passes ``os.environ`` (``env``) down; nothing here
-reads argv or the environment itself. Exit codes are ``common.exits``.
+reads argv or the environment itself. Exit codes are ``common.exits``. Threads: the entry
+point's main thread; the one mutable state, the cache of compiled field-name patterns
+(``_field_names``), only ever gains the same entries.
 """
 from __future__ import annotations
 

@@ -11,6 +11,8 @@ by ``flag_table``) names, in an error, the flag the user typed instead of the fi
 
 Also the flag groups every daemon shares (``add_common``: the cluster; ``add_algo``: the run's
 algorithm and task; ``add_metrics``). Pure declarations: no argv or environment is read here.
+Threads: parsers are built on the main thread; the one mutable state, the cache of parsed
+docstrings (``_docstrings``), only ever gains the same entries.
 """
 from __future__ import annotations
 
