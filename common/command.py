@@ -221,6 +221,16 @@ def usage_errors() -> tuple[type[BaseException], ...]:
     return tuple(out)
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` as `ddloco`'s parser answers a daemon's arguments: one it does
+    not know is refused with `ddloco`'s usage line (exit 2), as `ddloco COMMAND` always did."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        argparse.ArgumentParser(prog="ddloco", usage="%(prog)s [-h] COMMAND ...").error(
+            f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def run_command(prog: str, args: argparse.Namespace, env: Env,
                 func: Callable[[argparse.Namespace], int]) -> int:
     """Run a parsed command: the tasks the environment allows, every URL and endpoint flag

@@ -45,3 +45,11 @@ def test_a_daemons_bad_flag_is_one_line_and_exit_2_without_importing_ddloco(daem
     assert res.returncode == 2, (res.returncode, res.stderr)
     assert res.stderr.startswith(line) and res.stderr.count("\n") == 1, res.stderr
     assert "ddloco modules: []" in res.stdout, res.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("daemon", DAEMONS)
+def test_an_unknown_argument_is_refused_as_ddloco_always_refused_it(daemon):
+    res = _run(daemon, "--bogus", "x")
+    assert (res.returncode, res.stderr) == (2, "usage: ddloco [-h] COMMAND ...\n"
+                                               "ddloco: error: unrecognized arguments: --bogus x\n"), res.stderr
