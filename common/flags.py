@@ -132,7 +132,7 @@ ALGO_FLAGS = (
     Flag("--tau", AlgoConfig, "tau"),
     Flag("--quorum", AlgoConfig, "quorum"),
     Flag("--codec", AlgoConfig, "uplink_codec", choices=CODECS),
-    Flag("--no-grace", AlgoConfig, "grace_enabled", sets=False),
+    Flag("--no-grace", AlgoConfig, "grace_enabled", sets=False, note="this flag turns it off"),
     Flag("--lockstep", AlgoConfig, "lockstep", sets=True),
     Flag("--seed", TaskConfig, "seed"),
     Flag("--inner-lr", AlgoConfig, "inner_lr"),
