@@ -1,7 +1,7 @@
-"""`python -m broker`: the ZeroMQ forwarder daemon."""
+"""`python -m broker`: same as `ddloco broker` (its parser is broker/cli.py; no import of ddloco)."""
 import sys
 
-from ddloco.cli import main
+from broker.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["broker", *sys.argv[1:]]))
+    sys.exit(main())

@@ -228,7 +228,8 @@ def main(argv: Sequence[str]) -> int:
     args.redis_url = args.redis_url or os.environ.get("DDLOCO_REDIS_URL") or None
     import redis
     from common.config import ConfigError, check_value, redis_url_problem
-    from ddloco.cli import EXIT_FAILURE, EXIT_USAGE, check_redis_answers
+    from common.command import check_redis_answers
+    from common.exits import FAILURE as EXIT_FAILURE, USAGE as EXIT_USAGE
     from common.task import ALLOWED_ENV, TaskNotAllowed, allow_tasks, load_task, parse_task_args
     from common.security import SecurityError
     allow_tasks(os.environ.get(ALLOWED_ENV, "").split(","))   # this machine's own list, never Redis

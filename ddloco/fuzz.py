@@ -322,7 +322,7 @@ def _take(s: Sample, rep: FuzzReport) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    from ddloco.cli import _add_common, _resolve
+    from ddloco.flags import add_common as _add_common, resolve as _resolve
     ap = argparse.ArgumentParser(prog="ddloco fuzz", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_common(ap)

@@ -15,7 +15,7 @@ from common import entries
 from common import exits
 from common.config import Endpoints
 from common.keys import Keys
-from ddloco.cli import EXIT_USAGE
+from common.exits import USAGE as EXIT_USAGE
 
 LAG_ROUNDS = 3
 """A fragment this many merges (and half) behind the median fragment has stopped merging."""

@@ -34,7 +34,7 @@ from common.config import ConfigFile, dump_toml, override
 from common.exits import FAILURE as EXIT_FAILURE
 from common.exits import OK as EXIT_OK
 from common.keys import Keys
-from ddloco.cli import EXIT_REFUSED, EXIT_USAGE
+from common.exits import REFUSED as EXIT_REFUSED
 from ddloco.cluster import ROLE_ENV, Child, broker_endpoints, learner_redis_users, start_embedded_redis, stop_children
 from ddloco.logs import print_digest
 from ddloco.monitor import Monitor

@@ -1,7 +1,7 @@
-"""`python -m learner`: same as `ddloco learner`."""
+"""`python -m learner`: same as `ddloco learner` (its parser is learner/cli.py; no import of ddloco)."""
 import sys
 
-from ddloco.cli import main
+from learner.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["learner", *sys.argv[1:]]))
+    sys.exit(main())

@@ -1,7 +1,7 @@
-"""`python -m syncer`: same as `ddloco syncer`."""
+"""`python -m syncer`: same as `ddloco syncer` (its parser is syncer/cli.py; no import of ddloco)."""
 import sys
 
-from ddloco.cli import main
+from syncer.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["syncer", *sys.argv[1:]]))
+    sys.exit(main())

@@ -17,7 +17,6 @@ counts: after the same numbers of inner steps per learner (``eval_steps``).
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator

@@ -110,7 +110,7 @@ def test_learners_that_crashed_twice_are_supervised_as_their_new_processes(tmp_p
 
 FACTORY = """
 import json, select, signal, sys
-from ddloco.cli import _fork_learner, _reap_forks
+from learner.launch import fork_learner as _fork_learner, reap_forks as _reap_forks
 forks = {}
 while True:
     _reap_forks(forks)
