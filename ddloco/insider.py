@@ -137,7 +137,7 @@ class Insider:
 def sample(ins: Insider) -> Any:
     """One sample of the cluster into ``ins.acc``; a sample Redis cannot give (its entries broken)
     is counted, not raised."""
-    from ddloco.fuzz import _take
+    from ddloco.cluster_watch import _take
     try:
         s = ins.watch.sample()
     except (redis.RedisError, ValueError, KeyError, TypeError) as e:

@@ -153,7 +153,7 @@ def run_one(ins: atk.Insider, name: str, seconds: float, settle_s: float, observ
     """One attack and its settle window; ``before`` = (monotonic time, merges) at the start of the
     window before it (its merge rate is the baseline). Returns the entry and the settle window's
     (time, merges) for the next attack's baseline."""
-    from ddloco.fuzz import FuzzReport
+    from ddloco.cluster_watch import FuzzReport
     ins.acc = acc = FuzzReport(seed=0)
     ins.watch.known = {}                         # this attack's processes: a restarted one is not gone again
     first = atk.sample(ins)
@@ -199,7 +199,7 @@ def run_insider(ins: atk.Insider, attacks: Sequence[str], *, seconds: float, set
     """Every attack of ``attacks`` in turn (``custom``: another function for a name, e.g. the spec
     attack with a victim to start), after ``baseline_s`` (default ``settle_s``) of watching the
     merge rate the first one is compared with; the report ``ddloco fuzz --insider`` writes."""
-    from ddloco.fuzz import FuzzReport
+    from ddloco.cluster_watch import FuzzReport
     ins.acc = FuzzReport(seed=0)
     start = atk.sample(ins)
     before = (time.monotonic(), getattr(start, "merges", 0))
@@ -224,7 +224,7 @@ def insider_from(endpoints: Any, run: Any, *, observer_url: str = "", marker_dir
     from pathlib import Path
 
     from common.security import Security, create_keys
-    from ddloco.fuzz import ClusterWatch
+    from ddloco.cluster_watch import ClusterWatch
     r = control.connect(endpoints.redis_url)
     observer = control.connect(observer_url) if observer_url else r
     keys = Keys(endpoints.run_id)
