@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from common import exits
+
 
 def loss_at(curve: list[dict], tokens: float) -> float:
     """Eval loss of ``curve`` at ``tokens``, linearly interpolated (clamped at the ends)."""
@@ -26,7 +28,7 @@ def loss_at(curve: list[dict], tokens: float) -> float:
 def main(argv: Sequence[str]) -> int:
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
-        return 2
+        return exits.USAGE
     a, b = (json.loads(Path(p).read_text()) for p in argv)
     tokens = min(a["tokens_total"], b["tokens_total"])
 

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from common import exits
 from common.config import AlgoConfig
 
 
@@ -187,7 +188,7 @@ def main(argv: Sequence[str]) -> int:
     args = ap.parse_args(list(argv))
     if args.params < 1 or args.learners < 1 or args.minutes <= 0:
         print("ddloco bench sync: --params, --learners and --minutes must be positive", file=sys.stderr)
-        return 2
+        return exits.USAGE
     out = Path(args.report) if args.report else Path(tempfile.mkdtemp(prefix="bench-sync-"))
     out.mkdir(parents=True, exist_ok=True)
     with_sync = _up("sync", args, out, sync_every=args.sync_every)

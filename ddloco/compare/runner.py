@@ -33,6 +33,7 @@ from typing import Any, Sequence
 from common.config import ConfigError, ConfigFile, RunConfig, load_config, override, run_config_from_dict
 from common.exits import FAILURE as EXIT_FAILURE
 from common.exits import OK as EXIT_OK
+from common.exits import USAGE as EXIT_USAGE
 from common.files import write_atomic
 
 DEFAULT_SYSTEMS = ("dp", "single", "diloco_sync", "decoupled_lockstep", "decoupled")
@@ -324,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(args, list(sys.argv[1:] if argv is None else argv))
     except ConfigError as e:
         print(f"ddloco compare: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
 
 class _Comparison:
