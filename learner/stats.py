@@ -9,11 +9,11 @@ at every step boundary and change of status, combined with the network thread's 
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from common import entries, metrics
+from common import counters, entries, metrics
+from common.counters import declare
 
 STEP_TIME_WARMUP = 10
 """Steps averaged plainly before the step-time estimate becomes an EMA (0.9)."""
@@ -40,50 +40,78 @@ def step_time_estimate(ema: float, step_s: float, seen: int) -> float:
 
 @dataclass
 class LearnerStats:
-    steps: int = 0
-    tokens: int = 0
-    answers: int = 0
-    merges_applied: int = 0
-    version_gaps: int = 0
-    versions_regressed: int = 0
-    stale_opens: int = 0
-    flushed: int = 0
-    unflushed: int = 0
-    nonfinite_answers: int = 0
-    fetches: int = 0
-    malformed: int = 0
-    bytes_up: int = 0
-    bytes_down: int = 0
-    bytes_fetched: int = 0
-    """Of bytes_down: full fragment values fetched from the shards (join, repairs)."""
-    chunks_fetched: int = 0
-    """Chunks of fragments fetched in pieces (larger than the shard's ``reply_chunk_values``)."""
-    updates_replayed: int = 0
-    """Broadcast updates that arrived before the value they apply to, applied once it was here."""
-    train_s: float = 0.0
-    flush_s: float = 0.0
-    """Seconds after the last step spent answering every fragment once more (not training: goodput)."""
-    blocked_s: float = 0.0
-    boot_s: float = 0.0
-    cpu_s_at_joined: float = 0.0
-    """The process's CPU seconds (every thread) when it joined: ``cpu_s`` minus this is training's."""
-    boot_phases: dict[str, float] = field(default_factory=dict)
-    """Seconds from the process start to: init (interpreter, imports), prepared (run config, task,
-    model, checks), joined (every fragment fetched), first_answer."""
-    step_ema_s: float = 0.0
-    loss_ema: float = 0.0
-    lr: float = 0.0
-    batches: int = 0
-    last_contrib_fragment: int = -1
-    first_answer: str = ""
-    bootstrap: str = ""
-    """Where this life's state came from: "peer <id>" or "shards"."""
-    bootstraps_served: int = 0
-    last_contrib_at: float = 0.0
-    schedule_tokens: float = 0.0
-    """The highest run token count the learning-rate schedule used (``Learner._step_run_tokens``)."""
-    schedule_regressions: int = 0
-    """Schedule reads below ``schedule_tokens``: the learning rate went back (must stay 0)."""
+    """The learner's counters, each declared once (``common.counters``): what it counts, its
+    metric at ``/metrics`` (``readings``) and its field in the learner's hash (``heartbeat_fields``)."""
+
+    steps: int = declare(0, doc="Inner steps taken by this process.", metric="learner_steps_total", redis="steps")
+    tokens: int = declare(0, doc="Tokens trained on by this process.", metric="learner_tokens_total", redis="tokens")
+    answers: int = declare(0, doc="Answers sent to open rounds.", metric="learner_answers_total", redis="answers")
+    merges_applied: int = declare(0, doc="Merged fragments applied.", metric="learner_merges_applied_total",
+                                  redis="merges_applied")
+    version_gaps: int = declare(0, doc="Lost broadcasts found by their version (repaired by a fetch).",
+                                metric="learner_version_gaps_total", redis="version_gaps")
+    versions_regressed: int = declare(0, doc="Fragments a shard moved back below our version.",
+                                      metric="learner_versions_regressed_total", redis="versions_regressed")
+    stale_opens: int = declare(0, doc="Open rounds skipped: already merged past them.",
+                               metric="learner_stale_opens_total", redis="stale_opens")
+    flushed: int = declare(0, doc="Fragments whose last steps the flush got merged.", redis="flushed")
+    unflushed: int = declare(0, doc="Fragments whose last steps were still unmerged when the flush ended.",
+                             redis="unflushed")
+    nonfinite_answers: int = declare(0, doc="Answers not sent: non-finite delta.",
+                                     metric="learner_nonfinite_answers_total")
+    fetches: int = declare(0, doc="Full fragments asked of the shards (join, gaps, a restarted shard).",
+                           metric="learner_fetches_total", redis="fetches")
+    malformed: int = declare(0, doc="Messages dropped: failed to decode.", metric="learner_malformed_total",
+                             redis="malformed")
+    bytes_up: int = declare(0, doc="Bytes sent (out: answers, copies, peer state) and received (in: merged "
+                            "fragments, peer state).", metric="learner_bytes_total", label="direction", key="out",
+                            redis="bytes_up")
+    bytes_down: int = declare(0, doc="Bytes received: merged fragments, peer state.", metric="learner_bytes_total",
+                              label="direction", key="in", redis="bytes_down")
+    bytes_fetched: int = declare(0, doc="Of bytes_down: full fragment values fetched from the shards (join, "
+                                 "repairs).", redis="bytes_fetched")
+    chunks_fetched: int = declare(0, doc="Chunks of fragments fetched in pieces (larger than the shard's "
+                                  "``reply_chunk_values``).", redis="chunks_fetched")
+    updates_replayed: int = declare(0, doc="Broadcast updates that arrived before the value they apply to, "
+                                    "applied once it was here.")
+    train_s: float = declare(0.0, doc="Seconds of training work (frozen steps excluded).",
+                             metric="learner_train_seconds_total", redis="train_s", digits=3)
+    flush_s: float = declare(0.0, doc="Seconds after the last step spent answering every fragment once more "
+                             "(not training: goodput).", redis="flush_s", digits=3)
+    blocked_s: float = declare(0.0, doc="Seconds waiting at the lock-step barrier.",
+                               metric="learner_blocked_seconds_total", redis="blocked_s", digits=3)
+    boot_s: float = declare(0.0, doc="Process start to joined (0 before).", metric="learner_boot_seconds",
+                            kind="gauge", redis="boot_s", digits=3)
+    cpu_s_at_joined: float = declare(0.0, doc="The process's CPU seconds (every thread) when it joined: "
+                                     "``cpu_s`` minus this is training's.", redis="cpu_s_at_joined", digits=3)
+    boot_phases: dict[str, float] = declare(dict, doc="Seconds from the process start to: init (interpreter, "
+                                            "imports), prepared (run config, task, model, checks), joined "
+                                            "(every fragment fetched), first_answer.", redis="boot_phases")
+    step_ema_s: float = declare(0.0, doc="Inner step time (EMA, 0.9).", metric="learner_step_seconds",
+                                kind="gauge", redis="step_ema_s", digits=6)
+    loss_ema: float = declare(0.0, doc="Training loss (EMA, 0.95).", metric="learner_loss", kind="gauge",
+                              redis="loss_ema", digits=5)
+    lr: float = declare(0.0, doc="Inner learning rate of the last step.", metric="learner_learning_rate",
+                        kind="gauge", redis="lr")
+    batches: int = declare(0, doc="Batches drawn this life (the hash's ``data_position`` counts them).")
+    last_contrib_fragment: int = declare(-1, doc="The fragment of the last answer sent (-1: none yet).",
+                                         redis="last_contrib_fragment")
+    first_answer: str = declare("", doc="fragment:round:unix time of this life's first answer.",
+                                redis="first_answer")
+    bootstrap: str = declare("", doc='Where this life\'s state came from: "peer <id>" or "shards".',
+                             redis="bootstrap")
+    bootstraps_served: int = declare(0, doc="States served to joining peers.",
+                                     metric="learner_bootstraps_served_total", redis="bootstraps_served")
+    last_contrib_at: float = declare(0.0, doc="Unix time of the last answer sent (0: none yet).",
+                                     metric="learner_last_contribution_timestamp_seconds", kind="gauge",
+                                     redis="last_contrib_at")
+    schedule_tokens: float = declare(0.0, doc="Highest run token count the learning-rate schedule used.",
+                                     metric="learner_schedule_tokens", kind="gauge", redis="schedule_tokens",
+                                     whole=True)
+    """``Learner._step_run_tokens``'s highest."""
+    schedule_regressions: int = declare(0, doc="Schedule reads of a run token count below the highest used "
+                                        "before (the learning rate went back; 0 expected).",
+                                        metric="learner_schedule_regressions_total", redis="schedule_regressions")
 
 
 @dataclass
@@ -133,63 +161,18 @@ STATUSES = ("joining", "training", "blocked", "flushing", "stopped")
 
 def heartbeat_fields(s: LearnerStats) -> dict[str, Any]:
     """The counters as the learner's hash in Redis holds them (learner/core.py adds who and where)."""
-    return {"steps": s.steps, "tokens": s.tokens, "step_ema_s": round(s.step_ema_s, 6),
-            "loss_ema": round(s.loss_ema, 5), "lr": s.lr, "answers": s.answers, "merges_applied": s.merges_applied,
-            "version_gaps": s.version_gaps, "versions_regressed": s.versions_regressed,
-            "stale_opens": s.stale_opens, "flushed": s.flushed, "unflushed": s.unflushed, "fetches": s.fetches,
-            "malformed": s.malformed, "bytes_up": s.bytes_up, "bytes_down": s.bytes_down,
-            "train_s": round(s.train_s, 3), "flush_s": round(s.flush_s, 3), "blocked_s": round(s.blocked_s, 3),
-            "boot_s": round(s.boot_s, 3), "boot_phases": json.dumps(s.boot_phases),
-            "last_contrib_fragment": s.last_contrib_fragment, "first_answer": s.first_answer,
-            "bootstrap": s.bootstrap, "bootstraps_served": s.bootstraps_served,
-            "last_contrib_at": s.last_contrib_at, "schedule_tokens": int(s.schedule_tokens),
-            "schedule_regressions": s.schedule_regressions, "bytes_fetched": s.bytes_fetched,
-            "chunks_fetched": s.chunks_fetched, "cpu_s_at_joined": round(s.cpu_s_at_joined, 3)}
+    return counters.hash_fields(s)
 
 
 def readings(s: LearnerStats, status: str, *, replaced: int, inbox: int, outbox: int) -> list[metrics.Reading]:
     """What ``/metrics`` shows of a learner's counters ``s`` (``replaced``: answers the outbox
     replaced; ``inbox``/``outbox``: items waiting in the queues)."""
     return [
-        metrics.counter("learner_steps_total", "Inner steps taken by this process.", s.steps),
-        metrics.counter("learner_tokens_total", "Tokens trained on by this process.", s.tokens),
-        metrics.counter("learner_answers_total", "Answers sent to open rounds.", s.answers),
-        metrics.counter("learner_merges_applied_total", "Merged fragments applied.", s.merges_applied),
-        metrics.counter("learner_fetches_total", "Full fragments asked of the shards (join, gaps, a "
-                        "restarted shard).", s.fetches),
-        metrics.counter("learner_version_gaps_total", "Lost broadcasts found by their version (repaired by "
-                        "a fetch).", s.version_gaps),
-        metrics.counter("learner_versions_regressed_total", "Fragments a shard moved back below our "
-                        "version.", s.versions_regressed),
-        metrics.counter("learner_stale_opens_total", "Open rounds skipped: already merged past them.",
-                        s.stale_opens),
-        metrics.counter("learner_nonfinite_answers_total", "Answers not sent: non-finite delta.",
-                        s.nonfinite_answers),
+        *counters.readings(s),
         metrics.counter("learner_answers_replaced_total", "Answers not sent: a newer answer for the same "
                         "fragment replaced them while they waited (the network thread fell behind).", replaced),
-        metrics.counter("learner_malformed_total", "Messages dropped: failed to decode.", s.malformed),
         metrics.counter("learner_bad_entries_total", "Redis entries ignored as malformed, by kind.reason "
                         "(common/entries.py).", entries.BAD_ENTRIES.snapshot(), "reason"),
-        metrics.counter("learner_bytes_total", "Bytes sent (out: answers, copies, peer state) and received "
-                        "(in: merged fragments, peer state).", {"out": s.bytes_up, "in": s.bytes_down},
-                        "direction"),
-        metrics.counter("learner_train_seconds_total", "Seconds of training work (frozen steps excluded).",
-                        s.train_s),
-        metrics.counter("learner_blocked_seconds_total", "Seconds waiting at the lock-step barrier.",
-                        s.blocked_s),
-        metrics.counter("learner_bootstraps_served_total", "States served to joining peers.",
-                        s.bootstraps_served),
-        metrics.gauge("learner_step_seconds", "Inner step time (EMA, 0.9).", s.step_ema_s),
-        metrics.gauge("learner_loss", "Training loss (EMA, 0.95).", s.loss_ema),
-        metrics.gauge("learner_learning_rate", "Inner learning rate of the last step.", s.lr),
-        metrics.gauge("learner_schedule_tokens", "Highest run token count the learning-rate schedule "
-                      "used.", s.schedule_tokens),
-        metrics.counter("learner_schedule_regressions_total", "Schedule reads of a run token count below "
-                        "the highest used before (the learning rate went back; 0 expected).",
-                        s.schedule_regressions),
-        metrics.gauge("learner_boot_seconds", "Process start to joined (0 before).", s.boot_s),
-        metrics.gauge("learner_last_contribution_timestamp_seconds", "Unix time of the last answer sent "
-                      "(0: none yet).", s.last_contrib_at),
         metrics.gauge("learner_queue_depth", "Items waiting between the threads: inbox (network to "
                       "training), outbox (training to network).", {"inbox": inbox, "outbox": outbox}, "queue"),
         metrics.gauge("learner_status", "1 for the learner's current status.",
