@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from common import control, entries, tokens as run_count
+from common import control, counters, entries, tokens as run_count
 from common.fragments import plan_layout
 from common.lifecycle import peak_rss_mb
 from syncer.state import CONTROL_REFRESH_S, finite_or_nan, step_time_of
@@ -69,17 +69,8 @@ class ControlPlane:
         return {
             "rpc": self.rpc_endpoint, "shards": self.options.shards, "pid": os.getpid(),
             "plan": self.plan_digest, "checkpoint": str(self.checkpoint_path or ""), "epoch": self.epoch,
-            "versions_behind": self.stats.versions_behind, "checkpoints": self.stats.checkpoints,
-            **{f"rejected_{k}": v for k, v in self.stats.rejected.items()},
-            "status": "running", "merges": self.stats.merges, "dropped": self.stats.dropped,
-            "malformed": self.stats.malformed, "late_answers": self.stats.late_answers,
-            "stale_base": self.stats.stale_base, "bytes_out": self.stats.bytes_out,
-            "bytes_in": self.stats.bytes_in, "reopens": self.stats.reopens, "heartbeat_at": time.time(),
-            "answers": self.stats.answers, "rounds_behind": self.stats.rounds_behind,
-            "claims_clamped": self.stats.claims_clamped,
-            "weights_capped": self.stats.weights_capped,
-            "merge_s_sum": round(self.stats.merge_s.sum_s, 4), "replies_cached": self.stats.replies_cached,
-            "requests": self.stats.requests, "requests_deduped": self.stats.requests_deduped,
+            **counters.hash_fields(self.stats), "status": "running", "dropped": self.stats.dropped,
+            "heartbeat_at": time.time(),
             "peak_rss_mb": peak_rss_mb(), "cpu_s": round(time.process_time(), 3),
             "bad_entries": entries.BAD_ENTRIES.total()}
 

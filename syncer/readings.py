@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-from common import entries, metrics
+from common import counters, entries, metrics
 from syncer.state import FragmentState, ShardStats
 
 SNAPSHOT_EVERY_S = 0.05
@@ -69,38 +69,10 @@ class Published:
 
 def readings_of(snap: ShardSnapshot) -> list[metrics.Reading]:
     """What ``/metrics`` shows, from one snapshot (read on the scrape's thread)."""
-    st = snap.stats
     return [
-        metrics.counter("shard_merges_total", "Rounds merged into a new fragment version (restored from the "
-                        "checkpoint at start).", st.merges),
-        metrics.counter("shard_answers_total", "Learner answers by outcome: accepted (into its open round), "
-                        "late (the round had merged), stale_base (its base version or shard life is gone), "
-                        "wrong_run.", {"accepted": st.answers, "late": st.late_answers,
-                                       "stale_base": st.stale_base, "wrong_run": st.wrong_run}, "outcome"),
-        metrics.counter("shard_answers_rejected_total", "Answers refused (nonfinite_delta) or cut (claims, "
-                        "clipped) by the robust merge, by reason.", dict(st.rejected), "reason"),
+        *counters.readings(snap.stats),
         metrics.counter("shard_bad_entries_total", "Redis entries ignored as malformed, by kind.reason "
                         "(common/entries.py).", entries.BAD_ENTRIES.snapshot(), "reason"),
-        metrics.counter("shard_malformed_total", "Messages and requests that failed to decode or made no "
-                        "sense (dropped).", st.malformed),
-        metrics.counter("shard_rounds_dropped_total", "Rounds whose merge was not finite (dropped).",
-                        st.nonfinite_rounds),
-        metrics.counter("shard_reopens_total", "Round opens sent again (no quorum yet).", st.reopens),
-        metrics.counter("shard_bytes_total", "Message bytes: in (answers, copies), out (opens, merged "
-                        "fragments, replies).", {"in": st.bytes_in, "out": st.bytes_out}, "direction"),
-        metrics.counter("shard_fragment_requests_total", "Full-fragment requests: served, deferred (the "
-                        "fragment was recovering), deduped (sent to that requester moments ago).",
-                        {"served": st.requests, "deferred": st.requests_deferred, "deduped": st.requests_deduped},
-                        "outcome"),
-        metrics.counter("shard_checkpoints_total", "Checkpoints: written, failed.",
-                        {"written": st.checkpoints, "failed": st.checkpoint_errors}, "outcome"),
-        metrics.counter("shard_versions_behind_total", "Fragments that restarted below the run's recorded "
-                        "version (no live learner had it).", st.versions_behind),
-        metrics.histogram("shard_round_seconds", "Seconds from a round's open to its merge.", st.round_s),
-        metrics.histogram("shard_merge_seconds", "Seconds of merge computation per round (worker thread).",
-                          st.merge_s),
-        metrics.counter("shard_rounds_behind_total", "Merges later than the schedule: the fragment's "
-                        "learner steps between merges (EMA) above 1.2 x H.", st.rounds_behind),
         metrics.gauge("shard_grace_window_seconds", "The adaptive grace window: how long a round waits "
                       "for more answers past its quorum.", snap.grace_s),
         metrics.gauge("shard_rounds_open", "Rounds in flight.", snap.rounds_open),

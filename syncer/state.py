@@ -19,6 +19,7 @@ import torch
 
 from common import metrics
 from common.config import AlgoConfig
+from common.counters import declare
 from common.fragments import Fragment
 from common.robust import NormClipper
 CONTROL_REFRESH_S = 0.5
@@ -197,39 +198,65 @@ class Recovery:
 
 @dataclass
 class ShardStats:
-    merges: int = 0
-    answers: int = 0
-    malformed: int = 0
-    late_answers: int = 0
-    stale_base: int = 0
-    wrong_run: int = 0
-    reopens: int = 0
-    nonfinite_rounds: int = 0
-    checkpoint_errors: int = 0
-    checkpoints: int = 0
-    versions_behind: int = 0
-    """Fragments that restarted below the run's recorded version (no live learner had it)."""
-    bytes_in: int = 0
-    bytes_out: int = 0
-    requests: int = 0
-    requests_deduped: int = 0
-    """Requests for a value just sent to the same requester (within REQUEST_DEDUPE_S): dropped."""
-    replies_cached: int = 0
-    """Fragment requests answered with the frames already encoded for that version."""
-    requests_deferred: int = 0
-    """Fragment requests left unanswered while the fragment was recovering (asked again)."""
-    rejected: dict[str, int] = field(default_factory=dict)
-    """Answers refused or clipped by the robust-merge rules, by reason (common.robust.REASONS)."""
-    round_s: metrics.Histogram = field(default_factory=metrics.Histogram)
-    """Seconds from a round's open to its merge, of every merged round of this process."""
-    merge_s: metrics.Histogram = field(default_factory=metrics.Histogram)
-    """Seconds of merge computation (worker thread) per merged round."""
-    claims_clamped: int = 0
-    """Answers whose claims were cut by at most CLAMP_TOLERANCE (an honest member's timing; apart from rejections)."""
-    rounds_behind: int = 0
-    weights_capped: int = 0
-    """Answers whose weight was cut to the round's median weight (common.robust.fair_weights)."""
-    """Merges that came later than the schedule allows: effective H > BEHIND_FACTOR × H."""
+    """The shard's counters, each declared once (``common.counters``): what it counts, its metric at
+    ``/metrics`` (``syncer.readings``) and its field in the shard's hash (``ControlPlane._shard_entry``)."""
+
+    merges: int = declare(0, doc="Rounds merged into a new fragment version (restored from the checkpoint at "
+                          "start).", metric="shard_merges_total", redis="merges")
+    answers: int = declare(0, doc="Learner answers by outcome: accepted (into its open round), late (the round "
+                           "had merged), stale_base (its base version or shard life is gone), wrong_run.",
+                           metric="shard_answers_total", label="outcome", key="accepted", redis="answers")
+    malformed: int = declare(0, doc="Messages and requests that failed to decode or made no sense (dropped).",
+                             metric="shard_malformed_total", redis="malformed")
+    late_answers: int = declare(0, doc="Answers to a round that had merged.", metric="shard_answers_total",
+                                label="outcome", key="late", redis="late_answers")
+    stale_base: int = declare(0, doc="Answers whose base version or shard life is gone.",
+                              metric="shard_answers_total", label="outcome", key="stale_base", redis="stale_base")
+    wrong_run: int = declare(0, doc="Messages of another run (dropped).", metric="shard_answers_total", label="outcome",
+                             key="wrong_run")
+    reopens: int = declare(0, doc="Round opens sent again (no quorum yet).", metric="shard_reopens_total",
+                           redis="reopens")
+    nonfinite_rounds: int = declare(0, doc="Rounds whose merge was not finite (dropped).",
+                                    metric="shard_rounds_dropped_total")
+    checkpoints: int = declare(0, doc="Checkpoints: written, failed.", metric="shard_checkpoints_total",
+                               label="outcome", key="written", redis="checkpoints")
+    checkpoint_errors: int = declare(0, doc="Checkpoints that failed.", metric="shard_checkpoints_total",
+                                     label="outcome", key="failed")
+    versions_behind: int = declare(0, doc="Fragments that restarted below the run's recorded version (no live "
+                                   "learner had it).", metric="shard_versions_behind_total", redis="versions_behind")
+    bytes_in: int = declare(0, doc="Message bytes: in (answers, copies), out (opens, merged fragments, "
+                            "replies).", metric="shard_bytes_total", label="direction", key="in", redis="bytes_in")
+    bytes_out: int = declare(0, doc="Message bytes sent: opens, merged fragments, replies.",
+                             metric="shard_bytes_total", label="direction", key="out", redis="bytes_out")
+    requests: int = declare(0, doc="Full-fragment requests: served, deferred (the fragment was recovering), "
+                            "deduped (sent to that requester moments ago).", metric="shard_fragment_requests_total",
+                            label="outcome", key="served", redis="requests")
+    requests_deduped: int = declare(0, doc="Requests for a value just sent to the same requester (within "
+                                    "REQUEST_DEDUPE_S): dropped.", metric="shard_fragment_requests_total",
+                                    label="outcome", key="deduped", redis="requests_deduped")
+    replies_cached: int = declare(0, doc="Fragment requests answered with the frames already encoded for that "
+                                  "version.", redis="replies_cached")
+    requests_deferred: int = declare(0, doc="Fragment requests left unanswered while the fragment was recovering "
+                                     "(asked again).", metric="shard_fragment_requests_total", label="outcome",
+                                     key="deferred")
+    rejected: dict[str, int] = declare(dict, doc="Answers refused (nonfinite_delta) or cut (claims, clipped) by "
+                                       "the robust merge, by reason.", metric="shard_answers_rejected_total",
+                                       label="reason", redis="rejected_{}")
+    """By reason: common.robust.REASONS."""
+    round_s: metrics.Histogram = declare(metrics.Histogram, doc="Seconds from a round's open to its merge.",
+                                         metric="shard_round_seconds", kind="histogram")
+    """Of every merged round of this process."""
+    merge_s: metrics.Histogram = declare(metrics.Histogram, doc="Seconds of merge computation per round (worker "
+                                         "thread).", metric="shard_merge_seconds", kind="histogram",
+                                         redis="merge_s_sum", digits=4)
+    claims_clamped: int = declare(0, doc="Answers whose claims were cut by at most CLAMP_TOLERANCE (an honest "
+                                  "member's timing; apart from rejections).", redis="claims_clamped")
+    rounds_behind: int = declare(0, doc="Merges later than the schedule: the fragment's learner steps between "
+                                 "merges (EMA) above 1.2 x H.", metric="shard_rounds_behind_total",
+                                 redis="rounds_behind")
+    """Effective H > BEHIND_FACTOR × H."""
+    weights_capped: int = declare(0, doc="Answers whose weight was cut to the round's median weight "
+                                  "(common.robust.fair_weights).", redis="weights_capped")
 
     @property
     def dropped(self) -> int:
