@@ -5,9 +5,11 @@ hand-written ``learner.stats.heartbeat_fields`` / ``readings`` and ``syncer.read
 / ``ControlPlane._shard_entry`` for the same filled-in counters (``_filled``)."""
 from __future__ import annotations
 
+import re
 import types
 import zlib
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import pytest
 
@@ -369,3 +371,11 @@ def test_a_wrong_declaration_is_refused_when_it_is_made(spec, error):
     with pytest.raises(ValueError) as e:
         counters.declare(0, doc="d", **spec)
     assert str(e.value) == error
+
+
+@pytest.mark.parametrize("stats", [LearnerStats, ShardStats, BrokerStats])
+def test_every_declared_metric_is_listed_in_the_deploy_guide(stats):
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "deploy.md").read_text()
+    missing = {c.metric for c in (f.metadata["counter"] for f in fields(stats)) if c.metric} - set(
+        re.findall(r"ddloco_(\w+)", guide))
+    assert not missing, f"docs/deploy.md (Metrics) does not list {sorted(missing)}"
