@@ -31,6 +31,7 @@ from common import control, tokens as run_count
 import json
 
 from common.config import ConfigFile, dump_toml, override
+from common import exits
 from common.exits import FAILURE as EXIT_FAILURE
 from common.exits import OK as EXIT_OK
 from common.keys import Keys
@@ -45,7 +46,7 @@ from ddloco.resume import new_run_id, resolve_resume  # noqa: F401 (`ddloco up`'
 from ddloco.supervisor import Supervisor
 from ddloco.up_plan import UpPlan, plan_up
 
-EXIT_DID_NOT_TRAIN = 4
+EXIT_DID_NOT_TRAIN = exits.DID_NOT_TRAIN
 """`up`'s exit status when every process ended well but the result is not trustworthy: a fragment
 never merged or stopped merging, or the final model is no better than the initial one."""
 EXIT_INTERRUPTED = 130
