@@ -2,9 +2,11 @@
 a fragment's clipper is with its merge worker while the merge runs, and back with the fragment after."""
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
+import structlog
 from structlog.testing import capture_logs
 
 from common.config import AlgoConfig, RunConfig
@@ -15,7 +17,17 @@ pytestmark = pytest.mark.timeout(90)
 ASYNC = RunConfig(algo=AlgoConfig(fragments=4, sync_every_steps=4, quorum=1, inner_warmup_steps=1))
 
 
-def test_a_round_stuck_below_its_quorum_logs_why_once(make_cluster):
+@pytest.fixture
+def info_logs():
+    """Info lines reach ``capture_logs`` whatever level an earlier test configured (structlog's
+    filtering wrapper drops them before any processor)."""
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    yield
+    structlog.configure(**saved)
+
+
+def test_a_round_stuck_below_its_quorum_logs_why_once(make_cluster, info_logs):
     """K = 2 with one learner: every round waits for a second answer forever. The shard says so
     in one ``syncer.round_state`` line per round and reason, however often it re-sends the open."""
     run = RunConfig(algo=AlgoConfig(fragments=4, sync_every_steps=4, quorum=2, inner_warmup_steps=1))
