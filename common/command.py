@@ -17,7 +17,7 @@ import argparse
 import functools
 import re
 import sys
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from common.config import (ConfigError, ConfigFile, Endpoints, TaskConfig, check_value, endpoint_problem,
                            load_config, override, redact_url, redis_url_problem)
@@ -229,6 +229,16 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Nam
         argparse.ArgumentParser(prog="ddloco", usage="%(prog)s [-h] COMMAND ...").error(
             f"unrecognized arguments: {' '.join(unknown)}")
     return args
+
+
+def daemon_main(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None, env: Env,
+                func: Callable[[argparse.Namespace, Env], int]) -> int:
+    """A daemon's ``main``: parse ``argv`` (default: the process's) as `ddloco COMMAND` would, keep
+    it on ``args.argv``, then ``run_command`` with ``func(args, env)``; the exit code (common.exits)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(parser, argv)
+    args.argv = argv
+    return run_command(prog, args, env, lambda a: func(a, env))
 
 
 def run_command(prog: str, args: argparse.Namespace, env: Env,

@@ -54,11 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: the process's), run the shard; the exit code (common.exits)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = command.parse_args(build_parser(), argv)
-    args.argv = argv
-    env = os.environ
-    return command.run_command(PROG, args, env, lambda a: cmd_syncer(a, env))
+    return command.daemon_main(PROG, build_parser(), argv, os.environ, cmd_syncer)
 
 
 def cmd_syncer(args: argparse.Namespace, env: Mapping[str, str]) -> int:
