@@ -33,6 +33,33 @@ inner_warmup_steps = 2
 """A tiny built-in task for tests that run the real daemons as processes."""
 
 
+@dataclass
+class HeldMerge:
+    """Fragment ``index``'s next merge, held on its merge worker until ``release`` is set
+    (``hold_merge``); ``entered`` is set once the worker holds it, ``clipper`` is what its job carried."""
+
+    index: int = 0
+    entered: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
+    clipper: Any = None
+
+
+def hold_merge(monkeypatch: pytest.MonkeyPatch, index: int = 0) -> HeldMerge:
+    """Patch ``syncer.merging.compute_merge`` so that fragment ``index``'s merge waits (at most 30 s)
+    on its worker thread until the returned ``HeldMerge.release`` is set; other merges run."""
+    from syncer import merging
+    held, compute = HeldMerge(index), merging.compute_merge
+
+    def holding(job: Any) -> Any:
+        if job.spec.index == held.index and not held.release.is_set():
+            held.clipper = job.clipper
+            held.entered.set()
+            held.release.wait(30)
+        return compute(job)
+    monkeypatch.setattr(merging, "compute_merge", holding)
+    return held
+
+
 def wait_until(predicate: Callable[[], Any], timeout_s: float = 30.0, interval_s: float = 0.02,
                what: str = "condition") -> Any:
     """Poll ``predicate`` until it returns a truthy value; fail loudly with ``what`` on timeout."""

@@ -13,7 +13,7 @@ from common import control, wire
 from common.config import AlgoConfig, RunConfig
 from common.keys import Keys
 from learner.core import LearnerRefused
-from tests.conftest import TinyNet, tiny_task, wait_until
+from tests.conftest import TinyNet, hold_merge, tiny_task, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -789,20 +789,11 @@ def test_a_merge_runs_on_the_worker_thread_while_the_shard_answers_requests_and_
     (at the version before that merge), receives answers and another fragment merges on the
     second worker; released, the held merge lands."""
     from common.rpc import fetch_fragments
-    from syncer import merging
-    entered, release = threading.Event(), threading.Event()
-    compute = merging.compute_merge
-
-    def held(job):
-        if job.spec.index == 0 and not release.is_set():
-            entered.set()
-            release.wait(30)
-        return compute(job)
-    monkeypatch.setattr(merging, "compute_merge", held)
+    held = hold_merge(monkeypatch, 0)
     cluster = make_cluster(ASYNC)
     shard = cluster.start_shard(0, 1)
     cluster.start_learner(cluster.learner("l0", 0, step_time_floor_ms=5))
-    wait_until(entered.is_set, 30, what="fragment 0's merge on the worker")
+    wait_until(held.entered.is_set, 30, what="fragment 0's merge on the worker")
     held_version = shard.frags[0].version
     answers_then = shard.stats.answers
     r = control.connect(cluster.endpoints.redis_url)
@@ -811,7 +802,7 @@ def test_a_merge_runs_on_the_worker_thread_while_the_shard_answers_requests_and_
     assert shard.frags[0].merging is not None and shard.frags[0].round is None   # no new round meanwhile
     wait_until(lambda: shard.stats.answers > answers_then and shard.frags[1].version > 0, 10,
                what="answers received and another fragment merged while fragment 0's merge is held")
-    release.set()
+    held.release.set()
     wait_until(lambda: shard.frags[0].version > held_version, 10, what="the held merge applied")
     assert not cluster.errors, cluster.errors
 

@@ -3,14 +3,13 @@ a fragment's clipper is with its merge worker while the merge runs, and back wit
 from __future__ import annotations
 
 import logging
-import threading
 
 import pytest
 import structlog
 from structlog.testing import capture_logs
 
 from common.config import AlgoConfig, RunConfig
-from tests.conftest import wait_until
+from tests.conftest import hold_merge, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -53,25 +52,15 @@ def test_a_round_stuck_below_its_quorum_logs_why_once(make_cluster, info_logs):
 def test_a_fragments_clipper_travels_with_its_merge_and_comes_back(make_cluster, monkeypatch):
     """While fragment 0's merge is held on its worker, the fragment holds no clipper (the worker
     owns it); applied, the clipper is back with the norms that merge recorded."""
-    from syncer import merging
-    entered, release = threading.Event(), threading.Event()
-    compute, seen = merging.compute_merge, {}
-
-    def held(job):
-        if job.spec.index == 0 and not release.is_set():
-            seen["clipper"] = job.clipper
-            entered.set()
-            release.wait(30)
-        return compute(job)
-    monkeypatch.setattr(merging, "compute_merge", held)
+    held = hold_merge(monkeypatch, 0)
     cluster = make_cluster(ASYNC)
     shard = cluster.start_shard(0, 1)
     cluster.start_learner(cluster.learner("l0", 0, step_time_floor_ms=5))
-    wait_until(entered.is_set, 30, what="fragment 0's merge on the worker")
+    wait_until(held.entered.is_set, 30, what="fragment 0's merge on the worker")
     held_version = shard.frags[0].version
     assert shard.frags[0].merging is not None and shard.frags[0].clipper is None, "the worker owns the clipper"
-    release.set()
+    held.release.set()
     wait_until(lambda: shard.frags[0].version > held_version, 10, what="the held merge applied")
     wait_until(lambda: shard.frags[0].clipper is not None, 10, what="the clipper back with its fragment")
-    assert seen["clipper"].norms, "the merge recorded its answers' norms in the clipper it owned"
+    assert held.clipper.norms, "the merge recorded its answers' norms in the clipper it owned"
     assert not cluster.errors, cluster.errors
