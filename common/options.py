@@ -89,6 +89,11 @@ class LearnerOptions:
     """A torchrun learner (``--nproc N``): "ddp" (every rank holds the whole model), "fsdp"
     (parameters, gradients and AdamW moments sharded over the ranks) or "auto" (fsdp on a GPU
     whose memory 16 B per parameter would fill past 70 %, else ddp). Rank 0's choice holds."""
+    batch_log: str = ""
+    """Append a line ``STREAM INDEX`` to this file for every training batch an inner step is taken
+    on (each rank of a group its own stream): which batches of its data stream each process
+    trained on, across restarts (one write per batch, O_APPEND; several processes may share the
+    file). Empty: none."""
 
     def __post_init__(self) -> None:
         _check(self.peer_timeout_s > 0, "learner.peer_timeout_s must be > 0")

@@ -39,6 +39,7 @@ OWN_FLAGS = (
     Flag("--peer-bind", LearnerOptions, "peer_bind", metavar="ENDPOINT",
          note="on several machines e.g. tcp://0.0.0.0:7100"),
     Flag("--advertise-host", LearnerOptions, "advertise_host", note="env DDLOCO_ADVERTISE_HOST"),
+    Flag("--batch-log", LearnerOptions, "batch_log", metavar="PATH"),
 )
 FLAGS = (*OWN_FLAGS, *metrics_flags(LearnerOptions))
 """The learner's flags that set a field of its options (``common.options.LearnerOptions``)."""

@@ -38,6 +38,7 @@ from common.lifecycle import process_start_time, tune_allocator
 from common.log import get_logger
 from common.task import Task, batch_to, count_tokens, scalar_loss
 from learner import ownership
+from learner.batch_log import BatchLog
 from learner.bootstrap import PeerBootstrap
 from learner.exchange import Exchange
 from learner.group import Group, group_from_env, resolve_sharding
@@ -65,6 +66,7 @@ class _Loop:
     train_model: torch.nn.Module
     leader: bool
     min_steps: int
+    batch_log: BatchLog
     ready: list[Any] | None = None          # the next step's batches (kept over a skip)
     ready_s: float = 0.0                    # what reading them took (part of the step)
 
@@ -290,7 +292,8 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
         self.status = "training"
         self.model.train()
         return _Loop(opt, sched, batches, train_model, leader,
-                     min_steps=self.algo.sync_every_steps if self.algo.lockstep else 1)
+                     min_steps=self.algo.sync_every_steps if self.algo.lockstep else 1,
+                     batch_log=BatchLog(self.options.batch_log, self.stream))
 
     def _boundary(self, loop: _Loop) -> tuple[bool, bool, bool, int]:
         """Between two steps: (stop, done, skip, tokens of the next step)."""
@@ -331,6 +334,7 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
         autocast = self._autocast()
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(loop.ready):
+            loop.batch_log.trained(self.data_position + self._stats.batches)
             self._stats.batches += 1
             # in a group, gradients are averaged over the ranks on the last micro-batch only
             sync = contextlib.nullcontext() if self.group is None or i == accum - 1 else \
