@@ -197,6 +197,13 @@ def learner_lives(r: redis.Redis, keys: Keys) -> dict[tuple[str, str], dict[str,
 def life_token_counts(r: redis.Redis, keys: Keys, *, skip: Any = frozenset()) -> dict[tuple[str, str], Any]:
     """The ``tokens`` each learner process's ``life`` hash reports, by (learner id, incarnation),
     as read (a SCAN of ``life:*``); the processes in ``skip`` (``<id>:<incarnation>``) are not read."""
+    return {life: values[0] for life, values in life_fields(r, keys, ("tokens",), skip=skip).items()}
+
+
+def life_fields(r: redis.Redis, keys: Keys, fields: tuple[str, ...], *,
+                skip: Any = frozenset()) -> dict[tuple[str, str], list[Any]]:
+    """``fields`` of each learner process's ``life`` hash, as read (a SCAN of ``life:*``), by
+    (learner id, incarnation); the processes in ``skip`` (``<id>:<incarnation>``) are not read."""
     prefix = keys.prefix + "life:"
     found = []
     for k in r.scan_iter(match=prefix + "*", count=1000):
@@ -205,7 +212,7 @@ def life_token_counts(r: redis.Redis, keys: Keys, *, skip: Any = frozenset()) ->
             found.append((lid, inc))
     pipe = r.pipeline(transaction=False)
     for lid, inc in found:
-        pipe.hget(keys.life(lid, inc), "tokens")
+        pipe.hmget(keys.life(lid, inc), *fields)
     return dict(zip(found, pipe.execute())) if found else {}
 
 
@@ -362,15 +369,6 @@ def fragment_versions(r: redis.Redis, keys: Keys, fragments: Iterable[int]) -> d
     for p in fragments:
         pipe.hget(keys.fragment(p), "version")
     return {p: parse_version(p, v) for p, v in zip(fragments, pipe.execute())}
-
-
-def data_position(r: redis.Redis, keys: Keys, learner_id: str) -> int:
-    """Batches this learner id consumed in earlier lives (0 if unknown: a new id)."""
-    raw = r.hget(keys.learner(learner_id), "data_position")
-    position = parse_int(raw) if raw is not None else 0
-    if position is None:
-        BAD_ENTRIES.reject("learner", "bad_number", learner=learner_id, field="data_position", value=raw)
-    return position or 0
 
 
 _RAISE = "local v = tonumber(redis.call('GET', KEYS[1]) or '0') if not v or v < tonumber(ARGV[1]) then " \

@@ -29,6 +29,10 @@ hash slot). Redis holds coordination state only, never the model.
 |                              |        | the shards accepted them (its own count, capped per id), |
 |                              |        | only ever raised; shards checkpoint the hash and write   |
 |                              |        | it back after a restart                                  |
+| positions                    | hash   | <id> -> that learner id's data position (batches of its  |
+|                              |        | stream trained on) as the shards last read it; only      |
+|                              |        | raised; checkpointed, written back after a restart       |
+|                              |        | (common/positions.py)                                    |
 | eval                         | hash   | the global model's last evaluation by `ddloco up`: loss, |
 |                              |        | tokens, versions_total, at (wall time), initial_loss     |
 """
@@ -107,6 +111,10 @@ class Keys:
     @property
     def token_shares(self) -> str:
         return self.prefix + "tokens:by"
+
+    @property
+    def positions(self) -> str:
+        return self.prefix + "positions"
 
     @property
     def eval(self) -> str:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import redis
 import torch
 
-from common import control, tokens as run_count
+from common import control, positions, tokens as run_count
 from common.config import ConfigError, LearnerOptions, RunConfig
 from common.fragments import Fragment, describe_plan_difference, model_plan, plan_digest, state_tensors
 from common.log import get_logger
@@ -177,7 +177,7 @@ class Joining:
     def _join_control(self) -> None:
         self.prepare()
         # a restarted learner resumes its data stream (read before the heartbeat first writes it)
-        self.data_position = control.data_position(self.redis, self.keys, self.id)
+        self.data_position = positions.resume_at(self.redis, self.keys, self.id)
         self._previous_life = self.redis.hmget(self.keys.learner(self.id), "incarnation", "status", "updated_at")
         self._run_count_at_join = run_count.read_total(self.redis, self.keys)
         self.receipt = new_receipt(self)

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from common import tokens as run_count
+from common import positions, tokens as run_count
 from common.files import atomic_path
 
 
@@ -98,7 +98,7 @@ class Checkpointing:
                               **({} if f.master is None else {"master": f.master})}
                           for p, f in self.frags.items()},
             "merges": self.stats.merges, "saved_at": time.time(), "run_tokens": self.run_tokens,
-            "token_shares": dict(self.token_shares),
+            "token_shares": dict(self.token_shares), "data_positions": dict(self.data_positions),
         }
         self._merges_since_ckpt = 0
         if wait:
@@ -170,6 +170,7 @@ class Checkpointing:
         self.token_shares = run_count.merge_shares(state.get("token_shares") or {},
                                                    {} if "token_shares" in state or not self.run_tokens
                                                    else {run_count.EARLIER: self.run_tokens})
+        self.data_positions = positions.raised({}, (state.get("data_positions") or {}).items())
         self.log.info("syncer.resumed", path=str(path), versions={p: f.version for p, f in self.frags.items()})
         return True
 

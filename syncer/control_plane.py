@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from common import control, counters, entries, tokens as run_count
+from common import control, counters, entries, positions, tokens as run_count
 from common.fragments import plan_layout
 from common.lifecycle import peak_rss_mb
 from syncer.state import CONTROL_REFRESH_S, finite_or_nan, step_time_of
@@ -46,6 +46,9 @@ class ControlPlane:
                     continue  # the recorded version stays until this fragment has caught up
                 pipe.hset(self.keys.fragment(p), mapping={"version": f.version, "shard": self.options.shard,
                                                           "round": -1 if f.round is None else f.round.round_id})
+            # the learners' data positions, put back before the run config: a learner that waits for
+            # the config after an empty restart reads its position only once the config is back
+            positions.record(pipe, self.keys, self.data_positions)
             control.publish_run_config(pipe, self.keys, self.run)  # rebuilds it after an empty restart
             pipe.hsetnx(self.keys.config, "shards", self.options.shards)
             control.raise_counter(pipe, self.keys.epochs, self.epoch)  # epochs never go back either
@@ -81,7 +84,12 @@ class ControlPlane:
         counted yet (a life shorter than one control refresh). A process that stays gone is not
         read again (until it is live again): a stopped attacker's claim does not grow with the others'."""
         paused = set(self.token_shares) - self._live_fields
-        claims = run_count.claims_of_lives(control.life_token_counts(self.redis, self.keys, skip=paused))
+        lives = control.life_fields(self.redis, self.keys, ("tokens", "data_position"), skip=paused)
+        claims = run_count.claims_of_lives({life: tokens for life, (tokens, _) in lives.items()})
+        # the same processes' data positions (a learner that just left: its final one)
+        self.data_positions = positions.raised(self.data_positions, [
+            *((lid, pos) for (lid, _), (_, pos) in lives.items()),
+            *((lid, h.get("data_position")) for lid, h in self.live.items())])
         live = run_count.claims_of(self.live)
         claims.update(live)
         self._live_fields = set(live)

@@ -131,6 +131,9 @@ class Shard(SetUp, ControlPlane, Intake, Merging, Recovering, Checkpointing, Ser
         self.token_shares: dict[str, int] = {}
         """Every learner process's share of that count as last seen (common/tokens.py): checkpointed,
         written back after Redis restarted empty (a learner that is gone cannot)."""
+        self.data_positions: dict[str, int] = {}
+        """Every learner id's data position as last read (common/positions.py): checkpointed,
+        written back after Redis restarted empty (a learner that is down cannot)."""
         self._live_fields: set[str] = set()
         """Learner processes (``<id>:<incarnation>``) live at the previous control refresh."""
 
