@@ -1,0 +1,153 @@
+"""Chaos: the batches each data stream trained on, across a SIGTERM restart, a SIGKILL replaced by
+a hot spare, and joins from a peer (real processes, real signals; the learners' ``--batch-log``).
+
+The guarantee (docs/architecture.md, "Data position"): every batch index of a stream gets exactly
+one inner step over all the lives of its learner id, except after a SIGKILL, where the batches
+trained since the killed life's last heartbeat write are trained again (never a gap).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from common import control
+from common.keys import Keys
+from common.security import create_keys
+from tests.chaos.test_learner_faults import Daemons, _log_events
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+HEARTBEAT_S = 0.2           # TINY's heartbeat_interval_s
+STEP_FLOOR_S = 0.02         # TINY's step_time_floor_ms
+TOKENS_PER_BATCH = 4 * 16   # TINY_TOML: batch_size × seq_len
+KILL_REPEATS_BOUND = int(5 * HEARTBEAT_S / STEP_FLOOR_S)
+"""Batches a SIGKILL may have trained and not recorded: those since the last heartbeat write: one
+interval at the fastest step, with room for a control thread held up on two loaded cores."""
+
+
+def _indices(path) -> list[tuple[int, int]]:
+    """(stream, index) lines of a batch log, in order."""
+    out = []
+    for line in path.read_text().splitlines():
+        stream, index = line.split()
+        out.append((int(stream), int(index)))
+    return out
+
+
+def _stream_of(path, stream: int) -> list[int]:
+    lines = _indices(path)
+    assert {s for s, _ in lines} <= {stream}, f"{path.name} logged another stream than {stream}: {set(lines)}"
+    return [i for _, i in lines]
+
+
+def _consecutive(indices: list[int], start: int, what: str) -> None:
+    assert indices, f"{what}: no batch trained"
+    assert indices == list(range(start, start + len(indices))), \
+        f"{what}: expected {start}..{start + len(indices) - 1} once each in order, got {indices[:5]}...{indices[-5:]}"
+
+
+def test_streams_continue_at_their_exact_position_across_restarts_kills_and_peer_joins(tmp_path, redis_server):
+    """Learners a (stream 0) and b (stream 1) train. b is stopped with SIGTERM, Redis restarts
+    empty while b is down, and b is started again (it joins from peer a): its stream goes on at
+    the very next batch. The restarted b is SIGKILLed and a hot spare, prepared beforehand,
+    becomes b (from a peer): it goes on at the position b's last heartbeat recorded, repeating
+    only the batches trained after it (bounded, and exactly those the run's token count did not
+    take), never skipping one. a's stream has no repeat and no gap. Another spare joins mid-run as
+    a new learner c: its own stream, from batch 0."""
+    d = Daemons(tmp_path, redis_server.url)
+    r = control.connect(redis_server.url)
+    keys = Keys("chaos")
+    logs = {n: tmp_path / f"{n}.batches" for n in ("a", "b1", "b2", "b3", "c")}
+
+    def hash_of(lid: str) -> dict:
+        return r.hgetall(keys.learner(lid))
+
+    def trained(name: str) -> int:
+        return len(logs[name].read_text().splitlines()) if logs[name].exists() else 0
+
+    def promote(name: str, lid: str, shard: int) -> None:
+        spares[name].stdin.write(json.dumps({"learner_id": lid, "data_shard": shard}).encode() + b"\n")
+        spares[name].stdin.flush()
+    try:
+        d.start("broker", "broker", "--xsub", d.xsub, "--xpub", d.xpub)
+        d.start("syncer", "syncer", *d.net, "--config", str(d.cfg), "--checkpoint-dir", str(tmp_path / "ck"))
+        for name, lid, shard in (("a", "a", 0), ("b1", "b", 1)):
+            d.start(name, "learner", *d.net, "--config", str(d.cfg), "--learner-id", lid, "--data-shard", str(shard),
+                    "--batch-log", str(logs[name]))
+        spares = {name: _standby(d, name, logs[name]) for name in ("b3", "c")}
+        wait_until(lambda: trained("a") >= 12 and trained("b1") >= 12, 60, interval_s=0.05, what="a and b training")
+
+        # SIGTERM: b leaves with its final position; the shard reads it; Redis restarts empty
+        d.procs["b1"].send_signal(signal.SIGTERM)
+        assert d.procs["b1"].wait(timeout=20) == 0
+        left_at = int(hash_of("b")["data_position"])
+        _two_shard_refreshes(r, keys, after=time.time())
+        redis_server.restart_empty()
+        d.start("b2", "learner", *d.net, "--config", str(d.cfg), "--learner-id", "b", "--data-shard", "1",
+                "--batch-log", str(logs["b2"]))
+        wait_until(lambda: trained("b2") >= 12, 60, interval_s=0.05, what="the restarted b training")
+
+        # SIGKILL: what the killed life's last heartbeat recorded is where its successor starts
+        d.procs["b2"].kill()
+        d.procs["b2"].wait(timeout=10)
+        recorded = hash_of("b")
+        recorded_at = int(recorded["data_position"])
+        promote("b3", "b", 1)
+        promote("c", "c", 2)     # a new learner mid-run, its own stream
+        wait_until(lambda: trained("b3") >= 12 and trained("c") >= 12, 60, interval_s=0.05,
+                   what="the spares (now b and c) training")
+    finally:
+        d.stop_all()
+    for name in ("a", "b3", "c"):
+        assert d.procs[name].returncode == 0, f"{name} exited {d.procs[name].returncode}"
+
+    a, c = _stream_of(logs["a"], 0), _stream_of(logs["c"], 2)
+    b1, b2, b3 = (_stream_of(logs[n], 1) for n in ("b1", "b2", "b3"))
+    _consecutive(a, 0, "a, never restarted")
+    _consecutive(c, 0, "c, a new learner with a stream of its own")
+    _consecutive(b1, 0, "b's first life")
+    assert left_at == b1[-1] + 1, f"b left at {left_at}, its last batch was {b1[-1]}"
+    _consecutive(b2, left_at, "b after a SIGTERM and Redis restarted empty: the next batch, none again, none skipped")
+    assert recorded_at <= b2[-1] + 1, (recorded_at, b2[-1])
+    _consecutive(b3, recorded_at, "b's spare after the SIGKILL: at the recorded position")
+    repeated = b2[-1] + 1 - recorded_at
+    assert 0 <= repeated <= KILL_REPEATS_BOUND, \
+        f"{repeated} batches trained again after the SIGKILL (bound {KILL_REPEATS_BOUND}: one heartbeat's)"
+    # the repeated batches are exactly those the killed life had not recorded: its tokens as the
+    # run counts them (its life hash, the source of its token share) stop at the recorded position
+    killed = control.learner_lives(r, keys)[("b", recorded["incarnation"])]
+    assert int(killed["tokens"]) == (recorded_at - left_at) * TOKENS_PER_BATCH, (killed["tokens"], recorded_at)
+    for name in ("b2", "b3"):     # each restart of b joined from a training peer (c may be refused: a
+        # peer serves one joiner per interval; where c's parameters come from is not its data position)
+        joined = _log_events(tmp_path / f"{name}.log", "learner.bootstrapped")
+        assert joined and joined[0]["peer"] != "b", (name, joined)
+
+
+def _two_shard_refreshes(r, keys: Keys, *, after: float) -> None:
+    """Wait until the shard has read the learners twice since ``after`` (its second read began
+    after its first one had written: after ``after``)."""
+    def refreshed_since(t: float) -> float | None:
+        at = float(r.hget(keys.shard(0), "heartbeat_at") or 0)
+        return at if at > t else None
+    first = wait_until(lambda: refreshed_since(after), 10, what="a shard refresh")
+    wait_until(lambda: refreshed_since(first), 10, what="a second shard refresh")
+
+
+def _standby(d: Daemons, name: str, batch_log) -> subprocess.Popen:
+    """A hot spare (``learner --standby``, how `ddloco up` replaces a failed learner), prepared
+    now; it becomes a learner when told which on its stdin. Logs to NAME.log; stopped by ``stop_all``."""
+    create_keys(d.keys, learners=[name[0]], broker=False, monitors=())   # its id once promoted: b or c
+    log = open(d.tmp / f"{name}.log", "ab")
+    p = subprocess.Popen([sys.executable, "-m", "ddloco", "learner", "--standby", *d.net, "--config", str(d.cfg),
+                          "--batch-log", str(batch_log)], stdin=subprocess.PIPE, stdout=log,
+                         stderr=subprocess.STDOUT,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1", "DDLOCO_KEYS": str(d.keys)})
+    d.procs[name] = p
+    return p
