@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 
 from common import control, positions
+from common.config import AlgoConfig, RunConfig
 from common.entries import BAD_ENTRIES
 from common.keys import Keys
+from tests.conftest import wait_until
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(90)
 
 
 def test_positions_are_raised_per_learner_id_never_lowered():
@@ -36,3 +38,27 @@ def test_a_learner_resumes_at_the_shards_record_after_redis_restarted_empty(redi
     positions.record(pipe, keys, {"a": 40, "b": 16})                  # ...until a shard writes it back
     pipe.execute()
     assert (positions.resume_at(r, keys, "a"), positions.resume_at(r, keys, "b")) == (40, 16)
+
+
+def test_a_shard_restarted_from_its_checkpoint_puts_back_the_position_of_a_learner_that_is_down(
+        make_cluster, redis_server):
+    """A learner trains 30 batches and leaves; its shard stops (checkpoint) and Redis restarts
+    empty: the restarted shard writes the position back from its checkpoint, and the learner,
+    started again, goes on at batch 30."""
+    cluster = make_cluster(RunConfig(algo=AlgoConfig(fragments=4, sync_every_steps=4, inner_warmup_steps=1)))
+    shard = cluster.start_shard(0, 1)
+    learner = cluster.learner("l0", 0, max_steps=30, flush_timeout_s=0)
+    cluster.start_learner(learner).join(timeout=60)
+    assert learner.stats.batches == 30
+    wait_until(lambda: shard.data_positions.get("l0") == 30, 10, what="the shard read l0's final position")
+    cluster.stop_shard(0)
+    wait_until(lambda: shard._ctx is None, 10, what="the shard stopped (its checkpoint written)")
+    redis_server.restart_empty()
+    cluster.start_shard(0, 1)
+    r = control.connect(redis_server.url)
+    keys = Keys(cluster.endpoints.run_id)
+    wait_until(lambda: positions.resume_at(r, keys, "l0") == 30, 10, what="l0's position put back")
+    again = cluster.learner("l0", 0, max_steps=5, flush_timeout_s=0)
+    cluster.start_learner(again).join(timeout=60)
+    assert (again.data_position, again.stats.batches) == (30, 5)
+    assert not cluster.errors, cluster.errors
