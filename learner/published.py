@@ -66,9 +66,10 @@ class Published:
 
     def _counters(self) -> dict[str, Any]:
         """The learner's hash in Redis (control thread, and at the end): from published values."""
-        view = self._view
+        view = self._view   # one view: the tokens and the data position of the same step
         net = self.net
-        return {**heartbeat_fields(self.stats), "status": view.status, "started_at": self._process_started_at,
+        stats = view.stats_with(net.published if net is not None else None)
+        return {**heartbeat_fields(stats), "status": view.status, "started_at": self._process_started_at,
                 "updated_at": time.time(), "incarnation": self.incarnation,
                 "peer": "" if self._sharding == "fsdp" else getattr(net, "peer_endpoint", ""),
                 "data_shard": self.options.data_shard, "data_stream": self.stream, "pid": os.getpid(),
