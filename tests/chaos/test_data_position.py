@@ -100,6 +100,8 @@ def test_streams_continue_at_their_exact_position_across_restarts_kills_and_peer
         recorded = hash_of("b")
         recorded_at = int(recorded["data_position"])
         promote("b3", "b", 1)
+        wait_until(lambda: _log_events(tmp_path / "b3.log", "learner.joined"), 30, interval_s=0.05,
+                   what="the spare joined as b")    # before c asks: a peer serves one joiner a second
         promote("c", "c", 2)     # a new learner mid-run, its own stream
         wait_until(lambda: trained("b3") >= 12 and trained("c") >= 12, 60, interval_s=0.05,
                    what="the spares (now b and c) training")
