@@ -3,6 +3,7 @@ transaction log (run-*.wandb, read with wandb's protobuf records) holds the repo
 point for point against tokens, the progress figures as the run went, and the report's summary."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import struct
@@ -54,10 +55,13 @@ def test_up_logs_eval_curve_and_progress_to_an_offline_wandb_run(tmp_path: Path)
            "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_CONFIG_DIR": str(tmp_path / "cfg"),
            "WANDB_CACHE_DIR": str(tmp_path / "cache"), "WANDB_DATA_DIR": str(tmp_path / "data"),
            "WANDB_NAME": "digits-offline", "WANDB_SILENT": "true"}
+    # with --tensorboard too where it is installed (`make test` installs it): both get every evaluation
+    tensorboard = importlib.util.find_spec("tensorboard") is not None
     proc = subprocess.run([sys.executable, "-m", "ddloco", "up", "--task", "digits", "--learners", "2",
                            "--syncers", "1", "--fragments", "2", "--steps", "300", "--step-time-floor-ms", "20",
                            "--minutes", "1.5", "--eval-every-s", "2",
-                           "--wandb", "test", "--report", str(tmp_path / "report")],
+                           "--wandb", "test", "--report", str(tmp_path / "report"),
+                           *(["--tensorboard", str(tmp_path / "tb")] if tensorboard else [])],
                           cwd=tmp_path, capture_output=True, text=True, timeout=100, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "wandb      eval/loss" in proc.stdout
@@ -75,6 +79,11 @@ def test_up_logs_eval_curve_and_progress_to_an_offline_wandb_run(tmp_path: Path)
     # every evaluation is logged when it happens; the report's curve keeps the shards' checkpointed
     # final model in place of the live final evaluation when merges landed after it
     assert evals == curve or (len(evals) == len(curve) + 1 and evals[:-2] + evals[-1:] == curve), (evals, curve)
+    if tensorboard:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        events = EventAccumulator(str(tmp_path / "tb"))
+        events.Reload()
+        assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [(t, pytest.approx(v)) for t, v in evals]
 
     progress = [row for row in rows if "run/merges" in row]
     assert [p["tokens"] for p in progress] == sorted(p["tokens"] for p in progress)
