@@ -1,7 +1,8 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   -> venv, torch 2.13.0 (CPU) first, the rest, redis-server (>= 7.0: Debian's via
 #                  apt-get when root and none is on PATH), then `ddloco up`
-#   make test   -> the same set-up, then the whole test suite
+#   make test   -> the same set-up, plus the optional extras the tests cover (hf, wandb,
+#                  tensorboard: ~2 s from a local index; 55 MB for tensorboard), then the whole test suite
 PY ?= python3
 # Extra pip flags for the torch pin. On this project's machines the pin resolves to a local CPU
 # wheel; elsewhere use the CPU index so no CUDA build (several GB) is pulled:
@@ -10,9 +11,10 @@ TORCH_PIP_FLAGS ?=
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test-extras
 DEMO_FLAGS ?= --report reports/demo
 
-.PHONY: demo test setup clean compose-check multihost
+.PHONY: demo test setup setup-test clean compose-check multihost
 
 $(STAMP): pyproject.toml setup.py common/_qkernels.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,12 +31,19 @@ $(STAMP): pyproject.toml setup.py common/_qkernels.c
 	$(BIN)/python -m common.redis_server --check
 	touch $(STAMP)
 
+# the extras only the tests need (make demo needs none); torch named at its pin so none of them moves it
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[test,hf,wandb,tensorboard]' torch==2.13.0
+	touch $(TEST_STAMP)
+
 setup: $(STAMP)
+
+setup-test: $(TEST_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/ddloco up $(DEMO_FLAGS)
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q tests
 
 # Not part of `make test` (needs a container engine or root, and minutes): see the README.

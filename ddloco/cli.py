@@ -134,6 +134,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         if missing:
             print(missing, file=sys.stderr)
             return USAGE
+    if args.wandb:
+        from ddloco.wandb_log import wandb_missing
+        missing = wandb_missing()
+        if missing:
+            print(missing, file=sys.stderr)
+            return USAGE
     resume = _up_resume(args)
     cfg = resolve(args, (*UP_FLAGS, *UP_LEARNER_FLAGS))
     _setup_up_logging(args)  # library logs (embedded Redis) to stderr; progress lines go to stdout
@@ -155,7 +161,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     rc = run_up(override(cfg, up=up), external_redis=args.redis_url is not None,
                 step_time_floor_ms=args.step_time_floor_ms, slowdowns=slow, quiet=args.quiet, resume=resume,
                 chaos=chaos, extra=extra, insecure=command.insecure(args, os.environ), tensorboard=args.tensorboard,
-                broker_pub=args.broker_pub or "", broker_sub=args.broker_sub or "")
+                broker_pub=args.broker_pub or "", broker_sub=args.broker_sub or "",
+                wandb=args.wandb, wandb_name=os.environ.get("WANDB_NAME"))
     # Everything is written and every child and Redis stopped. Rarely (after `--chaos`, on a loaded
     # machine) the interpreter's own shutdown aborted in native code ("terminate called without an
     # active exception", exit -6) after all of that; leave without it so the exit code is the run's.
@@ -264,6 +271,9 @@ def _add_up(sub: Any) -> None:
     p.add_argument("--extra-for", type=float, metavar="SECONDS", help="how long they train")
     p.add_argument("--tensorboard", metavar="DIR", help="also log the global model's eval loss to TensorBoard "
                    "event files in DIR (scalar eval/loss, step = tokens); needs the tensorboard package")
+    p.add_argument("--wandb", metavar="PROJECT", help="also log the run to Weights & Biases project PROJECT as it "
+                   "goes (eval/loss, merges, goodput, step times vs tokens); needs the wandb package; "
+                   "WANDB_ENTITY, WANDB_NAME, WANDB_MODE=offline ... as usual")
     p.set_defaults(func=cmd_up)
 
 

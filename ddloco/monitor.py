@@ -81,6 +81,8 @@ class Monitor:
     """The shards start from checkpoints: the initial evaluation fetches their fragments."""
     on_eval: Callable[[int, float], None] | None = None
     """Called with (tokens, loss) after each evaluation of the global model (``up --tensorboard``)."""
+    on_progress: Callable[[dict[str, float]], None] | None = None
+    """Called on the control loop with ``live_figures()`` at each progress line (``up --wandb``)."""
     bn_recalibrated_batches: int = 0
     """Batches the final model's normalization statistics were re-estimated on (0: not re-estimated)."""
     eval_loss_bn_recalibrated: float | None = None
@@ -300,6 +302,8 @@ class Monitor:
             self.last_print = now
             self.check_fragments()
             self.say(self.progress_line())
+            if self.on_progress is not None:
+                self.on_progress(self.live_figures())
 
     def check_fragments(self) -> None:
         """A loud line when a fragment stops merging while the others go on (what it holds and
@@ -332,6 +336,19 @@ class Monitor:
                 + f" | merges {self.merges()} | tokens {self.tokens_total():,}"
                 + (f" | train loss {sum(losses) / len(losses):.3f}" if losses else "")
                 + (f" | eval {ev['loss']:.3f}" if ev else ""))
+
+    def live_figures(self) -> dict[str, float]:
+        """The run so far: tokens, merges, goodput, the learners' mean train loss and each one's
+        step time estimate (seconds), keyed as ``up --wandb`` logs them."""
+        provisioned, useful, _ = learner_time([self._lives_of(lid) for lid in self.learner_ids], self.t0)
+        losses = [_f(h, "loss_ema") for h in self.learners.values() if _f(h, "loss_ema") > 0]
+        figures = {"tokens": self.tokens_total(), "run/merges": self.merges(),
+                   "run/goodput": round(useful / provisioned, 4) if provisioned else 0.0,
+                   **({"train/loss": sum(losses) / len(losses)} if losses else {})}
+        for lid in self.learner_ids:
+            if _f(self.learners.get(lid, {}), "step_ema_s") > 0:
+                figures[f"learner/{lid}/step_s"] = _f(self.learners[lid], "step_ema_s")
+        return figures
 
     # ------------------------------------------------------------------ figures
     def merge_events(self) -> list[dict[str, Any]]:

@@ -82,7 +82,7 @@ class _UpRun:
     def __init__(self, cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float | None,
                  slowdowns: list[float] | None, quiet: bool, resume: Path | None, chaos: Any,
                  extra: tuple[int, float, float] | None, insecure: bool, tensorboard: str | None,
-                 broker_pub: str, broker_sub: str) -> None:
+                 broker_pub: str, broker_sub: str, wandb: str | None = None, wandb_name: str | None = None) -> None:
         from common.fragments import model_plan
         from common.task import bind_task, build_model, check_task
         self.up = up = cfg.up
@@ -96,8 +96,14 @@ class _UpRun:
         self.previous: dict[str, Any] = json.loads((resume / STATE_FILE).read_text()) if resume is not None else {}
         if resume is not None:
             check_resume(self.previous, up.syncers)
-        if up.report_dir:   # the last refusal: it creates the directory
+        if up.report_dir:   # the last refusal but one: it creates the directory
             check_report_dir(Path(up.report_dir))
+        self.tracker: Any = None  # the WandbLog of --wandb: a run that cannot start is refused here
+        if wandb:
+            from ddloco.wandb_log import WandbLog
+            self.tracker = WandbLog(wandb, name=wandb_name or self.cfg.endpoints.run_id,
+                                    config={"run_id": self.cfg.endpoints.run_id, "learners": up.learners,
+                                            "syncers": up.syncers, **self.cfg.run.to_dict()})
         self.external_redis, self.step_time_floor_ms, self.slowdowns = external_redis, step_time_floor_ms, slowdowns
         self.quiet, self.resume, self.chaos, self.extra = quiet, resume, chaos, extra
         self.insecure, self.tensorboard = insecure, tensorboard
@@ -117,10 +123,12 @@ class _UpRun:
         self.stop_chaos = threading.Event()
         prev_handlers = {s: signal.signal(s, lambda *_: self.stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
         self.t_start = time.time()
+        rc = EXIT_FAILURE
         try:
-            return self._run()
+            rc = self._run()
+            return rc
         finally:
-            self._clean_up(prev_handlers)
+            self._clean_up(prev_handlers, rc)
 
     def _run(self) -> int:
         ROLE_ENV.clear()
@@ -282,6 +290,8 @@ class _UpRun:
             monitor.on_eval = self.scalars.add_eval
             self.say(f"tensorboard {EVAL_LOSS_TAG} vs tokens in {self.tensorboard} "
                      f"(`tensorboard --logdir {self.tensorboard}`)")
+        if self.tracker is not None:
+            self._track(monitor)
         monitor.evaluate(initial=True, state=self.resumed_state)
         if self.up.replace_hung_s > 0:
             threading.Thread(target=sup.watch_hung, name="hung-watchdog", daemon=True,
@@ -294,6 +304,18 @@ class _UpRun:
             # processes, whose replacements then took 10-30 s to boot on a loaded machine)
             sup.spares_wanted = 1 if sup.fork_spares else 3
             sup.start_spare()
+
+    def _track(self, monitor: Monitor) -> None:
+        """--wandb: each evaluation (besides --tensorboard's) and each progress line's figures."""
+        tracker, also = self.tracker, monitor.on_eval
+
+        def on_eval(tokens: int, loss: float) -> None:
+            if also is not None:
+                also(tokens, loss)
+            tracker.add_eval(tokens, loss)
+        monitor.on_eval = on_eval
+        monitor.on_progress = tracker.add_progress
+        self.say(f"wandb      eval/loss, merges, goodput, step times vs tokens: {tracker.where}")
 
     def _start_chaos(self) -> Any:
         """Once every learner trains: the schedule covers the rest of the run."""
@@ -433,6 +455,8 @@ class _UpRun:
         # part's directory), so the next --resume finds both, however many parts came before
         write_state(resume if resume is not None else workdir, report, monitor, self.up.syncers, self.previous,
                     self.token_shares)
+        if self.tracker is not None:
+            self.tracker.add_report(report)
         if self.up.report_dir:
             report_dir = Path(self.up.report_dir)
             write_report(report_dir, report, monitor)
@@ -459,7 +483,7 @@ class _UpRun:
             print(f"ddloco up: the run did not train as it should: {line}", file=sys.stderr, flush=True)
         return EXIT_DID_NOT_TRAIN if problems else EXIT_OK
 
-    def _clean_up(self, prev_handlers: dict[int, Any]) -> None:
+    def _clean_up(self, prev_handlers: dict[int, Any], rc: int) -> None:
         """Whatever is still running stops, even after an exception; the signal handlers come back."""
         if self.sup is not None:
             stop_children(self.sup.all(), timeout_s=5.0)
@@ -469,6 +493,8 @@ class _UpRun:
             self.redis_srv.stop()
         if self.scalars is not None:
             self.scalars.close()
+        if self.tracker is not None:
+            self.tracker.close(rc)
         ROLE_ENV.clear()
         for s, h in prev_handlers.items():
             signal.signal(s, h)
@@ -477,11 +503,13 @@ class _UpRun:
 def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float | None = None,
            slowdowns: list[float] | None = None, quiet: bool = False, resume: Path | None = None,
            chaos: Any = None, extra: tuple[int, float, float] | None = None, insecure: bool = False,
-           tensorboard: str | None = None, broker_pub: str = "", broker_sub: str = "") -> int:
+           tensorboard: str | None = None, broker_pub: str = "", broker_sub: str = "", wandb: str | None = None,
+           wandb_name: str | None = None) -> int:
     """A whole cluster until the learners' step budget or the time cap; ``resume`` is the work
     directory of a stopped run to continue (same run id, shard checkpoints, learner positions);
-    ``tensorboard`` a directory for the eval loss's TensorBoard event files; ``broker_pub`` /
+    ``tensorboard`` a directory for the eval loss's TensorBoard event files; ``wandb`` a wandb
+    project to log the run's figures to (``wandb_name`` its run's name; None: the run id); ``broker_pub`` /
     ``broker_sub`` the broker's endpoints (empty: free ports on 127.0.0.1)."""
     return _UpRun(cfg, external_redis=external_redis, step_time_floor_ms=step_time_floor_ms, slowdowns=slowdowns,
                   quiet=quiet, resume=resume, chaos=chaos, extra=extra, insecure=insecure, tensorboard=tensorboard,
-                  broker_pub=broker_pub, broker_sub=broker_sub).run()
+                  broker_pub=broker_pub, broker_sub=broker_sub, wandb=wandb, wandb_name=wandb_name).run()
