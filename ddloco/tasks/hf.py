@@ -189,25 +189,22 @@ def batch_tokens(batch: torch.Tensor) -> int:
     return int(batch.shape[0] * (batch.shape[1] - 1))
 
 
-def sample_texts(model: nn.Module, tokenizer: Any, prompts: list[torch.Tensor]) -> list[str]:
-    """``Task.samples``: each prompt continued greedily by SAMPLE_NEW_TOKENS tokens, as
-    ``prompt || continuation`` text."""
+def sample_texts(model: nn.Module, tokenizer: Any, prompts: torch.Tensor) -> list[str]:
+    """``Task.samples``: each prompt (a row of ``prompts``, (N, P)) continued greedily by
+    SAMPLE_NEW_TOKENS tokens, in one batch, as ``prompt || continuation`` text."""
     was_training = model.training
     device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     model.eval()
-    out = []
     try:
         with torch.no_grad():
-            for prompt in prompts:
-                ids = prompt.reshape(1, -1).to(device)     # (1, P)
-                gen = model.generate(ids, max_new_tokens=SAMPLE_NEW_TOKENS, do_sample=False, use_cache=True,
-                                     pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                                     else tokenizer.eos_token_id)   # (1, P + new)
-                new = gen[0, ids.shape[1]:]
-                out.append(tokenizer.decode(prompt.tolist()) + SAMPLE_MARK + tokenizer.decode(new.tolist()))
+            gen = model.generate(prompts.to(device), attention_mask=torch.ones_like(prompts, device=device),
+                                 max_new_tokens=SAMPLE_NEW_TOKENS, do_sample=False, use_cache=True,
+                                 pad_token_id=pad)   # (N, P + new)
     finally:
         model.train(was_training)
-    return out
+    return [tokenizer.decode(p.tolist()) + SAMPLE_MARK + tokenizer.decode(g[prompts.shape[1]:].tolist())
+            for p, g in zip(prompts, gen.cpu())]
 
 
 def save_hf(tokenizer: Any) -> Any:
@@ -217,6 +214,8 @@ def save_hf(tokenizer: Any) -> Any:
         os.makedirs(out_dir, exist_ok=True)
         use_cache = model.config.use_cache
         model.config.use_cache = True   # what a user loading it for generation wants
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()   # no progress bar in `up`'s output or the daemons' logs
         try:
             model.save_pretrained(out_dir)
         finally:
@@ -264,6 +263,8 @@ def hf(*, model: str = "", tokenizer: str = "", data: str = "", seq_len: int = 2
     """Built-in ``hf``: a ``transformers`` causal LM (``model``, ``config.*`` overrides, ``init``)
     trained on ``data`` with ``tokenizer`` (module docstring)."""
     from ddloco.data import open_corpus
+    from ddloco.data.tokenizer import require
+    require("transformers")   # the [hf] extra: one line saying how to install it
     _check_positive(seq_len=seq_len, batch_size=batch_size, streams=streams, eval_batches=eval_batches)
     if init not in INITS:
         raise TaskError(f"task arg init must be one of {', '.join(INITS)}, got {init!r}")
@@ -286,7 +287,7 @@ def hf(*, model: str = "", tokenizer: str = "", data: str = "", seq_len: int = 2
     corpus = open_corpus(data, tok, text_field=text_field, streams=streams)
     _check_fits(model_config, tok, tok_source, corpus, seq_len, batch_size, eval_batches)
     eval_set = [torch.from_numpy(b) for b in corpus.heldout_batches(batch_size, seq_len, eval_batches)]
-    prompts = [eval_set[0][i, :SAMPLE_PROMPT_TOKENS] for i in range(min(SAMPLE_PROMPTS, batch_size))]
+    prompts = eval_set[0][:SAMPLE_PROMPTS, :SAMPLE_PROMPT_TOKENS]   # (N, P): the first held-out windows' openings
 
     with torch.device("meta"):   # the parameter names, without allocating or drawing weights
         from transformers import AutoModelForCausalLM
