@@ -19,8 +19,10 @@
 
 A batch is a ``torch.long`` tensor ``[batch_size, seq_len + 1]``; the loss is the causal-LM
 cross-entropy of the logits of ``[:, :-1]`` against ``[:, 1:]`` (mean over tokens, nats per token),
-under bf16 autocast on CUDA (fp32 on CPU), with SDPA attention. The held-out set is the first
-``eval_batches`` batches of the corpus's fixed held-out windows (``TokenCorpus.heldout_batches``).
+with SDPA attention; on CUDA the learner's ``--autocast auto`` (its default) runs the forward pass
+under bf16 autocast (fp32 weights and optimizer; ``--autocast off``: fp32), on CPU fp32. The
+held-out set is the first ``eval_batches`` batches of the corpus's fixed held-out windows
+(``TokenCorpus.heldout_batches``); ``checkpointing=true`` turns on activation checkpointing.
 
 Every problem with the inputs is a TaskError (one line) raised while the task is built: before
 ``ddloco up`` or a learner writes anything to Redis.
@@ -49,8 +51,9 @@ SAMPLE_NEW_TOKENS = 32
 """Tokens each sample continues its prompt by (greedy)."""
 SAMPLE_MARK = " || "
 """Between a sample's prompt and the model's continuation."""
-IGNORED_CONFIG_KEYS = ("_name_or_path", "transformers_version", "architectures")
-"""Left out of the config's hash: they say where it was read from, not what the model is."""
+IGNORED_CONFIG_KEYS = ("_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype", "use_cache")
+"""Left out of the config's hash: where it was read from and how it was saved or is used (the task
+trains in fp32, without a KV cache), not what the model is."""
 
 
 # ---------------------------------------------------------------------------- model config
@@ -169,18 +172,17 @@ def model_builder(config: Any, model: str, init: str, checkpointing: bool) -> An
         else:
             lm = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
         lm.config.use_cache = False    # training: no KV cache (samples turn it on for generation)
-        if checkpointing:
-            lm.gradient_checkpointing_enable()
+        if checkpointing:   # transformers 5 renamed gradient_checkpointing_enable (deprecated, removed in 6)
+            (getattr(lm, "activation_checkpointing_enable", None) or lm.gradient_checkpointing_enable)()
         return lm.train()
     return build
 
 
 def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     """Causal-LM cross-entropy (nats per token): logits of ``batch[:, :-1]`` against ``batch[:, 1:]``,
-    under bf16 autocast on CUDA."""
+    in fp32 (the learner's ``--autocast``, bf16 on CUDA by default, wraps the forward pass)."""
     inputs, targets = batch[:, :-1], batch[:, 1:]   # (B, T), (B, T)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch.is_cuda):
-        logits = model(input_ids=inputs).logits     # (B, T, V)
+    logits = model(input_ids=inputs).logits         # (B, T, V)
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))  # (B*T, V), (B*T,)
 
 

@@ -164,3 +164,28 @@ def test_bad_inputs_are_one_line_task_errors(files, case):
     with pytest.raises(TaskError) as e:
         load_task("hf", args(files, **extra))
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_pretrained_init_loads_a_saved_models_weights_and_a_directory_gives_its_config(files, task, tmp_path):
+    saved = build_model(task, 11)
+    task.save(saved, str(tmp_path / "m"))
+    common = {"data": str(files["corpus"]), "seq_len": "32", "batch_size": "4", "eval_batches": "2"}
+    pre = load_task("hf", {**common, "model": str(tmp_path / "m"), "init": "pretrained"})
+    model = build_model(pre, 0)   # the run's seed does not matter: the weights are the saved ones
+    assert model.training and not model.config.use_cache
+    assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), model.state_dict().values()))
+    assert pre.config["model_config"] == task.config["model_config"]   # the same architecture
+    scratch = load_task("hf", {**common, "model": str(tmp_path / "m"), "config.num_hidden_layers": "1"})
+    assert len(build_model(scratch, 0).model.layers) == 1   # a directory's config, overridden
+    with pytest.raises(TaskError, match="init=pretrained needs weights: model='llama' is a model type"):
+        load_task("hf", {**common, "model": "llama", "init": "pretrained"})
+
+
+def test_checkpointing_turns_on_activation_checkpointing_and_still_trains(files):
+    task = load_task("hf", args(files, checkpointing="true"))
+    model = build_model(task, 0)
+    assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
+    loss = task.loss(model, next(iter(task.batches(0, 0, 0))))
+    loss.backward()
+    assert model.model.embed_tokens.weight.grad is not None
+    assert "checkpointing" not in task.config   # the same training either way: learners may differ
