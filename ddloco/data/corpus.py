@@ -134,7 +134,7 @@ def open_corpus(data: str, tokenizer=None, *, text_field: str = "text", streams:
     -> a ``RawCorpus`` with the same methods, tokenized on the fly with ``tokenizer`` (an HF fast
     tokenizer or its name/directory) through ``datasets`` streaming: slower, batch ``i`` found by
     skipping. ``seed``/``heldout_fraction`` choose the raw files' held-out split."""
-    if is_prepared(data):
+    if is_prepared(data) or os.path.isfile(os.path.join(data, ".prepare.json")):  # (unfinished: says so)
         return TokenCorpus.open(data, streams=streams)
     if os.path.isdir(data) and not any(os.scandir(data)):
         raise TaskError(f"data={data}: an empty directory")

@@ -53,14 +53,14 @@ def _expand(pattern: str) -> list[str]:
     return [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
 
 
-def find_files(patterns: list[str]) -> list[str]:
+def find_files(patterns: list[str], label: str = "--input ") -> list[str]:
     """The absolute, sorted, distinct files that paths, folders (recursively, hidden ones left out)
     or globs name. TaskError (one line) when a pattern names nothing or a file cannot be read."""
     found: set[str] = set()
     for pattern in patterns:
         files = _expand(pattern)
         if not files:
-            raise TaskError(f"--input {pattern}: no such file, or no file matches")
+            raise TaskError(f"{label}{pattern}: no such file, or no file matches")
         found.update(os.path.abspath(f) for f in files)
     for f in sorted(found):
         try:
@@ -69,7 +69,7 @@ def find_files(patterns: list[str]) -> list[str]:
             elif not os.access(f, os.R_OK):  # a named pipe or device: opening it could wait or eat data
                 raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
         except OSError as e:
-            raise TaskError(f"--input {f}: cannot read: {e.strerror}") from None
+            raise TaskError(f"{label}{f}: cannot read: {e.strerror}") from None
     return sorted(found)
 
 
@@ -90,7 +90,7 @@ def plan_inputs(files: list[str], *, seed: int, heldout_fraction: float) -> list
     return [Input(path=f, rel=r, bytes=os.path.getsize(f), heldout=h) for f, r, h in zip(files, rels, held)]
 
 
-def check_fields(inputs: list[Input], text_field: str) -> None:
+def check_fields(inputs: list[Input], text_field: str, label: str = "--input ") -> None:
     """TaskError (one line) when a json/parquet input's first record lacks ``text_field``."""
     for inp in inputs:
         if inp.loader is None:
@@ -99,7 +99,7 @@ def check_fields(inputs: list[Input], text_field: str) -> None:
         if batch is None:
             continue
         if text_field not in batch:
-            raise TaskError(f"--input {inp.path}: its records have no field {text_field!r} "
+            raise TaskError(f"{label}{inp.path}: its records have no field {text_field!r} "
                             f"(fields: {', '.join(sorted(batch)) or 'none'}; use --text-field)")
 
 
