@@ -87,7 +87,7 @@ def test_up_writes_an_hf_model_whose_plain_transformers_eval_loss_is_the_reports
     from transformers import AutoModelForCausalLM
     report = tmp_path / "R"
     res = subprocess.run([sys.executable, "-m", "ddloco", "up", "--task", "hf", *task_args(corpus), "--learners", "2",
-                          "--syncers", "2", "--steps", "24", "--minutes", "2", "--eval-every-s", "600",
+                          "--syncers", "2", "--steps", "16", "--minutes", "2", "--eval-every-s", "600",
                           "--report", str(report), "--run-id", "hf-e2e"],
                          capture_output=True, text=True, cwd=tmp_path, env=env(), timeout=150)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
@@ -178,7 +178,7 @@ BAD_INPUTS = [
     ("learner", {"batch_size": "100000"}, "shorter than one batch of 100000"),
     ("learner", {"tokenizer": "OTHER"}, "its shards were made with another tokenizer"),
     ("up", {"seq_len": "200"}, "seq_len=200 is above the model's max_position_embeddings=128"),
-    ("up", {"data": "JSONL", "tokenizer": "TOK", "text_field": "body"}, "body"),
+    ("up", {"data": "JSONL", "tokenizer": "TOK", "text_field": "body"}, "its records have no field 'body'"),
 ]
 
 
