@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -129,7 +129,7 @@ def max_positions(config: Any) -> int | None:
 
 
 # ---------------------------------------------------------------------------- tokenizer
-def load_tokenizer(tokenizer: str, data: str, model: str, init: str) -> tuple[Any, str]:
+def load_tokenizer(tokenizer: str, data: str, model: str) -> tuple[Any, str]:
     """The run's tokenizer and where it came from: ``tokenizer``, else ``DATA/tokenizer``, else
     ``model`` (a saved model's directory or hub name)."""
     from transformers import AutoTokenizer
@@ -281,7 +281,7 @@ def hf(*, model: str = "", tokenizer: str = "", data: str = "", seq_len: int = 2
         raise TaskError("task hf needs --task-arg data=DIR_OR_FILES (a directory made by `ddloco data prepare`, "
                         "or text/json/parquet files)")
     overrides = {k[len(CONFIG_PREFIX):]: v for k, v in config.items()}
-    tok, tok_source = load_tokenizer(tokenizer, data, model, init)
+    tok, tok_source = load_tokenizer(tokenizer, data, model)
     if _is_model_type(model) and init == "scratch":
         # a config built from a model type takes the tokenizer's vocabulary and special tokens
         overrides = {**_tokenizer_defaults(tok), **overrides}
@@ -294,25 +294,30 @@ def hf(*, model: str = "", tokenizer: str = "", data: str = "", seq_len: int = 2
     with torch.device("meta"):   # the parameter names, without allocating or drawing weights
         from transformers import AutoModelForCausalLM
         names = embedding_names(AutoModelForCausalLM.from_config(model_config))
+    from ddloco.data import tokenizer_hash
+    task_config = {"model": model_config.model_type, "model_config": config_digest(model_config), "init": init,
+                   "config": dict(sorted(_applied(model_config, overrides).items())),
+                   "seq_len": seq_len, "batch_size": batch_size, "streams": streams, "eval_batches": eval_batches,
+                   "text_field": text_field, "vocab_size": int(model_config.vocab_size)}
+    return Task(name="hf", model=model_builder(model_config, model, init, checkpointing),
+                batches=corpus_batches(corpus, batch_size, seq_len), loss=lm_loss,
+                eval_batches=lambda: iter(eval_set), embedding_names=names, tokens=batch_tokens,
+                config=task_config, data_digest=hash_data(corpus.digest.encode(), tokenizer_hash(tok).encode()),
+                data_source=f"{corpus.source}; tokenizer {tok_source}",
+                save=save_hf(tok), samples=lambda m: sample_texts(m, tok, prompts))
 
-    def batches(stream: int, seed: int, start: int):
+
+def corpus_batches(corpus: Any, batch_size: int, seq_len: int) -> Any:
+    """``Task.batches``: batch ``index`` of stream ``stream`` is the corpus's, found in O(1) (a restarted
+    learner or a joiner resumes at its exact position)."""
+    def batches(stream: int, seed: int, start: int) -> Iterator[torch.Tensor]:
         if start < 0:
             raise TaskError(f"start must be >= 0, got {start}")
         index = start
         while True:
             yield torch.from_numpy(corpus.train_batch(stream, seed, index, batch_size, seq_len))  # (B, T+1) long
             index += 1
-
-    from ddloco.data import tokenizer_hash
-    task_config = {"model": model_config.model_type, "model_config": config_digest(model_config), "init": init,
-                   "config": {k: v for k, v in sorted(_applied(model_config, overrides).items())},
-                   "seq_len": seq_len, "batch_size": batch_size, "streams": streams, "eval_batches": eval_batches,
-                   "text_field": text_field, "vocab_size": int(model_config.vocab_size)}
-    return Task(name="hf", model=model_builder(model_config, model, init, checkpointing), batches=batches,
-                loss=lm_loss, eval_batches=lambda: iter(eval_set), embedding_names=names, tokens=batch_tokens,
-                config=task_config, data_digest=hash_data(corpus.digest.encode(), tokenizer_hash(tok).encode()),
-                data_source=f"{corpus.source}; tokenizer {tok_source}",
-                save=save_hf(tok), samples=lambda m: sample_texts(m, tok, prompts))
+    return batches
 
 
 def _tokenizer_defaults(tok: Any) -> dict[str, Any]:

@@ -189,3 +189,17 @@ def test_checkpointing_turns_on_activation_checkpointing_and_still_trains(files)
     loss.backward()
     assert model.model.embed_tokens.weight.grad is not None
     assert "checkpointing" not in task.config   # the same training either way: learners may differ
+
+
+def test_the_runs_task_check_refuses_another_corpus_or_model_config(files, tmp_path):
+    from common.config import RunConfig, TaskConfig
+    from common.task import bind_task
+    _, run = bind_task(RunConfig(task=TaskConfig(spec="hf", args=args(files))))
+    assert run.task.name == "hf" and run.task.data_digest
+    same, _ = bind_task(run)   # another process, the same args: accepted
+    assert same.data_digest == run.task.data_digest
+    bigger = make_corpus(tmp_path / "bigger", files["tok"], train_repeat=2)   # the same tokenizer, other shards
+    with pytest.raises(TaskError, match="data digest differs"):
+        bind_task(run, load_task("hf", args(files, data=str(bigger))))
+    with pytest.raises(TaskError, match="config differs from the run's: .*model_config="):
+        bind_task(run, load_task("hf", args(files, **{"config.num_hidden_layers": "3"})))
