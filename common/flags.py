@@ -204,7 +204,7 @@ def add_algo(p: argparse.ArgumentParser) -> None:
     """The run's algorithm and task (they must match the run's)."""
     add_flags(p.add_argument_group("algorithm (must match the run's)"), ALGO_FLAGS)
     g = p.add_argument_group("task (must match the run's)")
-    g.add_argument("--task", metavar="TASK", help="built-in task (gpt, gpt-moe, text, digits) or MODULE:ATTR, a "
+    g.add_argument("--task", metavar="TASK", help="built-in task (gpt, gpt-moe, text, digits, hf) or MODULE:ATTR, a "
                    "ddloco.Task or a callable returning one, imported from the current directory or PYTHONPATH "
                    "(default gpt; env DDLOCO_TASK)")
     g.add_argument("--task-arg", action="append", default=None, metavar="KEY=VALUE",

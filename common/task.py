@@ -79,6 +79,14 @@ class Task:
     ones; whether re-estimated ones score better depends on the model (README, "Bring your own
     model": on the example CNN, -0.036 to +0.012). Not part of the run config: training is the
     same either way."""
+    save: Callable[[nn.Module, str], None] | None = None
+    """``save(model, dir)``: write the trained model into directory ``dir`` in its own ecosystem's
+    format (the ``hf`` task: ``save_pretrained`` of the model and its tokenizer). ``ddloco export
+    --format hf`` and ``ddloco up --report DIR`` (into ``DIR/hf``) call it; None: no such format."""
+    samples: Callable[[nn.Module], list[str]] | None = None
+    """``samples(model)``: a few short texts the model writes (greedy continuations of held-out
+    prompts), shown in ``ddloco up``'s report at each evaluation; None: none. Keep it cheap: it
+    runs at every evaluation of the global model."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -89,7 +97,7 @@ class Task:
         for attr in ("model", "batches", "loss"):
             if not callable(getattr(self, attr)):
                 raise TaskError(f"Task.{attr} must be callable, got {type(getattr(self, attr)).__name__}")
-        for attr in ("eval_batches", "tokens"):
+        for attr in ("eval_batches", "tokens", "save", "samples"):
             value = getattr(self, attr)
             if value is not None and not callable(value):
                 raise TaskError(f"Task.{attr} must be callable or None, got {type(value).__name__}")
@@ -134,6 +142,7 @@ BUILTIN: dict[str, str] = {
     "gpt-moe": "ddloco.tasks.gpt:gpt_moe",
     "text": "ddloco.tasks.gpt:text",
     "digits": "ddloco.tasks.digits:digits",
+    "hf": "ddloco.tasks.hf:hf",
 }
 """Short names of the built-in tasks and where they live."""
 

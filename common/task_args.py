@@ -18,13 +18,16 @@ def _fmt_args(args: Mapping[str, Any]) -> str:
 def parse_task_args(items: Iterable[str]) -> dict[str, str]:
     """``KEY=VALUE`` strings to a dict of strings; ``load_task`` converts each to the type the task
     callable declares for it (its default's type or its annotation): ``path=2024`` stays a string
-    for ``path: str``, ``n_layer=2`` becomes 2 for ``n_layer: int = 6``."""
+    for ``path: str``, ``n_layer=2`` becomes 2 for ``n_layer: int = 6``. A dotted KEY
+    (``config.num_hidden_layers=4``) goes as it is to a callable that takes ``**kwargs``, which
+    converts it (the ``hf`` task: by the type of the model config's attribute it overrides)."""
     out: dict[str, str] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         key = key.strip()
-        if not sep or not key.isidentifier():
-            raise TaskError(f"--task-arg wants KEY=VALUE with KEY an identifier, got {item!r}")
+        if not sep or not all(part.isidentifier() for part in key.split(".")):
+            raise TaskError(f"--task-arg wants KEY=VALUE with KEY an identifier (or dotted identifiers, "
+                            f"config.NAME), got {item!r}")
         out[key] = raw.strip()
     return out
 
@@ -79,13 +82,19 @@ def _coerce_args(fn: Callable[..., Any], args: Mapping[str, Any], target: str) -
     open_kwargs = sig is None or any(p.kind is p.VAR_KEYWORD for p in params.values())
     known = {n: p for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
     unknown = sorted(set(args) - set(known))
+    dotted = sorted(k for k in unknown if "." in k)
+    if dotted and not open_kwargs:
+        raise TaskError(f"{target} takes no dotted task arg(s) {', '.join(dotted)}: only a task callable with "
+                        f"**kwargs does (the hf task's config.NAME)")
     if unknown and not open_kwargs:
         raise TaskError(f"{target} takes no task arg(s) {', '.join(unknown)}; it accepts: "
                         f"{', '.join(sorted(known)) or 'none'}")
     out: dict[str, Any] = {}
     for key, value in args.items():
         kind = _declared_kind(known[key]) if key in known else None
-        if isinstance(value, str):
+        if isinstance(value, str) and "." in key:
+            pass   # a dotted key's string: the task converts it by what it overrides
+        elif isinstance(value, str):
             try:
                 value = parse_value(value, kind)
             except ValueError as e:

@@ -61,7 +61,8 @@ _FLAG_OF_FIELD = flag_table((*ENDPOINT_FLAGS, *ALGO_FLAGS, *UP_FLAGS, *UP_LEARNE
 
 _DELEGATED = {"learner": "learner.cli:main", "syncer": "syncer.cli:main", "broker": "broker.cli:main",
               "sim": "ddloco.sim.cli:main", "bench": "ddloco.bench.micro:main", "compare": "ddloco.compare.runner:cli_main",
-              "export": "ddloco.export:main", "fuzz": "ddloco.fuzz:main", "chaos": "ddloco.chaos:main"}
+              "export": "ddloco.export:main", "fuzz": "ddloco.fuzz:main", "chaos": "ddloco.chaos:main",
+              "data": "ddloco.data.cli:main"}
 """Commands with their own parser: `ddloco COMMAND ARGS` is COMMAND's main(ARGS), imported on use."""
 
 
@@ -322,6 +323,7 @@ _HELP_ONLY = {
     "chaos": "inject seeded failures into a running cluster on this machine and measure them (ddloco chaos --help)",
     "compare": "quality at equal tokens: DDP, one learner, sync DiLoCo, our cluster (ddloco compare --help)",
     "fuzz": "seeded random and mutated frames thrown at a running cluster's endpoints (ddloco fuzz --help)",
+    "data": "data prepare: tokenize text/json/parquet files into a corpus read by memory map (ddloco data --help)",
 }
 """Commands whose flags their own parser lists (``_DELEGATED``)."""
 

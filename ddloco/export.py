@@ -3,6 +3,8 @@
     ddloco export --redis-url redis://host:6379/0 --run-id exp1 --out model.safetensors
     ddloco export --checkpoint-dir runs/exp1-20261122-101500/checkpoints --out model.safetensors
     ddloco export ... --recalibrate-bn 50   # BatchNorm statistics re-estimated on 50 training batches
+    ddloco export ... --format hf --out DIR   # the task's own format (Task.save): for --task hf a directory
+                                              # that AutoModelForCausalLM/AutoTokenizer.from_pretrained open
 
     model = ddloco.load_global_model(redis_url=..., run_id="exp1")       # an nn.Module
     model = ddloco.load_global_model(checkpoint_dir="...")
@@ -34,7 +36,8 @@ from common.keys import Keys
 from common.task import Task, TaskError, bind_task, build_model
 from common.running_stats import recalibrate
 
-FORMATS = ("safetensors", "pt")
+FORMATS = ("safetensors", "pt", "hf")
+"""``hf``: the task's own format (``Task.save``), a directory; the others: a state dict file."""
 
 
 class ExportError(RuntimeError):
@@ -42,8 +45,11 @@ class ExportError(RuntimeError):
 
 
 def _assemble(run: RunConfig, task: Task | None, values: dict[int, torch.Tensor], *, recalibrate_bn: int | None = 0,
-              say: Callable[[str], None] | None = None, shared: bool = True) -> torch.nn.Module:
+              say: Callable[[str], None] | None = None, shared: bool = True,
+              on_task: Callable[[Task], None] | None = None) -> torch.nn.Module:
     task, run = bind_task(run, task, shared=shared)   # a run from Redis: its spec must be allowed here
+    if on_task is not None:
+        on_task(task)   # e.g. refuse --format hf for a task without save, before building anything
     model = build_model(task, run.task.seed)
     plan: tuple[Fragment, ...] = model_plan(model, task.embedding_names, run.algo.fragments)
     missing = sorted(set(range(len(plan))) - set(values))
@@ -70,13 +76,14 @@ def _recalibrate(model: torch.nn.Module, task: Task, seed: int, batches: int | N
 
 def from_live_run(redis_url: str, run_id: str, *, task: Task | None = None, timeout_s: float = 30.0,
                   keys_dir: str = "", run_wait_s: float = 0.0, recalibrate_bn: int | None = 0,
-                  say: Callable[[str], None] | None = None) -> tuple[torch.nn.Module, dict[int, int]]:
+                  say: Callable[[str], None] | None = None,
+                  on_task: Callable[[Task], None] | None = None) -> tuple[torch.nn.Module, dict[int, int]]:
     """The global model as the running shards hold it now, and each fragment's version.
     ``keys_dir``: the run's CURVE keys (this reads as the ``monitor`` member). A run id not in
     Redis raises RunConfigMissing at once, naming the runs that are there; ``run_wait_s`` waits
     that long for it first (a run this program is starting); ``timeout_s`` bounds the wait for
     the shards' answers. ``recalibrate_bn``: batches to re-estimate normalization statistics on
-    (None: the task's own setting; 0: none)."""
+    (None: the task's own setting; 0: none); ``on_task`` is called with the run's task once bound."""
     from common.rpc import fetch_fragments
     from common.security import Security
     security = Security(keys_dir, "monitor") if keys_dir else None
@@ -85,6 +92,8 @@ def from_live_run(redis_url: str, run_id: str, *, task: Task | None = None, time
     try:
         run = control.fetch_run_config(r, keys, wait_s=run_wait_s, redis_url=redis_url)
         task, run = bind_task(run, task, shared=True)
+        if on_task is not None:
+            on_task(task)
         n = run.algo.fragments
         try:
             frags = fetch_fragments(r, keys, n, timeout_s=timeout_s, sender="export", security=security)
@@ -92,7 +101,8 @@ def from_live_run(redis_url: str, run_id: str, *, task: Task | None = None, time
             raise ExportError(f"{e} (are the run's syncers up?)") from None
     finally:
         r.close()
-    return (_assemble(run, task, {p: v for p, (_, v) in frags.items()}, recalibrate_bn=recalibrate_bn, say=say),
+    return (_assemble(run, task, {p: v for p, (_, v) in frags.items()}, recalibrate_bn=recalibrate_bn, say=say,
+                      on_task=on_task),
             {p: v for p, (v, _) in frags.items()})
 
 
@@ -127,10 +137,10 @@ def checkpoint_files(checkpoint_dir: str | Path, run_id: str | None = None) -> t
 
 
 def from_checkpoints(checkpoint_dir: str | Path, run_id: str | None = None, *, task: Task | None = None,
-                     recalibrate_bn: int | None = 0,
-                     say: Callable[[str], None] | None = None) -> tuple[torch.nn.Module, dict[int, int]]:
+                     recalibrate_bn: int | None = 0, say: Callable[[str], None] | None = None,
+                     on_task: Callable[[Task], None] | None = None) -> tuple[torch.nn.Module, dict[int, int]]:
     """The global model as the shards' last checkpoints hold it, and each fragment's version
-    (``recalibrate_bn``, ``say``: as for ``from_live_run``)."""
+    (``recalibrate_bn``, ``say``, ``on_task``: as for ``from_live_run``)."""
     _, paths = checkpoint_files(checkpoint_dir, run_id)
     values: dict[int, torch.Tensor] = {}
     versions: dict[int, int] = {}
@@ -153,7 +163,8 @@ def from_checkpoints(checkpoint_dir: str | Path, run_id: str | None = None, *, t
     assert run is not None
     # a shard's checkpoint is the operator's file, and a shard records only a task spec it trusted
     # (its own, a built-in or one allowed on its machine: common.task.bind_task)
-    return _assemble(run, task, values, recalibrate_bn=recalibrate_bn, say=say, shared=False), versions
+    return (_assemble(run, task, values, recalibrate_bn=recalibrate_bn, say=say, shared=False, on_task=on_task),
+            versions)
 
 
 def save_state(model: torch.nn.Module, path: str | Path, fmt: str = "safetensors") -> Path:
@@ -171,6 +182,26 @@ def save_state(model: torch.nn.Module, path: str | Path, fmt: str = "safetensors
         else:
             torch.save(state, tmp)
     return path
+
+
+def check_saves(task: Task) -> None:
+    """ConfigError (one line) when ``task`` has no ``save`` hook: ``--format hf`` is refused."""
+    from common.config import ConfigError
+    if task.save is None:
+        raise ConfigError(f"--format hf: task {task.name!r} has no save hook (Task.save); it exports as "
+                          f"safetensors or pt (a state dict for task.model())")
+
+
+def save_task_format(model: torch.nn.Module, task: Task, out_dir: str | Path) -> Path:
+    """The model in its task's own format (``task.save``) in directory ``out_dir`` (created)."""
+    check_saves(task)
+    assert task.save is not None
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"--out {out_dir}: a file; --format hf writes a directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    task.save(model, str(out_dir))
+    return out_dir
 
 
 def load_state(path: str | Path) -> dict[str, torch.Tensor]:
@@ -200,9 +231,11 @@ def load_global_model(*, redis_url: str | None = None, run_id: str | None = None
 def main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="ddloco export", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="output file, e.g. model.safetensors")
+    ap.add_argument("--out", required=True, help="output file, e.g. model.safetensors (a directory for --format hf)")
     ap.add_argument("--format", choices=FORMATS, default=None,
-                    help="safetensors (default; .pt files default to pt) or pt (torch.save of the state dict)")
+                    help="safetensors (default; .pt files default to pt), pt (torch.save of the state dict) or hf "
+                    "(the task's own format in directory --out: for --task hf config.json, model.safetensors and "
+                    "the tokenizer's files, loaded by AutoModelForCausalLM/AutoTokenizer.from_pretrained)")
     src = ap.add_argument_group("source: a live run, or a stopped one's checkpoints")
     src.add_argument("--redis-url", help="the live run's Redis (env DDLOCO_REDIS_URL)")
     src.add_argument("--run-id", help="the run (required with --redis-url; picks one run in --checkpoint-dir)")
@@ -233,20 +266,26 @@ def main(argv: Sequence[str]) -> int:
     from common.task import ALLOWED_ENV, TaskNotAllowed, allow_tasks, load_task, parse_task_args
     from common.security import SecurityError
     allow_tasks(os.environ.get(ALLOWED_ENV, "").split(","))   # this machine's own list, never Redis
+    bound: list[Task] = []   # the run's task, once bound (--format hf saves through it)
+
+    def on_task(t: Task) -> None:
+        if fmt == "hf":
+            check_saves(t)
+        bound.append(t)
     try:
         task = load_task(args.task, parse_task_args(args.task_arg)) if args.task else None
         if args.checkpoint_dir:
             model, versions = from_checkpoints(args.checkpoint_dir, args.run_id, task=task,
-                                               recalibrate_bn=args.recalibrate_bn, say=print)
+                                               recalibrate_bn=args.recalibrate_bn, say=print, on_task=on_task)
         elif args.redis_url and args.run_id:
             check_value(url_source, args.redis_url, redis_url_problem)
             check_redis_answers(args.redis_url, url_source)   # as status: one line, exit 2
             model, versions = from_live_run(args.redis_url, args.run_id, task=task, keys_dir=args.keys,
-                                            recalibrate_bn=args.recalibrate_bn, say=print)
+                                            recalibrate_bn=args.recalibrate_bn, say=print, on_task=on_task)
         else:
             print("ddloco export: give --checkpoint-dir, or --redis-url and --run-id", file=sys.stderr)
             return EXIT_USAGE
-        path = save_state(model, args.out, fmt)
+        path = save_task_format(model, bound[0], args.out) if fmt == "hf" else save_state(model, args.out, fmt)
     except (ConfigError, control.RunConfigMissing, SecurityError, TaskNotAllowed) as e:   # the user's input
         print(f"ddloco export: {e}", file=sys.stderr)
         return EXIT_USAGE

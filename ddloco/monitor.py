@@ -122,14 +122,31 @@ class Monitor:
             return None  # a task without held-out batches: no evaluation, the model is still exported
         loss = evaluate(self.task, self.model)
         self.evals.append({"t": time.time() - self.t0, "tokens": self.tokens_total(), "loss": loss,
-                           "versions_total": sum(versions.values()), **({"final": True} if final else {})})
+                           "versions_total": sum(versions.values()), **({"final": True} if final else {}),
+                           **self._model_samples()})
         self.last_eval = time.time()
         if self.on_eval is not None:
             self.on_eval(self.evals[-1]["tokens"], loss)
         self._publish_eval(self.evals[-1])
         tag = "initial" if initial else "final" if final else "eval"
         self.say(f"{tag:<10} global model eval loss {loss:.4f} at {self.tokens_total():,} tokens")
+        self._say_model_samples(self.evals[-1])
         return loss
+
+    def _model_samples(self) -> dict[str, list[str]]:
+        """``{"samples": [...]}``: the global model's greedy samples (``Task.samples``), for an eval
+        entry; {} for a task without them or when they fail (an evaluation never fails for them)."""
+        if self.task.samples is None:
+            return {}
+        try:
+            return {"samples": [str(x) for x in self.task.samples(self.model)]}
+        except Exception as e:   # the task's own code: reported, never fatal
+            self.say(f"samples    failed: {type(e).__name__}: {e}")
+            return {}
+
+    def _say_model_samples(self, entry: dict[str, Any]) -> None:
+        for text in entry.get("samples", []):
+            self.say(f"{'sample':<10} {text!r}")
 
     def _publish_eval(self, entry: dict[str, Any]) -> None:
         """The last evaluation where ``ddloco status`` reads it (Redis ``eval``); best effort."""
@@ -173,7 +190,7 @@ class Monitor:
             return
         loss = evaluate(self.task, self.model)
         entry = {"t": time.time() - self.t0, "tokens": self.tokens_total(), "loss": loss,
-                 "versions_total": sum(versions.values())}
+                 "versions_total": sum(versions.values()), **self._model_samples()}
         if self.evals and self.evals[-1].get("final"):
             self.evals[-1] = {**entry, "final": True}
         else:
@@ -183,6 +200,7 @@ class Monitor:
         self._publish_eval(entry)
         self.say(f"{'final':<10} global model eval loss {loss:.4f} at {self.tokens_total():,} tokens "
                  f"(the shards' checkpoints: {entry['versions_total']} merges)")
+        self._say_model_samples(entry)
 
     def recalibrate_final(self) -> None:
         """With ``Task.recalibrate_bn_batches`` > 0: re-estimate the final model's normalization

@@ -59,9 +59,26 @@ def write_report(out_dir: Path, report: dict[str, Any], monitor: Any) -> None:
     eval_loss_plot(out_dir / "eval_loss.png", report["eval_curve"],
                    task=report.get("config", {}).get("task", {}).get("name", ""))
     merges_plot(out_dir / "merges.png", report["merge_timeline"])
+    if any(e.get("samples") for e in report["eval_curve"]):
+        write_atomic(out_dir / "samples.md", samples_markdown(report["eval_curve"]))
     rows = [(lid, learner_intervals(monitor.samples[lid])) for lid in monitor.learner_ids]
     marks = [(t, MARK_LABELS.get(k, k[:2].upper())) for t, k, _ in getattr(monitor, "marks", [])]
     timeline_plot(out_dir / "timeline.png", rows, marks=marks, mark_key=MARK_MEANINGS)
+
+
+def samples_markdown(eval_curve: list[dict[str, Any]]) -> str:
+    """samples.md: the global model's greedy samples (``Task.samples``) at each evaluation, with
+    its tokens and eval loss (prompt and continuation split by `` || ``)."""
+    lines = ["# Samples of the global model", "",
+             "Greedy continuations of held-out prompts at each evaluation (prompt || continuation).", ""]
+    for e in eval_curve:
+        if not e.get("samples"):
+            continue
+        tag = " (final)" if e.get("final") else ""
+        lines += [f"## {int(e['tokens']):,} tokens, eval loss {float(e['loss']):.4f}{tag}", ""]
+        lines += [f"- `{json.dumps(text, ensure_ascii=False)[1:-1].replace('`', chr(39))}`" for text in e["samples"]]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def broker_counters(r: Any, keys: Any) -> dict[str, Any]:

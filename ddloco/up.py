@@ -465,10 +465,24 @@ class _UpRun:
                 from ddloco.export import save_state
                 path = save_state(monitor.model, report_dir / "model.safetensors")
                 say(f"model      {path}: the final global model (load_state_dict into task.model(), strict)")
+                self._save_task_format(report_dir / "hf")
         say(f"state      checkpoints in {checkpoint_dir}: `ddloco up --resume {resume or workdir}` continues "
             f"this run, `ddloco export --checkpoint-dir {checkpoint_dir} --out model.safetensors` exports it")
         say(monitor.summary_line(report))
         print_digest(workdir / "logs", say)   # the daemons' warnings (and errors, even under --quiet)
+
+    def _save_task_format(self, out_dir: Path) -> None:
+        """The final model in the task's own format (``Task.save``: for ``--task hf`` a directory
+        ``from_pretrained`` opens); a task without ``save`` has none."""
+        if self.task.save is None:
+            return
+        from ddloco.export import save_task_format
+        try:
+            save_task_format(self.monitor.model, self.task, out_dir)
+        except (OSError, ValueError, RuntimeError) as e:   # the report and model.safetensors are written
+            print(f"ddloco up: {out_dir}: the task could not save the model: {e}", file=sys.stderr, flush=True)
+            return
+        self.say(f"model      {out_dir}: the final global model in the task's own format (Task.save)")
 
     def _exit_status(self, ending: _Ending, bad: list[Child], report: dict[str, Any]) -> int:
         if ending.failure:

@@ -1,6 +1,7 @@
 """Shared fixtures: a real redis-server per test, a broker and shards in threads, wait_until."""
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -15,6 +16,8 @@ from common.redis_server import EmbeddedRedis, free_port
 from common.task import Task
 from ddloco.tasks.gpt import Batch
 
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):   # no test downloads, nor waits for the hub
+    os.environ.setdefault(_var, "1")
 
 TINY_TOML = """
 [task]

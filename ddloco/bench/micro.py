@@ -373,6 +373,9 @@ def main(argv: Sequence[str]) -> int:
     if argv and argv[0] == "sync":   # the real daemons at scale: its own flags (ddloco bench sync --help)
         from ddloco.bench.sync import main as sync_main
         return sync_main(argv[1:])
+    if argv and argv[0] == "prepare":  # ddloco data prepare vs its tokenizer (ddloco bench prepare --help)
+        from ddloco.bench.prepare import main as prepare_main
+        return prepare_main(argv[1:])
     if argv and argv[0] == "insider":  # a compromised learner vs the clean run (ddloco bench insider --help)
         from ddloco.bench.insider import main as insider_main
         return insider_main(argv[1:])
