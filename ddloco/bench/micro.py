@@ -379,6 +379,12 @@ def main(argv: Sequence[str]) -> int:
     if argv and argv[0] == "insider":  # a compromised learner vs the clean run (ddloco bench insider --help)
         from ddloco.bench.insider import main as insider_main
         return insider_main(argv[1:])
+    if argv and argv[0] == "loop":   # a learner vs a plain PyTorch loop on the hf task (ddloco bench loop --help)
+        from ddloco.bench.loop import main as loop_main
+        return loop_main(argv[1:])
+    if argv and argv[0] == "corpus":   # learner RSS on a 2 GB corpus vs a small one (ddloco bench corpus --help)
+        from ddloco.bench.corpus_rss import main as corpus_main
+        return corpus_main(argv[1:])
     if argv and argv[0] == "group":  # a torchrun learner per rank, DDP vs FSDP (ddloco bench group --help)
         from ddloco.bench.group import main as group_main
         return group_main(argv[1:])

@@ -47,7 +47,7 @@ from common.config import AlgoConfig
 def _up(tag: str, args: argparse.Namespace, out: Path, *, sync_every: int) -> dict[str, Any]:
     report = out / tag
     cmd = [sys.executable, "-m", "ddloco", "up", "--insecure", "--quiet", "--run-id", f"bsync-{tag}-{os.getpid()}",
-           "--task", "ddloco.bench.synthetic:task", "--task-arg", f"params={int(args.params)}",
+           *_task(args),
            "--learners", str(args.learners), "--syncers", str(args.syncers), "--steps", "0",
            "--minutes", str(args.minutes), "--step-time-floor-ms", str(args.step_time_floor_ms),
            "--sync-every", str(sync_every), "--fragments", str(args.fragments), "--tau", str(args.tau),
@@ -65,6 +65,22 @@ def _up(tag: str, args: argparse.Namespace, out: Path, *, sync_every: int) -> di
         raise RuntimeError(f"ddloco up ({tag}) exited {proc.returncode}: {proc.stderr[-2000:]}")
     print(f"[bench sync] {tag}: done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     return json.loads((report / "report.json").read_text())
+
+
+def _task(args: argparse.Namespace) -> list[str]:
+    """The task flags of both runs: the synthetic model of ``--params``, or ``--task`` with its args."""
+    if args.task is None:
+        return ["--task", "ddloco.bench.synthetic:task", "--task-arg", f"params={int(args.params)}"]
+    return ["--task", args.task, *(x for item in args.task_arg for x in ("--task-arg", item))]
+
+
+def _params(args: argparse.Namespace) -> int:
+    """The model's parameters: ``--params``, or those of ``--task``'s model."""
+    if args.task is None:
+        return int(args.params)
+    from common.task import build_model, load_task, parse_task_args
+    model = build_model(load_task(args.task, parse_task_args(args.task_arg)), 0)
+    return sum(p.numel() for p in model.parameters())
 
 
 def _f(h: dict[str, Any], key: str) -> float:
@@ -174,6 +190,9 @@ def main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="ddloco bench sync", description=__doc__.split("\n\n")[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=1e7, help="model parameters (default 1e7)")
+    ap.add_argument("--task", help="train this task instead of the synthetic model (a built-in name such as hf, "
+                    "or MODULE:ATTR); --params is then ignored")
+    ap.add_argument("--task-arg", action="append", default=[], metavar="KEY=VALUE", help="an arg of --task (repeat)")
     ap.add_argument("--learners", type=int, default=2, help="learners (default 2)")
     ap.add_argument("--syncers", type=int, default=2, help="syncer shards (default 2)")
     ap.add_argument("--step-time-floor-ms", type=float, default=250.0, help="emulated accelerator step time (default 250)")
@@ -196,9 +215,9 @@ def main(argv: Sequence[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with_sync = _up("sync", args, out, sync_every=args.sync_every)
     without = _up("nosync", args, out, sync_every=10**9)
-    res = summarise(with_sync, without, params=int(args.params), sync_every=args.sync_every,
+    res = summarise(with_sync, without, params=_params(args), sync_every=args.sync_every,
                     fragments=args.fragments, syncers=args.syncers)
-    res["config"] = {k: getattr(args, k) for k in ("learners", "syncers", "step_time_floor_ms", "minutes",
+    res["config"] = {k: getattr(args, k) for k in ("task", "task_arg", "learners", "syncers", "step_time_floor_ms", "minutes",
                                                     "sync_every", "fragments", "tau")}
     (out / "bench.json").write_text(json.dumps(res, indent=2))
     if args.json:
