@@ -51,8 +51,8 @@ def files_of(root: Path) -> dict[str, bytes]:
 
 
 def done_inputs(out: Path) -> int:
-    record = out / ".prepare.json"
-    return len(json.loads(record.read_text())["done"]) if record.exists() else 0
+    """Inputs finished: their parts, each renamed into OUT/.parts when whole."""
+    return len(list((out / ".parts").glob("[0-9]*.bin")))
 
 
 def feed(fifo: Path, text: str, out: Path, after: int) -> threading.Thread:
