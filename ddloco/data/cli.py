@@ -58,7 +58,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"ddloco data prepare: {e}", file=sys.stderr)
         return USAGE
     except KeyboardInterrupt:
-        print(f"\nddloco data prepare: interrupted; run the same command again to go on where it stopped",
+        print("\nddloco data prepare: interrupted; run the same command again to go on where it stopped",
               file=sys.stderr)
         return 130
     if not args.quiet:

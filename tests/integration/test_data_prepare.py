@@ -98,6 +98,24 @@ def test_a_killed_prepare_run_again_finishes_byte_identical(tmp_path, tokenizer_
     assert TokenCorpus.open(str(out)).train_tokens > 0
 
 
+def test_ctrl_c_is_one_line_exit_130_and_the_same_command_goes_on(tmp_path, tokenizer_dir):
+    inputs = text_folder(tmp_path / "in", 3)
+    os.mkfifo(inputs / "zz-last.txt")
+    args = ["--input", str(inputs), "--tokenizer", tokenizer_dir, "--out", str(tmp_path / "out")]
+    proc = prepare_process(*args)
+    wait_until(lambda: done_inputs(tmp_path / "out") == 3, what="3 of 4 inputs finished")
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=10)
+    assert proc.returncode == 130 and stderr.strip().splitlines()[-1] == (
+        "ddloco data prepare: interrupted; run the same command again to go on where it stopped"), stderr
+    assert not (tmp_path / "out" / "index.json").exists()
+    feeder = feed(inputs / "zz-last.txt", TEXT, tmp_path / "out", 3)
+    again = prepare_process(*args)
+    _, stderr = again.communicate(timeout=30)
+    feeder.join(5)
+    assert again.returncode == 0 and "3 of 4 input file(s) already done" in stderr, stderr
+
+
 def test_other_options_on_an_existing_out_are_refused_naming_them(tmp_path, tokenizer_dir, capsys):
     inputs = text_folder(tmp_path / "in", 4)
     out = str(tmp_path / "out")
