@@ -19,7 +19,7 @@ import os
 import numpy as np
 
 from common.task_args import TaskError
-from ddloco.data.index import load_index
+from ddloco.data.index import TOKENIZER_DIR, load_index
 from ddloco.data.windows import stream_windows
 
 
@@ -40,6 +40,9 @@ class TokenCorpus:
         self._heldout = [self._map(s) for s in index["heldout"]]
         self.train_tokens = sum(len(m) for m in self._train)
         self.heldout_tokens = sum(len(m) for m in self._heldout)
+        tok_dir = os.path.join(path, TOKENIZER_DIR)
+        self.tokenizer_dir: str | None = tok_dir if os.path.isdir(tok_dir) else None
+        """DIR/tokenizer, the HF tokenizer the shards were made with (None if absent)."""
         self.source = (f"tokens {path} ({self.train_tokens:,} train + {self.heldout_tokens:,} held-out tokens, "
                        f"{len(self._train) + len(self._heldout)} shard(s), {self.dtype})")
 

@@ -110,10 +110,22 @@ def _identity(opts: PrepareOptions, plan: list[Input], tok_hash: str | None) -> 
             "tokenizer": tok_hash if opts.tokenizer is not None else f"trained BPE vocab {opts.train_tokenizer}"}
 
 
+def _input_differences(old: list, new: list) -> str:
+    gone = [p for p, _ in old if p not in {q for q, _ in new}]
+    added = [p for p, _ in new if p not in {q for q, _ in old}]
+    resized = [p for p, b in new if p in dict(old) and dict(old)[p] != b]
+    parts = [f"{what} {len(paths)} (first {paths[0]})" for what, paths in
+             (("left out", gone), ("new", added), ("changed size", resized)) if paths]
+    return "inputs differ: " + ", ".join(parts)
+
+
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> str:
-    def show(key: str, value: Any) -> str:
-        return f"{len(value)} input file(s)" if key == "inputs" else repr(value)
-    return "; ".join(f"{k} was {show(k, old.get(k))}, now {show(k, new[k])}" for k in new if old.get(k) != new[k])
+    out = []
+    for k in new:
+        if old.get(k) != new[k]:
+            out.append(_input_differences(old.get(k) or [], new[k]) if k == "inputs"
+                       else f"{k} was {old.get(k)!r}, now {new[k]!r}")
+    return "; ".join(out)
 
 
 def _load_record(out: str, identity: dict[str, Any]) -> dict[str, Any]:
@@ -236,7 +248,11 @@ def _index(opts: PrepareOptions, plan: list[Input], record: dict[str, Any], shar
 
 def prepare(opts: PrepareOptions, *, stream: TextIO = sys.stderr) -> dict[str, Any]:
     """Make (or finish, or find finished) the corpus ``opts.out``; its index."""
-    plan = plan_inputs(find_files(list(opts.inputs)), seed=opts.seed, heldout_fraction=opts.heldout_fraction)
+    out = os.path.abspath(opts.out) + os.sep
+    files = [f for f in find_files(list(opts.inputs)) if not f.startswith(out)]   # never OUT's own files
+    if not files:
+        raise TaskError(f"--input {' '.join(opts.inputs)}: no input file outside --out {opts.out}")
+    plan = plan_inputs(files, seed=opts.seed, heldout_fraction=opts.heldout_fraction)
     check_fields(plan, opts.text_field)
     tok = resolve_tokenizer(opts.tokenizer) if opts.tokenizer is not None else None
     record = _load_record(opts.out, _identity(opts, plan, tok.hash if tok is not None else None))

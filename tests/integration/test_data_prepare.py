@@ -129,6 +129,11 @@ def test_other_options_on_an_existing_out_are_refused_naming_them(tmp_path, toke
     assert err.count("\n") == 1 and "seed was 0, now 3" in err and "use another --out or delete it" in err
     assert main(["prepare", "--input", str(inputs), "--out", out, "--train-tokenizer", "280"]) == 2
     assert "tokenizer was" in capsys.readouterr().err
+    (inputs / "f00.py").write_text("changed")
+    (inputs / "new.py").write_text("new")
+    assert main(["prepare", "--input", str(inputs), "--out", out, "--tokenizer", tokenizer_dir]) == 2
+    err = capsys.readouterr().err
+    assert f"inputs differ: new 1 (first {inputs / 'new.py'}), changed size 1 (first {inputs / 'f00.py'})" in err
     assert files_of(Path(out)) == before
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
@@ -180,6 +185,7 @@ def test_a_single_input_holds_out_its_last_documents(tmp_path, tokenizer_dir):
     train = np.fromfile(tmp_path / "out" / "train-00000.bin", dtype=np.uint16)
     assert int((train == c.eos_id).sum()) == 45 and train[-1] == c.eos_id
     assert open_corpus(str(tmp_path / "out")).digest == c.digest
+    assert c.tokenizer_dir == str(tmp_path / "out" / "tokenizer")
 
 
 @pytest.mark.parametrize("case", ["no match", "missing field", "tokenizer", "tiny vocabulary"])
@@ -221,3 +227,14 @@ def test_a_trained_tokenizer_is_saved_as_an_hf_directory_that_matches_the_index(
     assert tokenizer_hash(tok) == index["tokenizer"]["hash"] and len(tok) == index["tokenizer"]["vocab_size"] <= 300
     assert tok.eos_token_id == tok.bos_token_id == tok.pad_token_id == index["eos_id"]
     assert files_of(tmp_path / "a") == files_of(tmp_path / "b"), "training the tokenizer is deterministic"
+
+
+def test_an_out_inside_the_input_folder_is_not_read_as_input(tmp_path, tokenizer_dir):
+    inputs = text_folder(tmp_path / "in", 3)
+    args = ["prepare", "--input", str(inputs), "--out", str(inputs / "tokens"), "--tokenizer", tokenizer_dir, "--quiet"]
+    assert main(args) == 0
+    before = files_of(inputs / "tokens")
+    assert main(args) == 0, "its own shards would have changed the inputs"
+    assert files_of(inputs / "tokens") == before
+    assert [i["path"] for i in json.loads((inputs / "tokens" / "index.json").read_text())["inputs"]] == [
+        "f00.py", "f01.py", "f02.py"]

@@ -203,3 +203,20 @@ def test_a_corpus_shorter_than_one_batch_is_refused(tmp_path):
         c.train_batch(0, 0, 0, batch_size=6, seq_len=SEQ)
     assert "shorter than one batch" in _one_line(e) and "5 window(s)" in str(e.value)
     assert c.train_batch(0, 0, 0, batch_size=5, seq_len=SEQ).shape == (5, 5)
+
+
+def test_the_progress_bar_draws_on_a_terminal_only():
+    import io
+    from ddloco.data.prepare import ProgressBar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+    term, pipe = Terminal(), io.StringIO()
+    for stream in (term, pipe):
+        bar = ProgressBar(stream, files=2, enabled=stream.isatty())
+        bar.add(chars=2_000_000, tokens=500_000)
+        bar.add(files=1)
+        bar.close()
+    assert "files 1/2  tokens 0.50M" in term.getvalue() and "MB/s" in term.getvalue()
+    assert pipe.getvalue() == ""
