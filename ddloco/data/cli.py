@@ -10,7 +10,7 @@ from common.exits import USAGE
 from common.task_args import TaskError
 
 DESCRIPTION = """\
-prepare: tokenize input files into a corpus directory OUT that training reads by memory map
+prepare: tokenize input files into a corpus directory OUT that training reads in place
 (`--task hf --task-arg data=OUT`): OUT/index.json, OUT/train-*.bin and OUT/heldout-*.bin (raw
 uint16/uint32 token ids, documents separated by eos), OUT/tokenizer/. Text files are read directly
 (a file is one document); .jsonl/.json/.parquet through `datasets` (a record is one document).
