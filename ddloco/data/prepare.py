@@ -18,6 +18,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import time
 
@@ -193,6 +194,11 @@ def _jobs(opts: PrepareOptions, plan: list[Input], record: dict[str, Any], tok: 
             for n, inp in enumerate(plan) if str(n) not in record["done"]]
 
 
+def _ignore_sigint() -> None:
+    """A worker leaves Ctrl-C to the command's process, which stops the pool (no traceback per worker)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _encode_all(jobs: list[PartJob], workers: int, bar: ProgressBar, finished: Callable[[PartDone], None]) -> None:
     """Encode every job's part, calling ``finished`` (on this thread) as each one is done."""
     if workers == 1 or len(jobs) <= 1:
@@ -201,7 +207,7 @@ def _encode_all(jobs: list[PartJob], workers: int, bar: ProgressBar, finished: C
             bar.add(files=1)
             finished(done)
         return
-    with multiprocessing.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
+    with multiprocessing.get_context("spawn").Pool(min(workers, len(jobs)), initializer=_ignore_sigint) as pool:
         for done in pool.imap_unordered(encode_part, jobs):
             job = next(j for j in jobs if j.number == done.number)
             bar.add(chars=job.input.bytes, tokens=done.tokens, files=1)
