@@ -153,14 +153,15 @@ def _save_record(out: str, record: dict[str, Any]) -> None:
     write_atomic(os.path.join(out, RECORD_NAME), json.dumps(kept, indent=1, sort_keys=True))
 
 
-def _finished_parts(out: str, plan: list[Input], dtype: str) -> dict[str, dict[str, Any]]:
-    """The inputs whose part is in OUT/.parts (finished by an earlier run): number -> tokens, split."""
+def _finished_parts(out: str, plan: list[Input], dtype: str, split: bool) -> dict[str, dict[str, Any]]:
+    """The inputs whose part is in OUT/.parts (finished by an earlier run): number -> tokens, and
+    where its held-out tail starts when ``split`` (a single input with a held-out fraction)."""
     done = {}
     for n in range(len(plan)):
         part = part_path(out, n)
         if os.path.isfile(part):
-            split = read_split(part) if len(plan) == 1 else None
-            done[str(n)] = {"tokens": os.path.getsize(part) // np.dtype(dtype).itemsize, "split_at": split}
+            cut = read_split(part) if split else None
+            done[str(n)] = {"tokens": os.path.getsize(part) // np.dtype(dtype).itemsize, "split_at": cut}
     return done
 
 
@@ -252,8 +253,10 @@ def _index(opts: PrepareOptions, plan: list[Input], record: dict[str, Any], shar
             "heldout_fraction": opts.heldout_fraction, "seed": opts.seed}
 
 
-def prepare(opts: PrepareOptions, *, stream: TextIO = sys.stderr) -> dict[str, Any]:
-    """Make (or finish, or find finished) the corpus ``opts.out``; its index."""
+def prepare(opts: PrepareOptions, *, stream: TextIO | None = None) -> dict[str, Any]:
+    """Make (or finish, or find finished) the corpus ``opts.out``; its index. Progress goes to
+    ``stream`` (default: sys.stderr at the time of the call)."""
+    stream = stream if stream is not None else sys.stderr
     out = os.path.abspath(opts.out) + os.sep
     files = [f for f in find_files(list(opts.inputs)) if not f.startswith(out)]   # never OUT's own files
     if not files:
@@ -268,7 +271,7 @@ def prepare(opts: PrepareOptions, *, stream: TextIO = sys.stderr) -> dict[str, A
     _save_record(opts.out, record)
     tok = _tokenizer_dir(opts, plan, tok)
     dtype = layout.dtype_for(tok.vocab_size)
-    record["done"] = _finished_parts(opts.out, plan, dtype)
+    record["done"] = _finished_parts(opts.out, plan, dtype, split=len(plan) == 1 and opts.heldout_fraction > 0)
     jobs = _jobs(opts, plan, record, tok, dtype)
     if record["done"] and not opts.quiet:
         stream.write(f"ddloco data prepare: {len(record['done'])} of {len(plan)} input file(s) already done; "

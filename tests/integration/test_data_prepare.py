@@ -238,3 +238,25 @@ def test_an_out_inside_the_input_folder_is_not_read_as_input(tmp_path, tokenizer
     assert files_of(inputs / "tokens") == before
     assert [i["path"] for i in json.loads((inputs / "tokens" / "index.json").read_text())["inputs"]] == [
         "f00.py", "f01.py", "f02.py"]
+
+
+@pytest.mark.parametrize("fraction", ["0.1", "0"])
+def test_a_single_input_stopped_before_its_shards_resumes_from_its_part(tmp_path, tokenizer_dir, fraction,
+                                                                         monkeypatch, capsys):
+    from ddloco.data import prepare as prepare_module
+    path = tmp_path / "one.jsonl"
+    path.write_text("".join(json.dumps({"text": f"record {k} " + TEXT}) + "\n" for k in range(30)))
+    args = ["prepare", "--input", str(path), "--tokenizer", tokenizer_dir, "--heldout-fraction", fraction]
+    assert main([*args, "--out", str(tmp_path / "ref"), "--quiet"]) == 0
+    real = prepare_module._assemble
+
+    def stopped(*a, **kw):   # the process dies after encoding, before its shards
+        raise KeyboardInterrupt
+    monkeypatch.setattr(prepare_module, "_assemble", stopped)
+    assert main([*args, "--out", str(tmp_path / "out")]) == 130
+    assert list((tmp_path / "out" / ".parts").glob("[0-9]*.bin"))
+    monkeypatch.setattr(prepare_module, "_assemble", real)
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    assert "1 of 1 input file(s) already done" in capsys.readouterr().err
+    assert files_of(tmp_path / "out") == files_of(tmp_path / "ref")
