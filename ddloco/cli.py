@@ -323,7 +323,7 @@ _HELP_ONLY = {
     "chaos": "inject seeded failures into a running cluster on this machine and measure them (ddloco chaos --help)",
     "compare": "quality at equal tokens: DDP, one learner, sync DiLoCo, our cluster (ddloco compare --help)",
     "fuzz": "seeded random and mutated frames thrown at a running cluster's endpoints (ddloco fuzz --help)",
-    "data": "data prepare: tokenize text/json/parquet files into a corpus read by memory map (ddloco data --help)",
+    "data": "data prepare: tokenize text/json/parquet files into a corpus read in place (ddloco data --help)",
 }
 """Commands whose flags their own parser lists (``_DELEGATED``)."""
 

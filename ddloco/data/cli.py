@@ -10,7 +10,7 @@ from common.exits import USAGE
 from common.task_args import TaskError
 
 DESCRIPTION = """\
-prepare: tokenize input files into a corpus directory OUT that training reads by memory map
+prepare: tokenize input files into a corpus directory OUT that training reads in place
 (`--task hf --task-arg data=OUT`): OUT/index.json, OUT/train-*.bin and OUT/heldout-*.bin (raw
 uint16/uint32 token ids, documents separated by eos), OUT/tokenizer/. Text files are read directly
 (a file is one document); .jsonl/.json/.parquet through `datasets` (a record is one document).
@@ -58,7 +58,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"ddloco data prepare: {e}", file=sys.stderr)
         return USAGE
     except KeyboardInterrupt:
-        print(f"\nddloco data prepare: interrupted; run the same command again to go on where it stopped",
+        print("\nddloco data prepare: interrupted; run the same command again to go on where it stopped",
               file=sys.stderr)
         return 130
     if not args.quiet:

@@ -1,12 +1,15 @@
-"""A prepared corpus read by memory map: seeded, disjoint per-stream windows, batch ``i`` in O(1),
-a fixed held-out split, and RAM that stays flat however large the corpus is.
+"""A prepared corpus read in place: seeded, disjoint per-stream windows, batch ``i`` in O(1), a
+fixed held-out split, and RAM that stays flat however large the corpus is.
 
     corpus = TokenCorpus.open("data/tokens")            # a directory made by `ddloco data prepare`
     x = corpus.train_batch(stream=r, seed=0, index=i, batch_size=8, seq_len=256)  # int64 [8, 257]
     evals = corpus.heldout_batches(batch_size=8, seq_len=256, max_batches=20)
 
-Shards are opened with ``np.memmap`` (read-only) and never copied whole; the only per-corpus state is
-one small array of window counts per shard file. Windows are ``seq_len + 1`` tokens, never
+Shards are opened once (read-only) and each window is read with one positioned read (``os.pread``)
+of its bytes: nothing is ever loaded whole, and unlike ``np.memmap`` (measured: +384 MB of RSS
+after 5,000 random windows of a 400 MB shard, as the kernel maps the pages around each one into the
+process) the pages read stay in the kernel's page cache, not in the learner's RSS. The only
+per-corpus state is an open file per shard and one small array of window counts per ``seq_len``. Windows are ``seq_len + 1`` tokens, never
 overlapping and never spanning two shard files; see ``ddloco.data.windows`` for the dealing.
 A ``TokenCorpus`` is immutable after ``open`` (its one cache, window counts per ``seq_len``, is
 filled idempotently) and safe to share between threads.
@@ -19,12 +22,39 @@ import os
 import numpy as np
 
 from common.task_args import TaskError
-from ddloco.data.index import load_index
+from ddloco.data.index import TOKENIZER_DIR, load_index
 from ddloco.data.windows import stream_windows
 
 
+class _Shard:
+    """One shard file: its token count and an open descriptor for positioned reads."""
+
+    def __init__(self, path: str, tokens: int, dtype: np.dtype):
+        self.path, self.tokens, self.dtype = path, tokens, dtype
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def __len__(self) -> int:
+        return self.tokens
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Tokens ``start .. start+count-1`` (int64)."""
+        want, offset = count * self.dtype.itemsize, start * self.dtype.itemsize
+        data = os.pread(self.fd, want, offset)
+        while len(data) < want:   # a short read (large windows, signals): read the rest
+            more = os.pread(self.fd, want - len(data), offset + len(data))
+            if not more:
+                raise TaskError(f"{self.path}: ends before token {start + count} (changed while open?)")
+            data += more
+        return np.frombuffer(data, dtype=self.dtype).astype(np.int64)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 class TokenCorpus:
-    """A directory made by ``ddloco data prepare``, read by memory map."""
+    """A directory made by ``ddloco data prepare``, read in place (see the module docstring)."""
 
     def __init__(self, path: str, index: dict, index_bytes: bytes, streams: int):
         self.path = path
@@ -38,8 +68,11 @@ class TokenCorpus:
         self.digest = hashlib.sha256(index_bytes).hexdigest()[:16]
         self._train = [self._map(s) for s in index["train"]]
         self._heldout = [self._map(s) for s in index["heldout"]]
-        self.train_tokens = sum(len(m) for m in self._train)
+        self.train_tokens = sum(len(m) for m in self._train)   # (an open file each until close())
         self.heldout_tokens = sum(len(m) for m in self._heldout)
+        tok_dir = os.path.join(path, TOKENIZER_DIR)
+        self.tokenizer_dir: str | None = tok_dir if os.path.isdir(tok_dir) else None
+        """DIR/tokenizer, the HF tokenizer the shards were made with (None if absent)."""
         self.source = (f"tokens {path} ({self.train_tokens:,} train + {self.heldout_tokens:,} held-out tokens, "
                        f"{len(self._train) + len(self._heldout)} shard(s), {self.dtype})")
 
@@ -51,7 +84,16 @@ class TokenCorpus:
         index, raw = load_index(path)
         return cls(path, index, raw, streams)
 
-    def _map(self, shard: dict) -> np.ndarray:
+    def close(self) -> None:
+        """Close the shard files (also done when the corpus is garbage-collected)."""
+        for shard in (*self._train, *self._heldout):
+            shard.close()
+
+    def __del__(self) -> None:
+        for shard in (*getattr(self, "_train", ()), *getattr(self, "_heldout", ())):
+            shard.close()
+
+    def _map(self, shard: dict) -> _Shard:
         file = os.path.join(self.path, shard["file"])
         itemsize = np.dtype(self.dtype).itemsize
         try:
@@ -61,9 +103,10 @@ class TokenCorpus:
         if size != shard["tokens"] * itemsize:
             raise TaskError(f"{self.path}: shard {shard['file']} has {size} bytes, the index says "
                             f"{shard['tokens']} tokens x {itemsize} (remake it with `ddloco data prepare`)")
-        if size == 0:
-            return np.zeros(0, dtype=self.dtype)
-        return np.memmap(file, dtype=np.dtype(self.dtype).newbyteorder("<"), mode="r")
+        try:
+            return _Shard(file, shard["tokens"], np.dtype(self.dtype).newbyteorder("<"))
+        except OSError as e:
+            raise TaskError(f"{self.path}: cannot read shard {shard['file']}: {e.strerror}") from None
 
     # ------------------------------------------------------------------ windows
     def _window_starts(self, seq_len: int) -> np.ndarray:
@@ -93,7 +136,7 @@ class TokenCorpus:
     def _window(self, w: int, seq_len: int, starts: np.ndarray) -> np.ndarray:
         shard = int(np.searchsorted(starts, w, side="right")) - 1
         offset = (w - int(starts[shard])) * (seq_len + 1)
-        return self._train[shard][offset:offset + seq_len + 1]
+        return self._train[shard].read(offset, seq_len + 1)
 
     def train_batch(self, stream: int, seed: int, index: int, batch_size: int, seq_len: int) -> np.ndarray:
         """Batch ``index`` of data stream ``stream``: int64 [batch_size, seq_len + 1], O(1) in index."""
@@ -116,7 +159,7 @@ class TokenCorpus:
         rows: list[np.ndarray] = []
         for shard in self._heldout:
             for w in range(min(len(shard) // (seq_len + 1), want - len(rows))):
-                rows.append(np.asarray(shard[w * (seq_len + 1):(w + 1) * (seq_len + 1)], dtype=np.int64))
+                rows.append(shard.read(w * (seq_len + 1), seq_len + 1))
         return [np.stack(rows[i:i + batch_size]) for i in range(0, len(rows), batch_size)]
 
     def __repr__(self) -> str:

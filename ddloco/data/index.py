@@ -5,6 +5,7 @@ reads it).
     DIR/train-00000.bin ...   raw little-endian token ids (uint16 or uint32), documents separated by eos_id
     DIR/heldout-00000.bin ... the held-out split, same format
     DIR/tokenizer/            the HF tokenizer directory the shards were made with
+    DIR/.prepare.json         prepare's record of what was asked; DIR/.parts/ its finished inputs
 
 index.json::
 
@@ -27,6 +28,9 @@ FORMAT = "ddloco-tokens"
 VERSION = 1
 INDEX_NAME = "index.json"
 TOKENIZER_DIR = "tokenizer"
+RECORD_NAME = ".prepare.json"
+"""While (and after) ``prepare`` works: what was asked (its progress is the parts in PARTS_DIR)."""
+PARTS_DIR = ".parts"
 DTYPES = ("uint16", "uint32")
 
 

@@ -2,8 +2,9 @@
 ``ddloco data prepare``, run in the command's process or in a worker process.
 
 The part holds the input's token ids (the shard dtype, documents followed by ``eos_id``) and is
-written atomically, so an interrupted run leaves whole parts or none; the assembly later copies the
-parts, in input order, into the shards. Each process loads the tokenizer once, from
+written atomically: its appearance is the record that the input is finished, so an interrupted
+run leaves whole parts or none (a single input's held-out cut, ``NNNNN.split``, is written before
+its part). The assembly later copies the parts, in input order, into the shards. Each process loads the tokenizer once, from
 ``OUT/tokenizer/tokenizer.json`` with ``tokenizers`` alone, and encodes with its Rust
 ``encode_batch_fast`` (threads inside Rust). Mutable state: the per-process tokenizer cache
 (``_TOKENIZERS``), owned by the process's main thread.
@@ -11,18 +12,29 @@ parts, in input order, into the shards. Each process loads the tokenizer once, f
 from __future__ import annotations
 
 import itertools
+import os
 from array import array
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
-from common.files import atomic_path
+from common.files import atomic_path, write_atomic
 from common.task_args import TaskError
+from ddloco.data.index import PARTS_DIR
 from ddloco.data.inputs import Input, text_batches
 from ddloco.data.tokenizer import require
 
 _TOKENIZERS: dict[str, Any] = {}
+
+
+def part_path(out: str, number: int) -> str:
+    return os.path.join(out, PARTS_DIR, f"{number:05d}.bin")
+
+
+def read_split(part: str) -> int:
+    with open(part[:-len(".bin")] + ".split") as f:
+        return int(f.read())
 
 
 @dataclass(frozen=True)
@@ -96,5 +108,7 @@ def encode_part(job: PartJob, on_batch: Callable[[int, int], None] | None = None
             tokens += 1
             if unit_ends is not None and unit_ends:
                 unit_ends[-1] += 1
-    split_at = _split_at(job, unit_ends) if unit_ends is not None else None
+        split_at = _split_at(job, unit_ends) if unit_ends is not None else None
+        if split_at is not None:  # before the part: a part never lacks its cut
+            write_atomic(job.part_path[:-len(".bin")] + ".split", str(split_at))
     return PartDone(number=job.number, tokens=tokens, split_at=split_at)

@@ -5,9 +5,11 @@
 Steps: find and check the inputs, choose the held-out files, resolve the tokenizer (load it, or
 train a byte-level BPE), refuse an OUT made with other options, encode each unfinished input into
 its part (``ddloco.data.parts``; in ``workers`` processes), then copy the parts into shards and
-write the index last. After each finished input a progress record (``OUT/.prepare.json``) is
-written atomically: re-running the same command after an interruption (Ctrl-C, a kill, a crash)
-encodes only the inputs not finished, and the result is byte-identical to an uninterrupted run.
+write the index last. The progress record is ``OUT/.prepare.json`` (what was asked, written once
+at the start) and the parts themselves: each is renamed into ``OUT/.parts/`` (atomically) when its
+input is finished, so re-running the same command after an interruption (Ctrl-C, a kill, a crash)
+encodes only the inputs without a part, and the result is byte-identical to an uninterrupted run.
+(One small record per input, not one growing file rewritten per input: that cost O(inputs²).)
 Runs on the caller's thread; worker processes only encode parts.
 """
 from __future__ import annotations
@@ -16,8 +18,11 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import time
+
+import numpy as np
 from dataclasses import dataclass
 from typing import Any, Callable, TextIO
 
@@ -25,12 +30,11 @@ from common.files import write_atomic
 from common.task_args import TaskError
 from ddloco.data import index as layout
 from ddloco.data.inputs import Input, check_fields, find_files, plan_inputs, text_batches
-from ddloco.data.parts import PartDone, PartJob, encode_part
+from ddloco.data.parts import PartDone, PartJob, encode_part, part_path, read_split
 from ddloco.data.shards import ShardWriter, copy_range
 from ddloco.data.tokenizer import MIN_VOCAB, CorpusTokenizer, resolve_tokenizer, train_tokenizer
 
-RECORD_NAME = ".prepare.json"
-PARTS_DIR = ".parts"
+RECORD_NAME = layout.RECORD_NAME
 
 
 @dataclass(frozen=True)
@@ -107,10 +111,22 @@ def _identity(opts: PrepareOptions, plan: list[Input], tok_hash: str | None) -> 
             "tokenizer": tok_hash if opts.tokenizer is not None else f"trained BPE vocab {opts.train_tokenizer}"}
 
 
+def _input_differences(old: list, new: list) -> str:
+    gone = [p for p, _ in old if p not in {q for q, _ in new}]
+    added = [p for p, _ in new if p not in {q for q, _ in old}]
+    resized = [p for p, b in new if p in dict(old) and dict(old)[p] != b]
+    parts = [f"{what} {len(paths)} (first {paths[0]})" for what, paths in
+             (("left out", gone), ("new", added), ("changed size", resized)) if paths]
+    return "inputs differ: " + ", ".join(parts)
+
+
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> str:
-    def show(key: str, value: Any) -> str:
-        return f"{len(value)} input file(s)" if key == "inputs" else repr(value)
-    return "; ".join(f"{k} was {show(k, old.get(k))}, now {show(k, new[k])}" for k in new if old.get(k) != new[k])
+    out = []
+    for k in new:
+        if old.get(k) != new[k]:
+            out.append(_input_differences(old.get(k) or [], new[k]) if k == "inputs"
+                       else f"{k} was {old.get(k)!r}, now {new[k]!r}")
+    return "; ".join(out)
 
 
 def _load_record(out: str, identity: dict[str, Any]) -> dict[str, Any]:
@@ -120,7 +136,7 @@ def _load_record(out: str, identity: dict[str, Any]) -> dict[str, Any]:
         if os.path.isdir(out) and os.listdir(out):
             raise TaskError(f"--out {out} exists and is not a corpus made by `ddloco data prepare`: "
                             "give a new or empty directory")
-        return {"identity": identity, "done": {}}
+        return {"identity": identity}
     try:
         with open(path) as f:
             record = json.load(f)
@@ -133,7 +149,20 @@ def _load_record(out: str, identity: dict[str, Any]) -> dict[str, Any]:
 
 
 def _save_record(out: str, record: dict[str, Any]) -> None:
-    write_atomic(os.path.join(out, RECORD_NAME), json.dumps(record, indent=1, sort_keys=True))
+    kept = {k: v for k, v in record.items() if k != "done"}   # the parts say which inputs are done
+    write_atomic(os.path.join(out, RECORD_NAME), json.dumps(kept, indent=1, sort_keys=True))
+
+
+def _finished_parts(out: str, plan: list[Input], dtype: str, split: bool) -> dict[str, dict[str, Any]]:
+    """The inputs whose part is in OUT/.parts (finished by an earlier run): number -> tokens, and
+    where its held-out tail starts when ``split`` (a single input with a held-out fraction)."""
+    done = {}
+    for n in range(len(plan)):
+        part = part_path(out, n)
+        if os.path.isfile(part):
+            cut = read_split(part) if split else None
+            done[str(n)] = {"tokens": os.path.getsize(part) // np.dtype(dtype).itemsize, "split_at": cut}
+    return done
 
 
 def _train_texts(plan: list[Input], text_field: str):
@@ -160,10 +189,15 @@ def _tokenizer_dir(opts: PrepareOptions, plan: list[Input], tok: CorpusTokenizer
 def _jobs(opts: PrepareOptions, plan: list[Input], record: dict[str, Any], tok: CorpusTokenizer, dtype: str) -> list[PartJob]:
     single = opts.heldout_fraction if len(plan) == 1 else 0.0
     tok_file = os.path.join(opts.out, layout.TOKENIZER_DIR, "tokenizer.json")
-    return [PartJob(number=n, input=inp, part_path=os.path.join(opts.out, PARTS_DIR, f"{n:05d}.bin"),
+    return [PartJob(number=n, input=inp, part_path=part_path(opts.out, n),
                     tokenizer_file=tok_file, eos_id=tok.eos_id, dtype=dtype, text_field=opts.text_field,
                     heldout_fraction=single)
             for n, inp in enumerate(plan) if str(n) not in record["done"]]
+
+
+def _ignore_sigint() -> None:
+    """A worker leaves Ctrl-C to the command's process, which stops the pool (no traceback per worker)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _encode_all(jobs: list[PartJob], workers: int, bar: ProgressBar, finished: Callable[[PartDone], None]) -> None:
@@ -174,7 +208,7 @@ def _encode_all(jobs: list[PartJob], workers: int, bar: ProgressBar, finished: C
             bar.add(files=1)
             finished(done)
         return
-    with multiprocessing.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
+    with multiprocessing.get_context("spawn").Pool(min(workers, len(jobs)), initializer=_ignore_sigint) as pool:
         for done in pool.imap_unordered(encode_part, jobs):
             job = next(j for j in jobs if j.number == done.number)
             bar.add(chars=job.input.bytes, tokens=done.tokens, files=1)
@@ -196,7 +230,7 @@ def _assemble(opts: PrepareOptions, plan: list[Input], record: dict[str, Any], d
     writers = {s: ShardWriter(opts.out, s, opts.shard_tokens) for s in ("train", "heldout")}
     for n, inp in enumerate(plan):
         done = record["done"][str(n)]
-        part = os.path.join(opts.out, PARTS_DIR, f"{n:05d}.bin")
+        part = part_path(opts.out, n)
         cut = done["split_at"] if done["split_at"] is not None else (0 if inp.heldout else done["tokens"])
         copy_range(part, dtype, 0, cut, writers["train"])
         copy_range(part, dtype, cut, done["tokens"], writers["heldout"])
@@ -219,18 +253,25 @@ def _index(opts: PrepareOptions, plan: list[Input], record: dict[str, Any], shar
             "heldout_fraction": opts.heldout_fraction, "seed": opts.seed}
 
 
-def prepare(opts: PrepareOptions, *, stream: TextIO = sys.stderr) -> dict[str, Any]:
-    """Make (or finish, or find finished) the corpus ``opts.out``; its index."""
-    plan = plan_inputs(find_files(list(opts.inputs)), seed=opts.seed, heldout_fraction=opts.heldout_fraction)
+def prepare(opts: PrepareOptions, *, stream: TextIO | None = None) -> dict[str, Any]:
+    """Make (or finish, or find finished) the corpus ``opts.out``; its index. Progress goes to
+    ``stream`` (default: sys.stderr at the time of the call)."""
+    stream = stream if stream is not None else sys.stderr
+    out = os.path.abspath(opts.out) + os.sep
+    files = [f for f in find_files(list(opts.inputs)) if not f.startswith(out)]   # never OUT's own files
+    if not files:
+        raise TaskError(f"--input {' '.join(opts.inputs)}: no input file outside --out {opts.out}")
+    plan = plan_inputs(files, seed=opts.seed, heldout_fraction=opts.heldout_fraction)
     check_fields(plan, opts.text_field)
     tok = resolve_tokenizer(opts.tokenizer) if opts.tokenizer is not None else None
     record = _load_record(opts.out, _identity(opts, plan, tok.hash if tok is not None else None))
     if record.get("finished") and layout.INDEX_NAME in os.listdir(opts.out):
         return layout.load_index(opts.out)[0]
-    os.makedirs(os.path.join(opts.out, PARTS_DIR), exist_ok=True)
+    os.makedirs(os.path.join(opts.out, layout.PARTS_DIR), exist_ok=True)
     _save_record(opts.out, record)
     tok = _tokenizer_dir(opts, plan, tok)
     dtype = layout.dtype_for(tok.vocab_size)
+    record["done"] = _finished_parts(opts.out, plan, dtype, split=len(plan) == 1 and opts.heldout_fraction > 0)
     jobs = _jobs(opts, plan, record, tok, dtype)
     if record["done"] and not opts.quiet:
         stream.write(f"ddloco data prepare: {len(record['done'])} of {len(plan)} input file(s) already done; "
@@ -240,7 +281,6 @@ def prepare(opts: PrepareOptions, *, stream: TextIO = sys.stderr) -> dict[str, A
 
     def finished(done: PartDone) -> None:
         record["done"][str(done.number)] = {"tokens": done.tokens, "split_at": done.split_at}
-        _save_record(opts.out, record)
     try:
         _encode_all(jobs, opts.workers, bar, finished)
     finally:
@@ -250,5 +290,5 @@ def prepare(opts: PrepareOptions, *, stream: TextIO = sys.stderr) -> dict[str, A
     write_atomic(os.path.join(opts.out, layout.INDEX_NAME), json.dumps(index, indent=1) + "\n", durable=True)
     record["finished"] = True
     _save_record(opts.out, record)
-    shutil.rmtree(os.path.join(opts.out, PARTS_DIR), ignore_errors=True)
+    shutil.rmtree(os.path.join(opts.out, layout.PARTS_DIR), ignore_errors=True)
     return index

@@ -1,6 +1,6 @@
 """The last step of ``ddloco data prepare``: the finished parts copied, in input order, into shard
 files of bounded size (``train-NNNNN.bin``, ``heldout-NNNNN.bin``), each written atomically; then
-the index. The copy streams through fixed-size chunks of a memory map: RAM stays flat.
+the index. The copy streams through fixed-size chunks read from the part: RAM stays flat.
 """
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def copy_range(part: str, dtype: str, start: int, stop: int, writer: ShardWriter
     """Tokens ``start:stop`` of a part file into ``writer``, a chunk at a time."""
     if stop <= start:
         return
-    ids = np.memmap(part, dtype=dtype, mode="r")
-    for lo in range(start, stop, COPY_TOKENS):
-        writer.append(np.asarray(ids[lo:min(stop, lo + COPY_TOKENS)]))
-    del ids
+    itemsize = np.dtype(dtype).itemsize
+    with open(part, "rb") as f:
+        f.seek(start * itemsize)
+        for lo in range(start, stop, COPY_TOKENS):
+            writer.append(np.fromfile(f, dtype=dtype, count=min(stop, lo + COPY_TOKENS) - lo))

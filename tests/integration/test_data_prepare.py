@@ -51,8 +51,8 @@ def files_of(root: Path) -> dict[str, bytes]:
 
 
 def done_inputs(out: Path) -> int:
-    record = out / ".prepare.json"
-    return len(json.loads(record.read_text())["done"]) if record.exists() else 0
+    """Inputs finished: their parts, each renamed into OUT/.parts when whole."""
+    return len(list((out / ".parts").glob("[0-9]*.bin")))
 
 
 def feed(fifo: Path, text: str, out: Path, after: int) -> threading.Thread:
@@ -98,6 +98,24 @@ def test_a_killed_prepare_run_again_finishes_byte_identical(tmp_path, tokenizer_
     assert TokenCorpus.open(str(out)).train_tokens > 0
 
 
+def test_ctrl_c_is_one_line_exit_130_and_the_same_command_goes_on(tmp_path, tokenizer_dir):
+    inputs = text_folder(tmp_path / "in", 3)
+    os.mkfifo(inputs / "zz-last.txt")
+    args = ["--input", str(inputs), "--tokenizer", tokenizer_dir, "--out", str(tmp_path / "out")]
+    proc = prepare_process(*args)
+    wait_until(lambda: done_inputs(tmp_path / "out") == 3, what="3 of 4 inputs finished")
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=10)
+    assert proc.returncode == 130 and stderr.strip().splitlines()[-1] == (
+        "ddloco data prepare: interrupted; run the same command again to go on where it stopped"), stderr
+    assert not (tmp_path / "out" / "index.json").exists()
+    feeder = feed(inputs / "zz-last.txt", TEXT, tmp_path / "out", 3)
+    again = prepare_process(*args)
+    _, stderr = again.communicate(timeout=30)
+    feeder.join(5)
+    assert again.returncode == 0 and "3 of 4 input file(s) already done" in stderr, stderr
+
+
 def test_other_options_on_an_existing_out_are_refused_naming_them(tmp_path, tokenizer_dir, capsys):
     inputs = text_folder(tmp_path / "in", 4)
     out = str(tmp_path / "out")
@@ -111,6 +129,11 @@ def test_other_options_on_an_existing_out_are_refused_naming_them(tmp_path, toke
     assert err.count("\n") == 1 and "seed was 0, now 3" in err and "use another --out or delete it" in err
     assert main(["prepare", "--input", str(inputs), "--out", out, "--train-tokenizer", "280"]) == 2
     assert "tokenizer was" in capsys.readouterr().err
+    (inputs / "f00.py").write_text("changed")
+    (inputs / "new.py").write_text("new")
+    assert main(["prepare", "--input", str(inputs), "--out", out, "--tokenizer", tokenizer_dir]) == 2
+    err = capsys.readouterr().err
+    assert f"inputs differ: new 1 (first {inputs / 'new.py'}), changed size 1 (first {inputs / 'f00.py'})" in err
     assert files_of(Path(out)) == before
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
@@ -162,6 +185,7 @@ def test_a_single_input_holds_out_its_last_documents(tmp_path, tokenizer_dir):
     train = np.fromfile(tmp_path / "out" / "train-00000.bin", dtype=np.uint16)
     assert int((train == c.eos_id).sum()) == 45 and train[-1] == c.eos_id
     assert open_corpus(str(tmp_path / "out")).digest == c.digest
+    assert c.tokenizer_dir == str(tmp_path / "out" / "tokenizer")
 
 
 @pytest.mark.parametrize("case", ["no match", "missing field", "tokenizer", "tiny vocabulary"])
@@ -203,3 +227,36 @@ def test_a_trained_tokenizer_is_saved_as_an_hf_directory_that_matches_the_index(
     assert tokenizer_hash(tok) == index["tokenizer"]["hash"] and len(tok) == index["tokenizer"]["vocab_size"] <= 300
     assert tok.eos_token_id == tok.bos_token_id == tok.pad_token_id == index["eos_id"]
     assert files_of(tmp_path / "a") == files_of(tmp_path / "b"), "training the tokenizer is deterministic"
+
+
+def test_an_out_inside_the_input_folder_is_not_read_as_input(tmp_path, tokenizer_dir):
+    inputs = text_folder(tmp_path / "in", 3)
+    args = ["prepare", "--input", str(inputs), "--out", str(inputs / "tokens"), "--tokenizer", tokenizer_dir, "--quiet"]
+    assert main(args) == 0
+    before = files_of(inputs / "tokens")
+    assert main(args) == 0, "its own shards would have changed the inputs"
+    assert files_of(inputs / "tokens") == before
+    assert [i["path"] for i in json.loads((inputs / "tokens" / "index.json").read_text())["inputs"]] == [
+        "f00.py", "f01.py", "f02.py"]
+
+
+@pytest.mark.parametrize("fraction", ["0.1", "0"])
+def test_a_single_input_stopped_before_its_shards_resumes_from_its_part(tmp_path, tokenizer_dir, fraction,
+                                                                         monkeypatch, capsys):
+    from ddloco.data import prepare as prepare_module
+    path = tmp_path / "one.jsonl"
+    path.write_text("".join(json.dumps({"text": f"record {k} " + TEXT}) + "\n" for k in range(30)))
+    args = ["prepare", "--input", str(path), "--tokenizer", tokenizer_dir, "--heldout-fraction", fraction]
+    assert main([*args, "--out", str(tmp_path / "ref"), "--quiet"]) == 0
+    real = prepare_module._assemble
+
+    def stopped(*a, **kw):   # the process dies after encoding, before its shards
+        raise KeyboardInterrupt
+    monkeypatch.setattr(prepare_module, "_assemble", stopped)
+    assert main([*args, "--out", str(tmp_path / "out")]) == 130
+    assert list((tmp_path / "out" / ".parts").glob("[0-9]*.bin"))
+    monkeypatch.setattr(prepare_module, "_assemble", real)
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    assert "1 of 1 input file(s) already done" in capsys.readouterr().err
+    assert files_of(tmp_path / "out") == files_of(tmp_path / "ref")

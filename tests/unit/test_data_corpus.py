@@ -151,6 +151,25 @@ def test_opening_and_reading_millions_of_windows_allocates_no_array_of_windows(t
     assert peak < 1_000_000, f"peak {peak} bytes: something of the corpus's size was built"
 
 
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_reading_random_windows_of_a_large_shard_keeps_rss_flat(tmp_path):
+    tokens = 24 * 2 ** 20   # 48 MB of real (not sparse) data, in the page cache once written
+    data = np.random.default_rng(0).integers(0, 60_000, tokens, dtype=np.uint16)
+    c = TokenCorpus.open(write_corpus(tmp_path / "big", [data], [data[:1000]], dtype="uint16"))
+    del data
+    c.train_batch(0, 0, 0, 16, 255)
+    before = _rss_mb()
+    for i in range(300):   # 4,800 windows spread over the whole shard
+        batch = c.train_batch(1, 0, i, 16, 255)
+    assert batch.shape == (16, 256)
+    assert _rss_mb() - before < 8, f"RSS grew by {_rss_mb() - before:.0f} MB reading 4,800 windows"
+    c.close()
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 17, 64, 1000, 4097])
 def test_the_permutation_is_a_bijection_chosen_by_its_key(n):
     image = Permutation(n, (1, 0))(np.arange(n))
@@ -203,3 +222,20 @@ def test_a_corpus_shorter_than_one_batch_is_refused(tmp_path):
         c.train_batch(0, 0, 0, batch_size=6, seq_len=SEQ)
     assert "shorter than one batch" in _one_line(e) and "5 window(s)" in str(e.value)
     assert c.train_batch(0, 0, 0, batch_size=5, seq_len=SEQ).shape == (5, 5)
+
+
+def test_the_progress_bar_draws_on_a_terminal_only():
+    import io
+    from ddloco.data.prepare import ProgressBar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+    term, pipe = Terminal(), io.StringIO()
+    for stream in (term, pipe):
+        bar = ProgressBar(stream, files=2, enabled=stream.isatty())
+        bar.add(chars=2_000_000, tokens=500_000)
+        bar.add(files=1)
+        bar.close()
+    assert "files 1/2  tokens 0.50M" in term.getvalue() and "MB/s" in term.getvalue()
+    assert pipe.getvalue() == ""

@@ -36,3 +36,12 @@ def test_a_tokenizer_that_cannot_be_resolved_offline_is_one_line(tmp_path):
     with pytest.raises(TaskError) as e:
         load_tokenizer(str(tmp_path))
     assert "\n" not in str(e.value) and "cannot load this directory" in str(e.value)
+
+
+def test_a_missing_hf_extra_is_one_line_naming_the_install(monkeypatch):
+    import sys
+    from ddloco.data.tokenizer import require
+    monkeypatch.setitem(sys.modules, "datasets", None)   # `import datasets` now raises ImportError
+    with pytest.raises(TaskError) as e:
+        require("datasets")
+    assert str(e.value) == "datasets is not installed: pip install 'decoupled-diloco[hf]'"
