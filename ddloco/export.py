@@ -204,6 +204,19 @@ def save_task_format(model: torch.nn.Module, task: Task, out_dir: str | Path) ->
     return out_dir
 
 
+def save_for_report(model: torch.nn.Module, task: Task, out_dir: Path) -> bool:
+    """``up --report``'s copy in the task's own format: whether it was written (a task without
+    ``save`` has none; a failing ``save`` is one line on stderr, the report is kept)."""
+    if task.save is None:
+        return False
+    try:
+        save_task_format(model, task, out_dir)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"ddloco up: {out_dir}: the task could not save the model: {e}", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def load_state(path: str | Path) -> dict[str, torch.Tensor]:
     """A state dict written by ``save_state`` (either format, by suffix)."""
     path = Path(path)

@@ -32,10 +32,8 @@ import json
 
 from common.config import ConfigFile, dump_toml, override
 from common import exits
-from common.exits import FAILURE as EXIT_FAILURE
-from common.exits import OK as EXIT_OK
+from common.exits import FAILURE as EXIT_FAILURE, OK as EXIT_OK, REFUSED as EXIT_REFUSED
 from common.keys import Keys
-from common.exits import REFUSED as EXIT_REFUSED
 from ddloco.cluster import ROLE_ENV, Child, broker_endpoints, learner_redis_users, start_embedded_redis, stop_children
 from ddloco.logs import print_digest
 from ddloco.monitor import Monitor
@@ -45,6 +43,7 @@ from ddloco.resume import (STATE_FILE, adopt_freshest_model, check_resume, final
 from ddloco.resume import new_run_id, resolve_resume  # noqa: F401 (`ddloco up`'s command line imports them here)
 from ddloco.supervisor import Supervisor
 from ddloco.up_plan import UpPlan, plan_up
+from ddloco.up_tracking import Trackers
 
 EXIT_DID_NOT_TRAIN = exits.DID_NOT_TRAIN
 """`up`'s exit status when every process ended well but the result is not trustworthy: a fragment
@@ -98,19 +97,16 @@ class _UpRun:
             check_resume(self.previous, up.syncers)
         if up.report_dir:   # the last refusal but one: it creates the directory
             check_report_dir(Path(up.report_dir))
-        self.tracker: Any = None  # the WandbLog of --wandb: a run that cannot start is refused here
-        if wandb:
-            from ddloco.wandb_log import WandbLog
-            self.tracker = WandbLog(wandb, name=wandb_name or self.cfg.endpoints.run_id,
-                                    config={"run_id": self.cfg.endpoints.run_id, "learners": up.learners,
-                                            "syncers": up.syncers, **self.cfg.run.to_dict()})
+        # --tensorboard, --wandb: a wandb run that cannot start is refused here
+        self.trackers = Trackers(tensorboard=tensorboard, wandb=wandb, wandb_name=wandb_name or self.cfg.endpoints.run_id,
+                                 wandb_config={"run_id": self.cfg.endpoints.run_id, "learners": up.learners,
+                                               "syncers": up.syncers, **self.cfg.run.to_dict()})
         self.external_redis, self.step_time_floor_ms, self.slowdowns = external_redis, step_time_floor_ms, slowdowns
         self.quiet, self.resume, self.chaos, self.extra = quiet, resume, chaos, extra
-        self.insecure, self.tensorboard = insecure, tensorboard
+        self.insecure = insecure
         self.redis_srv: Any = None
         self.sup: Supervisor | None = None
         self.extras: list[Child] = []
-        self.scalars: Any = None  # the TensorBoardLog of --tensorboard
         self.chaos_runner: Any = None
         self.resumed_state: Any = None
 
@@ -284,14 +280,7 @@ class _UpRun:
         if self.resume is not None:
             monitor.resumed = True
             monitor.token_offset = int(self.previous.get("tokens_total", 0))
-        if self.tensorboard:
-            from ddloco.tensorboard_log import EVAL_LOSS_TAG, TensorBoardLog
-            self.scalars = TensorBoardLog(self.tensorboard)
-            monitor.on_eval = self.scalars.add_eval
-            self.say(f"tensorboard {EVAL_LOSS_TAG} vs tokens in {self.tensorboard} "
-                     f"(`tensorboard --logdir {self.tensorboard}`)")
-        if self.tracker is not None:
-            self._track(monitor)
+        self.trackers.attach(monitor, self.say)
         monitor.evaluate(initial=True, state=self.resumed_state)
         if self.up.replace_hung_s > 0:
             threading.Thread(target=sup.watch_hung, name="hung-watchdog", daemon=True,
@@ -304,18 +293,6 @@ class _UpRun:
             # processes, whose replacements then took 10-30 s to boot on a loaded machine)
             sup.spares_wanted = 1 if sup.fork_spares else 3
             sup.start_spare()
-
-    def _track(self, monitor: Monitor) -> None:
-        """--wandb: each evaluation (besides --tensorboard's) and each progress line's figures."""
-        tracker, also = self.tracker, monitor.on_eval
-
-        def on_eval(tokens: int, loss: float) -> None:
-            if also is not None:
-                also(tokens, loss)
-            tracker.add_eval(tokens, loss)
-        monitor.on_eval = on_eval
-        monitor.on_progress = tracker.add_progress
-        self.say(f"wandb      eval/loss, merges, goodput, step times vs tokens: {tracker.where}")
 
     def _start_chaos(self) -> Any:
         """Once every learner trains: the schedule covers the rest of the run."""
@@ -455,8 +432,7 @@ class _UpRun:
         # part's directory), so the next --resume finds both, however many parts came before
         write_state(resume if resume is not None else workdir, report, monitor, self.up.syncers, self.previous,
                     self.token_shares)
-        if self.tracker is not None:
-            self.tracker.add_report(report)
+        self.trackers.add_report(report)
         if self.up.report_dir:
             report_dir = Path(self.up.report_dir)
             write_report(report_dir, report, monitor)
@@ -474,15 +450,9 @@ class _UpRun:
     def _save_task_format(self, out_dir: Path) -> None:
         """The final model in the task's own format (``Task.save``: for ``--task hf`` a directory
         ``from_pretrained`` opens); a task without ``save`` has none."""
-        if self.task.save is None:
-            return
-        from ddloco.export import save_task_format
-        try:
-            save_task_format(self.monitor.model, self.task, out_dir)
-        except (OSError, ValueError, RuntimeError) as e:   # the report and model.safetensors are written
-            print(f"ddloco up: {out_dir}: the task could not save the model: {e}", file=sys.stderr, flush=True)
-            return
-        self.say(f"model      {out_dir}: the final global model in the task's own format (Task.save)")
+        from ddloco.export import save_for_report
+        if save_for_report(self.monitor.model, self.task, out_dir):
+            self.say(f"model      {out_dir}: the final global model in the task's own format (Task.save)")
 
     def _exit_status(self, ending: _Ending, bad: list[Child], report: dict[str, Any]) -> int:
         if ending.failure:
@@ -505,10 +475,7 @@ class _UpRun:
         self.stop_chaos.set()  # after the processes it restarted are stopped (their parent-death signal)
         if self.redis_srv is not None:
             self.redis_srv.stop()
-        if self.scalars is not None:
-            self.scalars.close()
-        if self.tracker is not None:
-            self.tracker.close(rc)
+        self.trackers.close(rc)
         ROLE_ENV.clear()
         for s, h in prev_handlers.items():
             signal.signal(s, h)
