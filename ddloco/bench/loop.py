@@ -1,14 +1,16 @@
 """``ddloco bench loop``: what a ddloco learner costs against a plain PyTorch loop (the ``hf`` task).
 
     ddloco bench loop --task-arg model=llama --task-arg data=data/tok --task-arg seq_len=128 \
-        --task-arg batch_size=8 --task-arg config.hidden_size=256 ... --steps 150 --repeats 3
+        --task-arg batch_size=8 --task-arg config.hidden_size=256 ... --minutes 1 --repeats 3
 
 Each repeat runs, back to back on this machine:
 
 - a learner of ``ddloco up --learners 1 --syncers 1`` with sync off (H beyond the run's length,
-  so no round ever starts), for ``--steps`` inner steps; its rate is its steps over the time from
-  joined to stopped (the learner's own stats, as ``ddloco bench sync`` reads them);
-- ``ddloco/bench/plain_hf_loop.py``, a loop that imports no ddloco code: the same model config
+  so no round ever starts) for ``--minutes``; its rate is its steps over its ``train_s`` (the
+  learner's own stat: the wall time of its loop's iterations, each from the step boundary through
+  the batch, forward, backward and AdamW step; not its start-up, nor the stop at the time cap);
+- ``ddloco/bench/plain_hf_loop.py`` for as many steps, timed from its first step to its last: a
+  loop that imports no ddloco code, with the same model config
   (``from_config``, SDPA), batches of the same shape from the same token shards (by memory map),
   ``torch.optim.AdamW`` with the run's inner hyperparameters and kernel, the same torch threads.
 
@@ -56,25 +58,27 @@ def _model_dir(task_args: Sequence[str], out: Path) -> tuple[Path, dict[str, Any
     return target, {**config, "data": given.get("data", "")}
 
 
-def _learner_rate(args: argparse.Namespace, out: Path, tag: str) -> float:
+def _learner_rate(args: argparse.Namespace, out: Path, tag: str) -> tuple[float, int, float]:
     report = out / tag
     cmd = [sys.executable, "-m", "ddloco", "up", "--insecure", "--quiet", "--run-id", f"bloop-{tag}-{os.getpid()}",
            "--task", "hf", *_task_args(args.task_arg), "--learners", "1", "--syncers", "1",
-           "--steps", str(args.steps), "--sync-every", str(10**9), "--eval-every-s", "1e9", "--report", str(report)]
+           "--steps", "0", "--minutes", str(args.minutes), "--sync-every", str(10**9), "--eval-every-s", "1e9",
+           "--report", str(report)]
     proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode not in (exits.OK, exits.DID_NOT_TRAIN) or not (report / "report.json").exists():
         raise RuntimeError(f"ddloco up exited {proc.returncode}: {proc.stderr[-2000:]}")
     rep = json.loads((report / "report.json").read_text())
     (h,) = rep["learner_stats"].values()
-    span = float(h["stopped_at"]) - float(h["started_at"]) - float(h["boot_s"])
-    return float(h["steps"]) / span
+    # and its steady rate: 1 / its step-time EMA at the end (the start-up, when `up` evaluates and
+    # samples the initial model on the same cores, weighs nothing in it)
+    return float(h["steps"]) / float(h["train_s"]), int(h["steps"]), 1.0 / float(h["step_ema_s"])
 
 
-def _plain_rate(args: argparse.Namespace, model_dir: Path, config: dict[str, Any], threads: int) -> float:
+def _plain_rate(model_dir: Path, config: dict[str, Any], threads: int, steps: int) -> float:
     algo = AlgoConfig()
     cmd = [sys.executable, str(PLAIN), "--model-dir", str(model_dir), "--data", str(config["data"]),
            "--seq-len", str(config["seq_len"]), "--batch-size", str(config["batch_size"]),
-           "--steps", str(args.steps), "--threads", str(threads), "--lr", str(algo.inner_lr),
+           "--steps", str(steps), "--threads", str(threads), "--lr", str(algo.inner_lr),
            "--beta1", str(algo.inner_beta1), "--beta2", str(algo.inner_beta2),
            "--weight-decay", str(algo.inner_weight_decay), "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
@@ -88,13 +92,14 @@ def main(argv: Sequence[str]) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="an arg of the hf task (repeat; data= must be a directory made by `ddloco data prepare`)")
-    ap.add_argument("--steps", type=int, default=150, help="inner steps of each timed run (default 150)")
+    ap.add_argument("--minutes", type=float, default=1.0, help="length of each learner run (default 1); the plain "
+                    "loop then takes as many steps as the learner did")
     ap.add_argument("--repeats", type=int, default=3, help="learner/plain pairs, back to back (default 3)")
     ap.add_argument("--report", help="keep the runs' reports and bench.json here (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = ap.parse_args(list(argv))
-    if args.steps < 10 or args.repeats < 1:
-        ap.error("--steps must be >= 10 and --repeats >= 1")
+    if args.minutes <= 0 or args.repeats < 1:
+        ap.error("--minutes must be > 0 and --repeats >= 1")
     out = Path(args.report) if args.report else Path(tempfile.mkdtemp(prefix="bench-loop-"))
     out.mkdir(parents=True, exist_ok=True)
     model_dir, config = _model_dir(args.task_arg, out)
@@ -104,20 +109,24 @@ def main(argv: Sequence[str]) -> int:
     rows = []
     for i in range(args.repeats):
         t0 = time.monotonic()
-        learner = _learner_rate(args, out, f"learner-{i}")
-        plain = _plain_rate(args, model_dir, config, threads)
-        rows.append({"learner_steps_per_s": round(learner, 4), "plain_steps_per_s": round(plain, 4),
-                     "ratio": round(learner / plain, 4)})
+        learner, steps, steady = _learner_rate(args, out, f"learner-{i}")
+        plain = _plain_rate(model_dir, config, threads, steps)
+        rows.append({"steps": steps, "learner_steps_per_s": round(learner, 4), "plain_steps_per_s": round(plain, 4),
+                     "ratio": round(learner / plain, 4), "learner_steady_steps_per_s": round(steady, 4),
+                     "steady_ratio": round(steady / plain, 4)})
         print(f"[bench loop] repeat {i + 1}/{args.repeats}: learner {learner:.3f} steps/s, plain {plain:.3f} "
               f"steps/s, ratio {learner / plain:.3f} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
     ratios = [r["ratio"] for r in rows]
+    steady = [r["steady_ratio"] for r in rows]
     res = {"repeats": rows, "ratio_median": round(statistics.median(ratios), 4), "ratio_min": min(ratios),
-           "ratio_max": max(ratios), "steps": args.steps, "threads": threads,
+           "steady_ratio_median": round(statistics.median(steady), 4), "steady_ratio_min": min(steady),
+           "steady_ratio_max": max(steady),
+           "ratio_max": max(ratios), "minutes": args.minutes, "threads": threads,
            "task": {k: v for k, v in config.items()}}
     (out / "bench.json").write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2) if args.json else
           f"learner ÷ plain PyTorch loop: median {res['ratio_median']}, min {res['ratio_min']}, max {res['ratio_max']} "
-          f"over {args.repeats} repeats of {args.steps} steps (reports in {out})")
+          f"over {args.repeats} repeats (reports in {out})")
     return exits.OK
 
 
