@@ -4,6 +4,7 @@
 #                    default; `make compose-check` passes an offline base made with debootstrap
 #                    where no registry is reachable
 #   TORCH_PIP_FLAGS  where pip finds the CPU build of torch (never the multi-GB CUDA build)
+#   EXTRAS           optional extras of pyproject.toml to install, e.g. hf (--task hf) or hf,wandb
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 ARG TORCH_VERSION=2.13.0
@@ -18,6 +19,11 @@ RUN pip install --no-cache-dir --find-links /wheels "torch==${TORCH_VERSION}" ${
 COPY pyproject.toml README.md ./
 RUN python3 -c "import tomllib; print('\\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
     > /tmp/requirements.txt && pip install --no-cache-dir -r /tmp/requirements.txt
+# optional extras, comma separated (e.g. --build-arg EXTRAS=hf for --task hf, or hf,wandb)
+ARG EXTRAS=""
+RUN if [ -n "${EXTRAS}" ]; then python3 -c "import sys, tomllib; x = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']; \
+    print('\n'.join(d for e in sys.argv[1].split(',') for d in x[e.strip()]))" "${EXTRAS}" > /tmp/extras.txt \
+    && pip install --no-cache-dir -r /tmp/extras.txt "torch==${TORCH_VERSION}" ${TORCH_PIP_FLAGS} --extra-index-url https://pypi.org/simple; fi
 COPY common common
 COPY learner learner
 COPY syncer syncer
