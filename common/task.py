@@ -220,6 +220,8 @@ def load_task(spec: str, args: Mapping[str, Any] | None = None) -> Task:
     args = _coerce_args(obj, args, target)
     try:
         task = obj(**args)
+    except TaskError as e:   # the task's own one line: named by where it came from, not all its args
+        raise TaskError(f"{target}: {e}") from None
     except (TypeError, ValueError) as e:
         raise TaskError(f"{target}({_fmt_args(args)}) failed: {e}") from None
     if not isinstance(task, Task):
