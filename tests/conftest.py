@@ -118,6 +118,18 @@ def tiny_task(model: Callable[[], torch.nn.Module] = TinyNet, name: str = "tiny"
     return Task(name=name, model=model, batches=batches, loss=tiny_loss)
 
 
+def start_guarded(errors: list[BaseException], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> threading.Thread:
+    """``fn(*args, **kwargs)`` on a daemon thread; whatever it raises lands in ``errors`` (the test asserts it empty)."""
+    def body() -> None:
+        try:
+            fn(*args, **kwargs)
+        except BaseException as e:  # surfaced by the test through errors
+            errors.append(e)
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    return t
+
+
 # ----------------------------------------------------------------------------- in-process cluster
 @dataclass
 class Cluster:

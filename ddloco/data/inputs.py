@@ -74,7 +74,8 @@ def find_files(patterns: list[str], label: str = "--input ") -> list[str]:
 
 
 def split_score(rel: str, seed: int) -> float:
-    """A seeded, platform-independent number in [0, 1) per relative path (ddloco.tasks.gpt's split)."""
+    """A seeded, platform-independent number in [0, 1) per relative path: the held-out split of
+    ``ddloco data prepare``, of raw-file corpora and of the built-in ``gpt``/``text`` tasks."""
     digest = hashlib.blake2b(f"{seed}:{rel}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2 ** 64
 

@@ -20,7 +20,6 @@ with *separate* q/k/v/proj projections: many similar-sized tensors for balanced 
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 import os
 import platform
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.task import Task, TaskError, hash_data, indexed_batches
+from ddloco.data.inputs import split_score
 
 VOCAB_SIZE = 256
 """Byte-level vocabulary."""
@@ -88,14 +88,9 @@ def list_source_files(root: str, *, suffix: str = ".py", skipped: frozenset[str]
     return found
 
 
-def _split_score(rel_path: str, seed: int) -> float:
-    digest = hashlib.blake2b(f"{seed}:{rel_path}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2.0**64
-
-
 def is_heldout(rel_path: str, *, seed: int, heldout_fraction: float) -> bool:
     """Seeded, platform-independent decision whether a file belongs to the held-out split."""
-    return _split_score(rel_path, seed) < heldout_fraction
+    return split_score(rel_path, seed) < heldout_fraction
 
 
 def _join(chunks: list[np.ndarray]) -> np.ndarray:
@@ -124,7 +119,7 @@ def _load_corpus(root: str, suffix: str, seed: int, heldout_fraction: float, max
     skipped = SKIPPED_DIRS if suffix == ".py" else frozenset({"__pycache__"})
     files = list_source_files(root, suffix=suffix, skipped=skipped)
     # a few files may all hash into one split: then the file with the lowest score is held out
-    forced = (min(files, key=lambda f: _split_score(f, seed)) if len(files) >= 2 and not any(
+    forced = (min(files, key=lambda f: split_score(f, seed)) if len(files) >= 2 and not any(
         is_heldout(f, seed=seed, heldout_fraction=heldout_fraction) for f in files) else None)
     for rel in files:
         try:

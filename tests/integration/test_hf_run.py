@@ -20,7 +20,7 @@ from common import control  # noqa: E402
 from common.config import Endpoints, RunConfig, TaskConfig  # noqa: E402
 from common.keys import Keys  # noqa: E402
 from common.redis_server import free_port  # noqa: E402
-from tests.conftest import wait_until  # noqa: E402
+from tests.conftest import start_guarded, wait_until  # noqa: E402
 from tests.hf_corpus import TINY_CONFIG, make_corpus, make_tokenizer, offline_env  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -143,19 +143,10 @@ def test_export_format_hf_from_a_live_run(corpus, tmp_path, redis_server, capsys
     ep = Endpoints(run_id="live", redis_url=redis_server.url, broker_pub=f"tcp://127.0.0.1:{free_port()}",
                    broker_sub=f"tcp://127.0.0.1:{free_port()}")
     stop, errors = threading.Event(), []
-
-    def guarded(fn, **kw):
-        def body():
-            try:
-                fn(**kw)
-            except BaseException as e:  # surfaced below
-                errors.append(e)
-        t = threading.Thread(target=body, daemon=True)
-        t.start()
-        return t
-    threads = [guarded(ddloco.run_broker, endpoints=ep, stop=stop)]
-    threads += [guarded(ddloco.run_shard, task=task, endpoints=ep, run=run, stop=stop, shard=k, shards=2,
-                        options=ddloco.SyncerOptions(checkpoint_dir="", initial_step_time_s=0.02)) for k in range(2)]
+    threads = [start_guarded(errors, ddloco.run_broker, endpoints=ep, stop=stop)]
+    threads += [start_guarded(errors, ddloco.run_shard, task=task, endpoints=ep, run=run, stop=stop, shard=k, shards=2,
+                                options=ddloco.SyncerOptions(checkpoint_dir="", initial_step_time_s=0.02))
+                for k in range(2)]
     try:
         r = control.connect(redis_server.url)
         wait_until(lambda: len(control.shard_table(r, Keys("live"))) == 2 or errors, 60, what="two shards up")

@@ -18,7 +18,7 @@ from common.config import AlgoConfig, Endpoints, LearnerOptions, RunConfig
 from common.keys import Keys
 from common.redis_server import free_port
 from common.task import Task, evaluate
-from tests.conftest import TINY_TOML, tiny_batches, tiny_loss, wait_until
+from tests.conftest import TINY_TOML, start_guarded, tiny_batches, tiny_loss, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[2]
@@ -143,29 +143,19 @@ def test_python_api_trains_a_batchnorm_model_with_more_fragments_than_tensors(re
     run = RunConfig(algo=AlgoConfig(fragments=24, sync_every_steps=4, inner_warmup_steps=2, uplink_codec="int8"))
     stop = threading.Event()
     errors: list[BaseException] = []
-
-    def guarded(fn, *a, **kw):
-        def body():
-            try:
-                fn(*a, **kw)
-            except BaseException as e:  # surfaced below
-                errors.append(e)
-        t = threading.Thread(target=body, daemon=True)
-        t.start()
-        return t
-
-    threads = [guarded(ddloco.run_broker, endpoints=ep, stop=stop)]
-    threads += [guarded(ddloco.run_shard, task, endpoints=ep, run=run, stop=stop, shard=k, shards=2,
-                        options=ddloco.SyncerOptions(checkpoint_dir="", initial_step_time_s=0.02)) for k in range(2)]
+    threads = [start_guarded(errors, ddloco.run_broker, endpoints=ep, stop=stop)]
+    threads += [start_guarded(errors, ddloco.run_shard, task, endpoints=ep, run=run, stop=stop, shard=k, shards=2,
+                                options=ddloco.SyncerOptions(checkpoint_dir="", initial_step_time_s=0.02))
+                for k in range(2)]
     r = control.connect(ep.redis_url)
     keys = Keys("api")
     wait_until(lambda: len(control.shard_table(r, keys)) == 2 or errors, 30, what="two shards up")
     initial = evaluate(task, ddloco.load_global_model(redis_url=ep.redis_url, run_id="api", task=task))
     opts = dict(max_steps=120, step_time_floor_ms=3, heartbeat_interval_s=0.1)
-    learners = [guarded(ddloco.train, task, endpoints=ep, run=run,
+    learners = [start_guarded(errors, ddloco.train, task, endpoints=ep, run=run,
                         options=LearnerOptions(learner_id=f"l{m}", data_shard=m, **opts)) for m in range(3)]
     wait_until(lambda: int(r.hget(keys.learner("l0"), "steps") or 0) >= 40 or errors, 60, what="mid-run")
-    late = guarded(ddloco.train, task, endpoints=ep, run=None,   # a 4th learner joins with the run's config
+    late = start_guarded(errors, ddloco.train, task, endpoints=ep, run=None,   # a 4th learner joins with the run's config
                    options=LearnerOptions(learner_id="late", data_shard=3, **opts))
     for t in learners + [late]:
         t.join(timeout=120)
