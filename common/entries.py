@@ -28,7 +28,8 @@ LEARNER_NUMBERS = ("merged_contributions", "last_merged_at", "steps", "tokens", 
                    "bytes_up", "bytes_down", "last_contrib_at", "schedule_tokens", "cpu_s", "cpu_s_at_joined",
                    "peak_rss_mb", "version_gaps", "versions_regressed", "fetches", "malformed", "flushed",
                    "unflushed", "bytes_fetched", "chunks_fetched", "bootstraps_served", "schedule_regressions",
-                   "answers_replaced", "pid", "stale_opens", "bad_entries")
+                   "answers_replaced", "pid", "stale_opens", "bad_entries",
+                   "d2h_copies", "d2h_ms", "h2d_copies", "h2d_ms", "stream_waits", "stream_wait_ms", "gpu_peak_mb")
 """Fields of a learner's hash that hold a number (``Learner._counters``, the shards' counts): a
 value that is not a finite number of magnitude below ``MAX_VERSION`` (a loss may be negative) is
 dropped from the entry (readers see it missing)."""

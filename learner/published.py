@@ -36,6 +36,10 @@ class Published:
 
     def _publish(self) -> None:
         """Training thread: publish ``LearnerView`` and the bases (frozen copies)."""
+        staging = getattr(self, "_staging", None)
+        if staging is not None:      # a CUDA learner: what its copies cost (read, never waited on)
+            for name, value in staging.readings().items():
+                setattr(self._stats, name, value)
         self._view = LearnerView.of(self._status, ownership.unwrapped(self._stats), self.data_position)
         if self.receipt is not None:
             self._bases = self.receipt.published()

@@ -19,9 +19,14 @@ Ownership: a ``HostStaging`` belongs to the training thread (it alone calls ``to
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import torch
+
+PENDING_MAX = 4096
+"""Copies whose timing events are still waiting to be read: beyond this many, the oldest are
+dropped uncounted (a device that never completes work would otherwise grow the list)."""
 
 
 class HostStaging:
@@ -33,6 +38,15 @@ class HostStaging:
         self.device = device
         self.up = torch.cuda.Stream(device)      # device -> host (answers)
         self.down = torch.cuda.Stream(device)    # host -> device (merges), not queued behind answers
+        self._init_counters()
+
+    def _init_counters(self) -> None:
+        """What the copies cost, read from CUDA events once they completed (never waited on):
+        GPU milliseconds of each direction, and how often and how long the training stream
+        reached a merged value before its copy had ended (it then waits on the GPU)."""
+        self.d2h_copies = self.h2d_copies = self.stream_waits = 0
+        self.d2h_ms = self.h2d_ms = self.stream_wait_ms = 0.0
+        self._pending: deque[tuple[str, Any, Any, Any]] = deque()
 
     def to_host(self, value: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """(a pinned host copy of the device tensor ``value``, the event after which it is
@@ -40,10 +54,12 @@ class HostStaging:
         host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
         self.up.wait_stream(torch.cuda.current_stream(self.device))   # after the gather
         with torch.cuda.stream(self.up):
+            start = _timed_event(self.up)
             host.copy_(value, non_blocking=True)
-            done = torch.cuda.Event(blocking=True)   # a waiter sleeps instead of spinning
+            done = torch.cuda.Event(blocking=True, enable_timing=True)   # a waiter sleeps instead of spinning
             done.record(self.up)
         value.record_stream(self.up)           # its memory is not reused before the copy ends
+        self._track("d2h", start, done, None)
         return host, done
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
@@ -51,11 +67,51 @@ class HostStaging:
         thread does not)."""
         pinned = host if host.is_pinned() else host.pin_memory()
         with torch.cuda.stream(self.down):
+            start = _timed_event(self.down)
             value = pinned.to(self.device, non_blocking=True)
+            end = _timed_event(self.down)
         current = torch.cuda.current_stream(self.device)
+        reached = _timed_event(current)        # when the training stream gets here, on the GPU
         current.wait_stream(self.down)
         value.record_stream(current)           # allocated on the side stream, used on the training one
+        self._track("h2d", start, end, reached)
         return value
+
+    def _track(self, kind: str, start: Any, end: Any, reached: Any) -> None:
+        self._pending.append((kind, start, end, reached))
+        if len(self._pending) > PENDING_MAX:
+            self._pending.popleft()
+        self.poll()
+
+    def poll(self) -> None:
+        """Count the copies whose events completed (``query``: never waits), oldest first."""
+        while self._pending:
+            kind, start, end, reached = self._pending[0]
+            if not end.query() or (reached is not None and not reached.query()):
+                return
+            self._pending.popleft()
+            ms = start.elapsed_time(end)
+            if kind == "d2h":
+                self.d2h_copies, self.d2h_ms = self.d2h_copies + 1, self.d2h_ms + ms
+                continue
+            self.h2d_copies, self.h2d_ms = self.h2d_copies + 1, self.h2d_ms + ms
+            waited = reached.elapsed_time(end)     # > 0: the copy ended after the stream got there
+            if waited > 0:
+                self.stream_waits, self.stream_wait_ms = self.stream_waits + 1, self.stream_wait_ms + waited
+
+    def readings(self) -> dict[str, float]:
+        """The counters above, and the device's peak allocated memory (MiB), for the learner's stats."""
+        self.poll()
+        return {"d2h_copies": self.d2h_copies, "d2h_ms": round(self.d2h_ms, 3), "h2d_copies": self.h2d_copies,
+                "h2d_ms": round(self.h2d_ms, 3), "stream_waits": self.stream_waits,
+                "stream_wait_ms": round(self.stream_wait_ms, 3),
+                "gpu_peak_mb": round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)}
+
+
+def _timed_event(stream: Any) -> Any:
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(stream)
+    return ev
 
 
 def staging_for(device: torch.device, *, grouped: bool) -> HostStaging | None:

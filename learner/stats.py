@@ -93,6 +93,21 @@ class LearnerStats:
                               redis="loss_ema", digits=5)
     lr: float = declare(0.0, doc="Inner learning rate of the last step.", metric="learner_learning_rate",
                         kind="gauge", redis="lr")
+    d2h_copies: int = declare(0, doc="CUDA learner: answers copied device to host on the side stream.",
+                              redis="d2h_copies")
+    d2h_ms: float = declare(0.0, doc="CUDA learner: GPU milliseconds of those copies (CUDA events).",
+                            redis="d2h_ms", digits=3)
+    h2d_copies: int = declare(0, doc="CUDA learner: merged values copied host to device on the side stream.",
+                              redis="h2d_copies")
+    h2d_ms: float = declare(0.0, doc="CUDA learner: GPU milliseconds of those copies (CUDA events).",
+                            redis="h2d_ms", digits=3)
+    stream_waits: int = declare(0, doc="CUDA learner: merged values the training stream reached before their "
+                                "copy had ended (it waited on the GPU; 0 expected).",
+                                metric="learner_training_stream_waits_total", redis="stream_waits")
+    stream_wait_ms: float = declare(0.0, doc="CUDA learner: the training stream's milliseconds of those waits.",
+                                    redis="stream_wait_ms", digits=3)
+    gpu_peak_mb: float = declare(0.0, doc="CUDA learner: the device's peak allocated memory (MiB).",
+                                 metric="learner_gpu_peak_megabytes", kind="gauge", redis="gpu_peak_mb", digits=1)
     batches: int = declare(0, doc="Batches drawn this life (the hash's ``data_position`` counts them).")
     last_contrib_fragment: int = declare(-1, doc="The fragment of the last answer sent (-1: none yet).",
                                          redis="last_contrib_fragment")

@@ -51,7 +51,7 @@ def _up(tag: str, args: argparse.Namespace, out: Path, *, sync_every: int) -> di
            "--learners", str(args.learners), "--syncers", str(args.syncers), "--steps", "0",
            "--minutes", str(args.minutes), "--step-time-floor-ms", str(args.step_time_floor_ms),
            "--sync-every", str(sync_every), "--fragments", str(args.fragments), "--tau", str(args.tau),
-           "--report", str(report)]
+           "--report", str(report), "--device", args.device]
     if args.eval_every_s > 0:
         cmd += ["--eval-every-s", str(args.eval_every_s)]
     else:
@@ -167,7 +167,33 @@ def summarise(with_sync: dict[str, Any], without: dict[str, Any], *, params: int
             "learner": max((_f(h, "peak_rss_mb") for h in without.get("learner_stats", {}).values()), default=0.0)},
         "wall_s": {"with": wall, "without": float(without.get("wall_s") or 0.0)},
         **_cpu_figures(with_sync, without, shards, steps_per_s_without=sum(base.values())),
+        **_gpu_figures(learners, params=params),
     }
+
+
+def _gpu_figures(learners: dict[str, Any], *, params: int) -> dict[str, Any]:
+    """A CUDA learner's copies (learner/staging.py): GPU milliseconds per copy and per step each
+    way, the training stream's waits on a copy, peak GPU memory; with the host RSS bound of the
+    issue "Proven where our users train" (2.5 × the model's fp32 bytes + 400 MB). Empty on a CPU."""
+    cuda = {k: h for k, h in learners.items() if _f(h, "gpu_peak_mb") > 0}
+    if not cuda:
+        return {}
+    per = {}
+    for k, h in cuda.items():
+        steps = max(1.0, _f(h, "steps"))
+        per[k] = {"d2h_ms_per_copy": round(_f(h, "d2h_ms") / max(1.0, _f(h, "d2h_copies")), 3),
+                  "h2d_ms_per_copy": round(_f(h, "h2d_ms") / max(1.0, _f(h, "h2d_copies")), 3),
+                  "d2h_ms_per_step": round(_f(h, "d2h_ms") / steps, 3),
+                  "h2d_ms_per_step": round(_f(h, "h2d_ms") / steps, 3),
+                  "copies": int(_f(h, "d2h_copies") + _f(h, "h2d_copies")),
+                  "stream_waits": int(_f(h, "stream_waits")), "stream_wait_ms": _f(h, "stream_wait_ms"),
+                  "gpu_peak_mb": _f(h, "gpu_peak_mb"), "peak_rss_mb": _f(h, "peak_rss_mb")}
+    rss_bound = 2.5 * params * 4 / 2**20 + 400
+    return {"gpu": {"learners": per,
+                    "stream_waits": sum(v["stream_waits"] for v in per.values()),
+                    "gpu_peak_mb": max(v["gpu_peak_mb"] for v in per.values()),
+                    "rss_bound_mb": round(rss_bound, 1),
+                    "rss_within_bound": all(v["peak_rss_mb"] <= rss_bound for v in per.values())}}
 
 
 def _cpu_figures(with_sync: dict[str, Any], without: dict[str, Any], shards: dict[str, Any], *,
@@ -195,6 +221,8 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--task-arg", action="append", default=[], metavar="KEY=VALUE", help="an arg of --task (repeat)")
     ap.add_argument("--learners", type=int, default=2, help="learners (default 2)")
     ap.add_argument("--syncers", type=int, default=2, help="syncer shards (default 2)")
+    ap.add_argument("--device", default="cpu", help='where the learners train: "cpu" (default), "cuda", "auto"; '
+                    "the shards always run on the CPU")
     ap.add_argument("--step-time-floor-ms", type=float, default=250.0, help="emulated accelerator step time (default 250)")
     ap.add_argument("--minutes", type=float, default=1.5, help="length of each of the two runs (default 1.5)")
     d = AlgoConfig()
@@ -217,7 +245,7 @@ def main(argv: Sequence[str]) -> int:
     without = _up("nosync", args, out, sync_every=10**9)
     res = summarise(with_sync, without, params=_params(args), sync_every=args.sync_every,
                     fragments=args.fragments, syncers=args.syncers)
-    res["config"] = {k: getattr(args, k) for k in ("task", "task_arg", "learners", "syncers", "step_time_floor_ms", "minutes",
+    res["config"] = {k: getattr(args, k) for k in ("task", "task_arg", "device", "learners", "syncers", "step_time_floor_ms", "minutes",
                                                     "sync_every", "fragments", "tau")}
     (out / "bench.json").write_text(json.dumps(res, indent=2))
     if args.json:

@@ -48,3 +48,25 @@ def test_cpu_figures_bound_what_the_machine_can_give() -> None:
     assert cpu["learner_cpu_s_per_step_without"] == pytest.approx(0.6)
     assert cpu["shard_cpu_s_per_learner_step"] == pytest.approx(0.2)
     assert cpu["cores_needed_for_ratio_1"] == pytest.approx(2.0 * 1.2)       # 2 steps/s without, 1.2 s each
+
+
+def test_gpu_figures_of_cuda_learners_and_the_rss_bound() -> None:
+    """A CUDA learner's copies per copy and per step, its stream waits, peak GPU memory, and the
+    host RSS bound of 2.5 x the model's fp32 bytes + 400 MB; nothing for CPU learners."""
+    def learner(rss: str, waits: str) -> dict:
+        return {**_learner(100, 100.0, 1, 1, 0, rss), "d2h_copies": "50", "d2h_ms": "25.0", "h2d_copies": "40",
+                "h2d_ms": "80.0", "stream_waits": waits, "stream_wait_ms": "0.5", "gpu_peak_mb": "20000.0"}
+    shards = {"0": {"merges": "1", "answers": "1"}}
+    params = 10 * 2**20 // 4 * 100            # 1,000 MiB of fp32: bound 2,900 MiB
+    res = summarise({"wall_s": 1.0, "learner_stats": {"a": learner("2800", "0"), "b": learner("2900", "0")},
+                     "shard_stats": shards}, {"learner_stats": {}}, params=params, sync_every=10, fragments=4, syncers=1)
+    g = res["gpu"]
+    assert g["learners"]["a"]["d2h_ms_per_copy"] == 0.5 and g["learners"]["a"]["h2d_ms_per_copy"] == 2.0
+    assert g["learners"]["a"]["h2d_ms_per_step"] == 0.8 and g["stream_waits"] == 0
+    assert g["rss_bound_mb"] == 2900.0 and g["rss_within_bound"] is True and g["gpu_peak_mb"] == 20000.0
+    worse = summarise({"wall_s": 1.0, "learner_stats": {"a": learner("2901", "3")}, "shard_stats": shards},
+                      {"learner_stats": {}}, params=params, sync_every=10, fragments=4, syncers=1)["gpu"]
+    assert worse["rss_within_bound"] is False and worse["stream_waits"] == 3
+    cpu = summarise({"wall_s": 1.0, "learner_stats": {"a": _learner(1, 1.0, 1, 1, 0)}, "shard_stats": shards},
+                    {"learner_stats": {}}, params=params, sync_every=10, fragments=4, syncers=1)
+    assert "gpu" not in cpu

@@ -1,0 +1,73 @@
+"""``make gpu-check``'s verdicts and the CUDA learner's copy accounting (learner/staging.py)."""
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from ddloco.bench.gpu_check import verdicts
+
+
+def test_verdicts_hold_each_target_of_the_issue_against_its_figure() -> None:
+    good_gpu = {"ratio": 0.96, "late_fraction": 0.01, "behind_fraction": 0.0,
+                "gpu": {"stream_waits": 0, "rss_within_bound": True}}
+    good_cpu = {"ratio": 0.98, "late_fraction": 0.0, "behind_fraction": 0.0, "broadcast_down_over_up": 1.01}
+    v = verdicts({"bench_gpu": {"figures": good_gpu}, "bench_cpu": {"figures": good_cpu}})
+    assert all(v["gpu_1b"].values()) and all(v["cpu_1e8"].values())
+    bad = verdicts({"bench_gpu": {"figures": {**good_gpu, "ratio": 0.94, "gpu": {"stream_waits": 2,
+                                                                                 "rss_within_bound": False}}},
+                    "bench_cpu": {"figures": {**good_cpu, "late_fraction": 0.03, "broadcast_down_over_up": 1.3}}})
+    assert bad["gpu_1b"]["ratio>=0.95"] is False and bad["gpu_1b"]["no_stream_wait"] is False
+    assert bad["gpu_1b"]["rss<=2.5x_fp32+400MB"] is False
+    assert bad["cpu_1e8"]["late<=2%"] is False and bad["cpu_1e8"]["down<=1.2xup"] is False
+    assert bad["cpu_1e8"]["ratio>=0.97"] is True
+    # a stage that failed measured nothing: no verdict, rather than a pass
+    assert verdicts({"bench_gpu": {"rc": "timeout"}}) == {}
+    assert verdicts({"bench_gpu": {"figures": {"ratio": 0.99}}})["gpu_1b"]["no_stream_wait"] is None
+
+
+class _Event:
+    """A CUDA event stand-in: done or not, at a time in ms."""
+
+    def __init__(self, t: float, done: bool = True) -> None:
+        self.t, self.done = t, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, other: "_Event") -> float:
+        return other.t - self.t
+
+
+def _staging():
+    from learner.staging import HostStaging
+    s = HostStaging.__new__(HostStaging)      # no CUDA here: the accounting alone
+    HostStaging._init_counters(s)
+    return s
+
+
+def test_copy_accounting_counts_completed_copies_and_training_stream_waits() -> None:
+    s = _staging()
+    s._pending.append(("d2h", _Event(0.0), _Event(2.5), None))
+    s._pending.append(("h2d", _Event(10.0), _Event(11.0), _Event(12.0)))   # stream got there after the copy
+    s._pending.append(("h2d", _Event(20.0), _Event(23.0), _Event(21.0)))   # got there 2 ms before it ended
+    s._pending.append(("h2d", _Event(30.0), _Event(31.0, done=False), _Event(32.0)))
+    s.poll()
+    assert (s.d2h_copies, s.d2h_ms) == (1, 2.5)
+    assert (s.h2d_copies, s.h2d_ms) == (2, 4.0)
+    assert (s.stream_waits, s.stream_wait_ms) == (1, 2.0)
+    assert len(s._pending) == 1               # not complete yet: read later, never waited on
+    s._pending[0][2].done = True
+    s.poll()
+    assert s.h2d_copies == 3 and s.stream_waits == 1 and not s._pending
+
+
+def test_copy_accounting_is_bounded_when_events_never_complete() -> None:
+    from learner import staging
+    s = _staging()
+    for k in range(staging.PENDING_MAX + 10):
+        s._track("d2h", _Event(0.0), _Event(1.0, done=False), None)
+    assert len(s._pending) == staging.PENDING_MAX
+
+
+pytestmark = pytest.mark.timeout(30)
