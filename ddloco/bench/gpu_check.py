@@ -50,9 +50,9 @@ DRY = {
     "cuda_tests": (120, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda", "tests/cuda",
                          "tests/unit/test_learner_device.py"]),
     "bench_gpu": (90, ["-m", "ddloco", "bench", "sync", "--device", "auto", "--params", "2e5", "--learners", "2",
-                       "--step-time-floor-ms", "50", "--minutes", "0.1", "--json"]),
+                       "--step-time-floor-ms", "50", "--minutes", "0.2", "--json"]),
     "bench_cpu": (90, ["-m", "ddloco", "bench", "sync", "--params", "1e5", "--learners", "2",
-                       "--step-time-floor-ms", "50", "--minutes", "0.1", "--json"]),
+                       "--step-time-floor-ms", "50", "--minutes", "0.2", "--json"]),
 }
 
 
