@@ -59,8 +59,16 @@ def test_batch_to_moves_every_tensor_of_a_nested_batch_and_back(device):
     assert moved.batch.tokens == 10 and moved.note == "kept" and moved.seq[1] == 7 and moved.pair.right == "x"
     assert isinstance(moved.pair, Pair) and isinstance(moved.extra["ids"][1], tuple)
     back = batch_to(moved, torch.device("cpu"))          # a batch on the GPU comes back too
+    if device == "cuda":   # (non_blocking: a device-to-host copy lands in pinned memory, asynchronously)
+        torch.cuda.synchronize()
     for a, t in zip(here, _tensors(back)):
         assert t.device.type == "cpu" and torch.equal(t, a)
+    if device == "cpu":    # the CPU case is the identity: prove the structure walk on the meta device
+        meta = batch_to(b, torch.device("meta"))
+        assert [t.device.type for t in _tensors(meta)] == ["meta"] * 7
+        assert [(t.dtype, t.shape) for t in _tensors(meta)] == [(t.dtype, t.shape) for t in here]
+        assert meta.batch.tokens == 10 and meta.note == "kept" and meta.seq[1] == 7 and meta.pair.right == "x"
+        assert isinstance(meta.pair, Pair) and isinstance(meta.extra["ids"][1], tuple)
 
 
 @pytest.mark.parametrize("device", DEVICES)
