@@ -49,7 +49,8 @@ def test_batch_to_moves_every_tensor_of_a_nested_batch_and_back(device):
     g = torch.Generator().manual_seed(1)
     b = Nested(batch=Batch(inputs=torch.randint(0, 9, (2, 5), generator=g), targets=torch.randn(2, 5, generator=g),
                            tokens=10),
-               extra={"mask": torch.ones(2, 5, dtype=torch.bool), "ids": [torch.arange(3), (torch.randn(4, generator=g),)]},
+               extra={"mask": torch.ones(2, 5, dtype=torch.bool),
+                      "ids": [torch.arange(3), (torch.randn(4, generator=g),)]},
                seq=[torch.randn(3, generator=g), 7], pair=Pair(torch.randn(2, generator=g), "x"), note="kept")
     moved = batch_to(b, dev)
     here, there = list(_tensors(b)), list(_tensors(moved))
