@@ -289,12 +289,13 @@ def _size_plans(prof: Profile, machine: Machine, steps: Sequence[int]) -> list[S
 
 
 # ------------------------------------------------------------------------------------ results
-def collect(stage_dirs: Iterable[tuple[str, Path]]) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+def collect(stage_dirs: Iterable[tuple[str, Path, int]]) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
     """{size: {system: {seed: run}}} from the stages' ``runs/SYSTEM-sSEED.json``; a cluster run
     whose compare record is missing is read from its own report.json when it trained the whole
-    budget (a failure after the report, e.g. a plot, loses nothing)."""
+    budget (a failure after the report, e.g. a plot, loses nothing). ``stage_dirs``: (size,
+    directory, the size's planned tokens)."""
     out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
-    for size, d in stage_dirs:
+    for size, d, tokens in stage_dirs:
         runs = d / "runs"
         if not runs.is_dir():
             continue
@@ -304,13 +305,13 @@ def collect(stage_dirs: Iterable[tuple[str, Path]]) -> dict[str, dict[str, dict[
                 r = json.loads(f.read_text())
             except (OSError, json.JSONDecodeError):
                 continue
-            if m and _finite(r.get("eval_loss_final")):
+            if m and _finite(r.get("eval_loss_final")) and r.get("tokens") == tokens:
                 out.setdefault(size, {}).setdefault(m.group(1), {})[m.group(2)] = _slim(r)
         for rep in sorted(runs.glob("decoupled-s*/report.json")):
             seed = rep.parent.name.rsplit("-s", 1)[1]
             if seed in out.get(size, {}).get("decoupled", {}):
                 continue
-            r = _from_report(rep)
+            r = _from_report(rep, tokens)
             if r is not None:
                 out.setdefault(size, {}).setdefault("decoupled", {})[seed] = r
     return out
@@ -328,14 +329,14 @@ def _slim(r: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _from_report(path: Path) -> dict[str, Any] | None:
+def _from_report(path: Path, tokens: int) -> dict[str, Any] | None:
     try:
         rep = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
     if not _finite(rep.get("eval_loss_final")) or rep.get("timed_out") or not rep.get("eval_curve"):
         return None
-    if int(rep["eval_curve"][-1]["tokens"]) != int(rep.get("tokens_total", -1)):
+    if not int(rep["eval_curve"][-1]["tokens"]) == int(rep.get("tokens_total", -1)) == tokens:
         return None
     return {"eval_loss_final": float(rep["eval_loss_final"]), "tokens": int(rep["tokens_total"]),
             "wall_s": rep.get("wall_s"), "recovered_from": "report.json"}
@@ -432,8 +433,11 @@ def plot(path: Path, rows: Sequence[dict[str, Any]], title: str) -> bool:
 
 # ------------------------------------------------------------------------------------ stages
 REPO = Path(__file__).resolve().parents[2]
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 8.0
 """A timed-out stage gets Ctrl-C (its cluster stops cleanly), then SIGKILL after this long."""
+END_RESERVE_S = STOP_GRACE_S + 3.0 + 4.0
+"""Every stage ends this long before the budget does: a stage's stop (Ctrl-C, SIGKILL) and the
+last outputs fit in it, so the whole command ends inside ``--budget-s``."""
 
 
 @dataclass
@@ -546,7 +550,8 @@ class Sweep:
             self.write()
 
     def results(self) -> dict[str, Any]:
-        res = collect((s.size, s.report) for s in self.stages)
+        tokens = {p.size: p.tokens for p in self.plans}
+        res = collect((s.size, s.report, tokens[s.size]) for s in self.stages)
         for size, systems in self.merged.items():   # an earlier run's seeds at the same size and tokens
             for system, seeds in systems.items():
                 for seed, r in seeds.items():
@@ -645,7 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     t0 = time.monotonic()
     budget = args.budget_s if args.budget_s is not None else (90.0 if args.dry else 240.0)
-    deadline = t0 + budget - 4.0        # the last outputs are written in the remaining seconds
+    deadline = t0 + budget - END_RESERVE_S
     out = Path(args.out)
     try:
         profile = _profile(args)
