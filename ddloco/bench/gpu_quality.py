@@ -615,7 +615,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep the stages' directories (cluster reports, checkpoints) in /tmp; their logs are "
                          "in quality_logs.tar.gz either way")
     ap.add_argument("--merge", metavar="QUALITY_JSON", default=None,
-                    help="an earlier run's quality.json: its runs at the same size and tokens join the table")
+                    help="an earlier run's quality.json: this run takes its plan (sizes, tokens) and its "
+                         "runs join the table (use --seed-start for new seeds)")
     return ap
 
 
@@ -632,18 +633,19 @@ def _profile(args: argparse.Namespace) -> Profile:
     return prof
 
 
-def _merged(path: str | None, plans: Sequence[SizePlan]) -> dict[str, Any]:
-    """The earlier run's results at the sizes planned now with the same tokens."""
-    if not path:
-        return {}
+def merged_plan(path: str, profile: Profile) -> tuple[list[SizePlan], dict[str, Any]]:
+    """``--merge``: the earlier run's plan (its sizes and tokens, this run's seeds) and results,
+    so this run's seeds join them at equal tokens."""
     try:
         doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise QualityError(f"--merge {path}: not a readable quality.json ({e})") from None
-    tokens = {p.size: p.tokens for p in plans}
-    old = {p["size"]: p["tokens"] for p in doc.get("plan", [])}
-    return {size: systems for size, systems in doc.get("results", {}).items()
-            if size in tokens and old.get(size) == tokens[size]}
+        plans = [SizePlan(**p) for p in doc["plan"]]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise QualityError(f"--merge {path}: not a quality.json of this tool ({e!r})") from None
+    if not plans:
+        raise QualityError(f"--merge {path}: its plan is empty")
+    prof = replace(profile, sizes=tuple(parse_size(p.size) for p in plans))
+    plans = [replace(p, seeds=prof.seeds_at(i), cluster_seeds=prof.cluster_seeds) for i, p in enumerate(plans)]
+    return plans, doc.get("results", {})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -670,12 +672,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     left = deadline - time.monotonic()
     lane_s = left * 0.75 - 5.0
     tpp = args.tokens_per_param or (DRY_TOKENS_PER_PARAM if args.dry else MAX_TOKENS_PER_PARAM)
-    plans, notes = plan(profile, machine, lane_s if not args.dry else 1e9, max_tpp=tpp)
-    try:
-        merged = _merged(args.merge, plans)
-    except QualityError as e:
-        print(f"gpu quality: {e}", file=sys.stderr)
-        return 2
+    merged: dict[str, Any] = {}
+    if args.merge:
+        try:
+            plans, merged = merged_plan(args.merge, profile)
+        except QualityError as e:
+            print(f"gpu quality: {e}", file=sys.stderr)
+            return 2
+        notes = [f"plan of {args.merge} (its sizes and tokens); its runs are merged"]
+    else:
+        plans, notes = plan(profile, machine, lane_s if not args.dry else 1e9, max_tpp=tpp)
     (work / "config.toml").write_text(CONFIG_TOML)
     meta = {"device": device, "device_name": facts.get("gpu") or ("cpu" if device == "cpu" else device),
             "dry": args.dry, "budget_s": budget, "lane_s": round(lane_s, 1), "machine_model": asdict(machine),

@@ -123,3 +123,15 @@ def test_in_process_systems_on_cuda_match_the_cpu() -> None:
         cpu = run(task, algo, learners=2, steps=6, seed=1, eval_points=2)
         gpu = run(task, algo, learners=2, steps=6, seed=1, eval_points=2, device=torch.device("cuda"))
         assert gpu.eval_loss_final == pytest.approx(cpu.eval_loss_final, rel=2e-3)
+
+
+def test_merge_takes_the_earlier_plan_with_this_runs_seeds(tmp_path: Path) -> None:
+    plans, _ = gq.plan(gq.FULL, gq.GPU, 150.0)
+    old = tmp_path / "quality.json"
+    old.write_text(json.dumps({"plan": [gq.asdict(p) for p in plans], "results": {"6x64": {"dp_emulated": {}}}}))
+    again, results = gq.merged_plan(str(old), gq.replace(gq.FULL, seeds=3))
+    assert [(p.size, p.tokens) for p in again] == [(p.size, p.tokens) for p in plans]
+    assert [p.seeds for p in again] == [3, 3, 1] and results == {"6x64": {"dp_emulated": {}}}
+    old.write_text("{}")
+    with pytest.raises(gq.QualityError, match="not a quality.json"):
+        gq.merged_plan(str(old), gq.FULL)
