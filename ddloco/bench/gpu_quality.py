@@ -564,14 +564,14 @@ class Sweep:
             results = self.results()
             rows = table_rows(results, self.plans)
             meta = {**self.meta, "stages": [s.record() for s in self.stages]}
-            doc = {"meta": meta, "plan": [asdict(p) for p in self.plans], "rows": rows, "results": results}
-            _write(self.out / "quality.json", json.dumps(doc, indent=1))
-            _write(self.out / "quality.md", markdown(rows, meta))
             title = f"Ratio to data-parallel vs size, M={LEARNERS}, {meta.get('device_name') or meta.get('device')}"
             try:
                 meta["plot"] = "ok" if plot(self.out / "quality.png", rows, title) else "skipped: no matplotlib"
             except Exception as e:   # a figure never costs the figures
                 meta["plot"] = f"failed: {e!r}"[:200]
+            doc = {"meta": meta, "plan": [asdict(p) for p in self.plans], "rows": rows, "results": results}
+            _write(self.out / "quality.json", json.dumps(doc, indent=1))
+            _write(self.out / "quality.md", markdown(rows, meta))
             self._archive()
             return rows
 
