@@ -489,8 +489,9 @@ eval_every_s = 100000.0
 
 def run_stage(stage: Stage, env: dict[str, str], deadline: float) -> None:
     """Run one stage under min(its timeout, the budget's end); the outcome goes into ``stage``."""
-    timeout = min(stage.timeout_s, deadline - time.monotonic())
-    if timeout < 5:
+    left = deadline - time.monotonic()
+    timeout = min(stage.timeout_s, left)
+    if left < 5:
         stage.status = "skipped: no time left in the budget"
         return
     stage.report.mkdir(parents=True, exist_ok=True)

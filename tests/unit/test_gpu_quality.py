@@ -135,3 +135,23 @@ def test_merge_takes_the_earlier_plan_with_this_runs_seeds(tmp_path: Path) -> No
     old.write_text("{}")
     with pytest.raises(gq.QualityError, match="not a quality.json"):
         gq.merged_plan(str(old), gq.FULL)
+
+
+def test_a_stage_past_its_timeout_is_stopped_and_recorded(tmp_path: Path) -> None:
+    """The budget holds: a stage that overruns gets Ctrl-C at its timeout (here it ignores it:
+    SIGKILL follows), its status says so and the caller goes on."""
+    import sys
+    import time
+    code = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    stage = gq.Stage("s", "inproc", "1x16", [sys.executable, "-c", code], timeout_s=1.0, report=tmp_path / "s")
+    t0 = time.monotonic()
+    gq.run_stage(stage, dict(__import__("os").environ), deadline=time.monotonic() + 100)
+    assert stage.status == "timed out after 1 s" and time.monotonic() - t0 < 1 + gq.STOP_GRACE_S + 5
+    assert (tmp_path / "s" / "stage.log").read_text() == "up\n"
+    failing = gq.Stage("f", "inproc", "1x16", [sys.executable, "-c", "raise SystemExit(3)"], timeout_s=30,
+                       report=tmp_path / "f")
+    gq.run_stage(failing, dict(__import__("os").environ), deadline=time.monotonic() + 100)
+    assert (failing.status, failing.rc) == ("failed (exit 3)", 3)
+    late = gq.Stage("l", "inproc", "1x16", [sys.executable, "-c", "pass"], timeout_s=30, report=tmp_path / "l")
+    gq.run_stage(late, {}, deadline=time.monotonic() + 2)
+    assert late.status.startswith("skipped") and late.rc is None
