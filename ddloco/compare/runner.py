@@ -104,14 +104,31 @@ def system_run(system: str, run: RunConfig, learners: int) -> RunConfig:
 
 
 # ------------------------------------------------------------------------------------ runners
+def in_process_device(system: str, device: str) -> Any:
+    """Where an in-process system trains: ``--device`` ("auto": CUDA when torch sees one);
+    ``decoupled_emulated`` always on the CPU. Resolved in the worker process (the command's own
+    process never initialises CUDA, so its pool may fork)."""
+    import torch
+    if system == "decoupled_emulated" or device == "cpu":
+        return torch.device("cpu")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device} asked for, but torch sees no CUDA device")
+    return torch.device(device)
+
+
 def _in_process(system: str, run_dict: dict[str, Any], learners: int, steps: int, seed: int,
-                eval_points: int, delay_steps: int) -> dict[str, Any]:
+                eval_points: int, delay_steps: int, device: str = "cpu") -> dict[str, Any]:
     """Worker-process entry: one in-process system at one seed."""
     from common.config import run_config_from_dict
     from ddloco.compare import systems
     from common.task import bind_task
     task, run = bind_task(run_config_from_dict(run_dict))
-    kw = dict(steps=steps, seed=seed, eval_points=eval_points, threads=1)
+    kw: dict[str, Any] = dict(steps=steps, seed=seed, eval_points=eval_points, threads=1)
+    dev = in_process_device(system, device)
+    if system != "decoupled_emulated":
+        kw["device"] = dev
     if system == "single":
         res = systems.run_single(task, run.algo, learners=learners, **kw)
     elif system == "diloco_sync":
@@ -122,7 +139,10 @@ def _in_process(system: str, run_dict: dict[str, Any], learners: int, steps: int
         res = systems.run_decoupled_emulated(task, run.algo, learners=learners, delay_steps=delay_steps, **kw)
     else:
         raise ValueError(f"not an in-process system: {system}")
-    return res.to_dict()
+    out = res.to_dict()
+    if dev.type != "cpu":
+        out.setdefault("extra", {})["device"] = str(dev)
+    return out
 
 
 def run_dp(run: RunConfig, *, learners: int, steps: int, seed: int, eval_points: int, workdir: Path,
@@ -147,7 +167,7 @@ def run_dp(run: RunConfig, *, learners: int, steps: int, seed: int, eval_points:
 
 
 def run_cluster(system: str, cfg: ConfigFile, *, learners: int, steps: int, seed: int, workdir: Path,
-                syncers: int, per_batch: int) -> dict[str, Any]:
+                syncers: int, per_batch: int, insecure: bool = False) -> dict[str, Any]:
     """Our cluster through ``ddloco up`` (separate processes, real sockets and Redis)."""
     from ddloco.up import run_up
     run = system_run(system, cfg.run, learners)
@@ -157,7 +177,7 @@ def run_cluster(system: str, cfg: ConfigFile, *, learners: int, steps: int, seed
     c = replace(cfg, run=run, up=up, endpoints=override(cfg.endpoints, run_id=run_id))
     rep_path = workdir / "report.json"
     rep_path.unlink(missing_ok=True)
-    rc = run_up(c, external_redis=False, quiet=True)
+    rc = run_up(c, external_redis=False, quiet=True, insecure=insecure)
     if rc == 130:
         raise KeyboardInterrupt
     if not rep_path.exists():
@@ -310,7 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--delay-steps", type=int, default=2,
                     help="decoupled_emulated: steps between a round's answers and the merged value's arrival "
                          "(default 2)")
-    ap.add_argument("--device", default="auto", help="dp: auto (CUDA + NCCL when available) or cpu")
+    ap.add_argument("--device", default="auto",
+                    help="where dp, single, dp_emulated and diloco_sync train and the cluster's learners run: "
+                         "auto (CUDA when available; dp: NCCL needs one GPU per rank, else gloo on the CPU), cpu, "
+                         "cuda, cuda:N (decoupled_emulated and the shards always on the CPU)")
+    ap.add_argument("--insecure", action="store_true",
+                    help="the cluster systems run without CURVE keys on their sockets (`ddloco up --insecure`)")
     ap.add_argument("--render-only", action="store_true",
                     help="run nothing: rebuild compare.json/md/png from the runs already in DIR/runs")
     ap.add_argument("--resume", action="store_true",
@@ -344,6 +369,8 @@ class _Comparison:
         if not seeds:
             raise ConfigError("--seeds must be >= 1")
         self.cfg = load_config(args.config)
+        if args.device != "auto":   # the cluster's learners train where the in-process systems do
+            self.cfg = replace(self.cfg, learner=override(self.cfg.learner, device=args.device))
         run = apply_sets(self.cfg.run, {"task": {"spec": args.task}, "algo": {}})
         self.run = run = apply_sets(run, parse_set(args.set))
         self.per_batch = per_batch = tokens_per_batch(run)
@@ -372,7 +399,7 @@ class _Comparison:
             ident["delay_steps"] = args.delay_steps
         if system in CLUSTER:
             ident.update(syncers=args.syncers, learner=asdict(self.cfg.learner), syncer=asdict(self.cfg.syncer))
-        if system == "dp":
+        if system == "dp" or (args.device != "auto" and system in IN_PROCESS + CLUSTER):
             ident["device"] = args.device
         return ident
 
@@ -419,7 +446,7 @@ class _Comparison:
             for s, seed in in_proc:
                 r = apply_sets(self.run, {"task": {"seed": seed}})
                 futures[pool.submit(_in_process, s, r.to_dict(), args.learners, self.steps, seed, args.eval_points,
-                                    args.delay_steps)] = (s, seed)
+                                    args.delay_steps, args.device)] = (s, seed)
             for fut, (s, seed) in futures.items():
                 try:
                     self.done(s, seed, fut.result())
@@ -442,7 +469,8 @@ class _Comparison:
                                      eval_points=args.eval_points, workdir=workdir, device=args.device)
                     else:
                         res = run_cluster(s, replace(self.cfg, run=r), learners=args.learners, steps=self.steps,
-                                          seed=seed, workdir=workdir, syncers=args.syncers, per_batch=self.per_batch)
+                                          seed=seed, workdir=workdir, syncers=args.syncers, per_batch=self.per_batch,
+                                          insecure=args.insecure)
                     self.done(s, seed, res)
                 except KeyboardInterrupt:
                     print("interrupted: the finished runs are in DIR/runs (--resume goes on from them)",

@@ -27,7 +27,7 @@ from common import quant
 from common.config import AlgoConfig
 from common.fragments import Fragment, gather, model_plan, scatter, state_tensors
 from common.merge import Contribution, contribution_weights, outer_update, quantized_update, receive_merged
-from common.task import Task, build_model, count_tokens, evaluate, scalar_loss
+from common.task import Task, batch_to, build_model, count_tokens, evaluate, scalar_loss
 from learner.inner import inner_step, make_inner_optimizer
 
 
@@ -68,11 +68,14 @@ def _set_threads(threads: int) -> None:
 
 
 def _train_alone(task: Task, algo: AlgoConfig, data: Iterator[Any], *, seed: int, steps: int,
-                 eval_points: int, schedule_scale: int = 1) -> tuple[int, list[tuple[int, float]]]:
+                 eval_points: int, schedule_scale: int = 1,
+                 device: torch.device | None = None) -> tuple[int, list[tuple[int, float]]]:
     """One model, ``steps`` AdamW steps on ``data``, evaluated at ``eval_steps``. The run's
     learning-rate schedule reads ``schedule_scale`` × this model's tokens as the global count
-    (one learner alone at equal steps: M, so step t has the learning rate of every system's step t)."""
-    model = build_model(task, seed)
+    (one learner alone at equal steps: M, so step t has the learning rate of every system's step t).
+    ``device``: where the model and its steps live (None: the CPU)."""
+    device = device or torch.device("cpu")
+    model = build_model(task, seed).to(device)
     tokens = 0
     opt, sched = make_inner_optimizer(model.parameters(), algo, tokens=lambda: tokens * schedule_scale)
     marks = set(eval_steps(steps, eval_points))
@@ -80,7 +83,7 @@ def _train_alone(task: Task, algo: AlgoConfig, data: Iterator[Any], *, seed: int
     model.train()
     for t in range(1, steps + 1):
         batch = next(data)
-        inner_step(model, opt, sched, scalar_loss(task, model, batch), algo)
+        inner_step(model, opt, sched, scalar_loss(task, model, batch_to(batch, device)), algo)
         tokens += count_tokens(task, batch)
         if t in marks:
             curve.append((tokens, evaluate(task, model)))
@@ -88,13 +91,14 @@ def _train_alone(task: Task, algo: AlgoConfig, data: Iterator[Any], *, seed: int
 
 
 def run_single(task: Task, algo: AlgoConfig, *, steps: int, seed: int, eval_points: int = 8,
-               threads: int = 1, stream: int = 0, learners: int = 1) -> SystemResult:
+               threads: int = 1, stream: int = 0, learners: int = 1,
+               device: torch.device | None = None) -> SystemResult:
     """One learner alone: ``steps`` AdamW steps on data stream ``stream`` (its schedule at step t
     as for ``learners`` learners at step t)."""
     _set_threads(threads)
     t0 = time.perf_counter()
     tokens, curve = _train_alone(task, algo, task.batches(stream, seed, 0), seed=seed, steps=steps,
-                                 eval_points=eval_points, schedule_scale=learners)
+                                 eval_points=eval_points, schedule_scale=learners, device=device)
     return SystemResult("single", seed, 1, steps, tokens, time.perf_counter() - t0, curve[-1][1], curve)
 
 
@@ -115,13 +119,13 @@ class _ConcatBatches:
 
 
 def run_dp_emulated(task: Task, algo: AlgoConfig, *, learners: int, steps: int, seed: int,
-                    eval_points: int = 8, threads: int = 1) -> SystemResult:
+                    eval_points: int = 8, threads: int = 1, device: torch.device | None = None) -> SystemResult:
     """Data-parallel mathematics in one process: one model, M streams' batches concatenated
     (the mean loss over the concatenation equals the mean of M equal ranks' mean losses)."""
     _set_threads(threads)
     t0 = time.perf_counter()
     data = _ConcatBatches([task.batches(m, seed, 0) for m in range(learners)])
-    tokens, curve = _train_alone(task, algo, data, seed=seed, steps=steps, eval_points=eval_points)
+    tokens, curve = _train_alone(task, algo, data, seed=seed, steps=steps, eval_points=eval_points, device=device)
     return SystemResult("dp_emulated", seed, learners, steps, tokens, time.perf_counter() - t0, curve[-1][1], curve)
 
 
@@ -135,10 +139,10 @@ class _Replica:
 
 
 def _replicas(task: Task, algo: AlgoConfig, learners: int, seed: int,
-              run_tokens: Callable[[], float]) -> list[_Replica]:
+              run_tokens: Callable[[], float], device: torch.device | None = None) -> list[_Replica]:
     out = []
     for m in range(learners):
-        model = build_model(task, seed)
+        model = build_model(task, seed).to(device or torch.device("cpu"))
         model.train()
         opt, sched = make_inner_optimizer(model.parameters(), algo, tokens=run_tokens)
         out.append(_Replica(model, state_tensors(model), opt, sched,
@@ -151,15 +155,18 @@ def _plan(task: Task, model: torch.nn.Module, fragments: int) -> tuple[Fragment,
 
 
 def run_diloco_sync(task: Task, algo: AlgoConfig, *, learners: int, steps: int, seed: int,
-                    eval_points: int = 8, threads: int = 1) -> SystemResult:
+                    eval_points: int = 8, threads: int = 1, device: torch.device | None = None) -> SystemResult:
     """Synchronous DiLoCo [lineage]: every H steps every replica answers with its whole model,
     outer gradients are averaged (plain mean, equal weights), the outer optimizer (η, μ,
-    Nesterov from ``algo``) steps, every replica restarts from Θ. Inner AdamW state persists."""
+    Nesterov from ``algo``) steps, every replica restarts from Θ. Inner AdamW state persists.
+    ``device``: where the replicas train and the global model is evaluated (None: the CPU); the
+    outer step runs on the CPU in fp32, as the shards' does."""
     _set_threads(threads)
     t0 = time.perf_counter()
     tokens = 0
-    reps = _replicas(task, algo, learners, seed, lambda: tokens)
-    glob = build_model(task, seed)
+    device = device or torch.device("cpu")
+    reps = _replicas(task, algo, learners, seed, lambda: tokens, device)
+    glob = build_model(task, seed).to(device)
     whole = _plan(task, glob, 1)[0]
     gparams = state_tensors(glob)
     theta = gather(gparams, whole)
@@ -172,7 +179,7 @@ def run_diloco_sync(task: Task, algo: AlgoConfig, *, learners: int, steps: int, 
     for t in range(1, steps + 1):
         for r in reps:
             batch = next(r.data)
-            inner_step(r.model, r.opt, r.sched, scalar_loss(task, r.model, batch), algo)
+            inner_step(r.model, r.opt, r.sched, scalar_loss(task, r.model, batch_to(batch, device)), algo)
             tokens += count_tokens(task, batch)
         pending_mark = pending_mark or t in marks
         if t % H == 0 or t == steps:

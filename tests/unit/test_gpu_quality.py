@@ -1,0 +1,157 @@
+"""The pure parts of ``make gpu-quality`` (ddloco.bench.gpu_quality): sizes, FLOPs, the plan that
+fits the budget, results collected from compare's runs, the table's ratios, the plot."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddloco.bench import gpu_quality as gq
+from ddloco.compare import systems
+from ddloco.tasks.gpt import GPT
+from common.task import load_task
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_sizes_parse_by_name_or_shape_and_refuse_bad_ones() -> None:
+    assert gq.parse_size("m") == gq.Size(6, 192, 4)
+    assert gq.parse_size(" 8x512h8 ") == gq.Size(8, 512, 8) and gq.parse_size("8x512h8").name == "8x512h8"
+    assert [s.name for s in gq.parse_sizes("l,s,6x64,m")] == ["6x64", "6x192", "6x384"]   # sorted, once
+    for bad in ("big", "6x", "0x64", "6x66h4", "", "6x64h0"):
+        with pytest.raises(gq.QualityError):
+            gq.parse_sizes(bad)
+
+
+@pytest.mark.parametrize("shape", ["s", "m", "1x16", "2x24h2"])
+def test_param_count_is_the_models_own(shape: str) -> None:
+    s = gq.parse_size(shape)
+    model = GPT(seq_len=128, n_layer=s.n_layer, n_head=s.n_head, n_embd=s.n_embd)
+    assert gq.param_count(s, 128) == sum(p.numel() for p in model.parameters())
+
+
+def test_the_full_sweep_spans_30x_with_a_largest_over_10m() -> None:
+    params = [gq.param_count(s, gq.FULL.seq_len) for s in gq.FULL.sizes]
+    assert len(params) >= 3 and params[-1] / params[0] >= 30 and params[-1] >= 10e6
+    assert gq.train_flops(10_000_000, 20) == 6 * 10_000_000 * 20
+
+
+def test_plan_fits_both_lanes_and_keeps_tokens_whole_steps() -> None:
+    plans, notes = gq.plan(gq.FULL, gq.GPU, 150.0)
+    step = gq.FULL.tokens_per_step()
+    assert [p.size for p in plans] == ["6x64", "6x192", "6x384"]
+    for p in plans:
+        assert p.tokens == p.steps * step and p.steps >= gq.FULL.min_steps
+        assert 0 < p.tokens_per_param <= gq.MAX_TOKENS_PER_PARAM
+        assert p.flops == 6 * p.params * p.tokens
+    for lane in ("inproc", "cluster"):
+        assert sum(p.est_s[lane] for p in plans) <= 150.0 + 1e-6
+    assert plans[0].tokens_per_param > 19.9 and plans[-1].tokens_per_param < plans[0].tokens_per_param
+    assert [p.seeds for p in plans] == [2, 2, 1] and all(p.cluster_seeds == 1 for p in plans)
+    assert any("tokens per parameter" in n for n in notes)
+    # a smaller budget leaves the largest out (said), a tiny one keeps the smallest at its minimum
+    plans, notes = gq.plan(gq.FULL, gq.GPU, 100.0)
+    assert [p.size for p in plans] == ["6x64", "6x192"] and any("6x384 left out" in n for n in notes)
+    plans, notes = gq.plan(gq.FULL, gq.CPU, 20.0)
+    assert [(p.size, p.steps) for p in plans] == [("6x64", gq.FULL.min_steps)] and any("over budget" in n for n in notes)
+
+
+def _run(d: Path, system: str, seed: int, loss: float, tokens: int) -> None:
+    (d / "runs").mkdir(parents=True, exist_ok=True)
+    (d / "runs" / f"{system}-s{seed}.json").write_text(json.dumps(
+        {"system": system, "seed": seed, "eval_loss_final": loss, "tokens": tokens, "wall_s": 1.0, "curve": []}))
+
+
+def test_collect_and_table_pair_ratios_by_seed(tmp_path: Path) -> None:
+    a, b = tmp_path / "inproc-1x16", tmp_path / "cluster-1x16"
+    for seed, (dp, sync) in enumerate([(2.0, 2.1), (4.0, 4.4)]):
+        _run(a, "dp_emulated", seed, dp, 1000)
+        _run(a, "diloco_sync", seed, sync, 1000)
+    _run(b, "decoupled", 7, 9.9, 999)                      # another budget: not counted
+    rep = b / "runs" / "decoupled-s1" / "report.json"      # compare failed after the cluster's report
+    rep.parent.mkdir(parents=True)
+    rep.write_text(json.dumps({"eval_loss_final": 4.2, "tokens_total": 1000, "timed_out": False,
+                               "eval_curve": [{"tokens": 0, "loss": 5.5}, {"tokens": 1000, "loss": 4.2}]}))
+    results = gq.collect([("1x16", a, 1000), ("1x16", b, 1000)])
+    assert set(results["1x16"]["decoupled"]) == {"1"}
+    assert results["1x16"]["decoupled"]["1"]["recovered_from"] == "report.json"
+    plan = gq._size_plans(gq.replace(gq.DRY, sizes=(gq.parse_size("1x16"), gq.parse_size("1x32"))), gq.CPU, [10, 10])
+    plan = [gq.replace(plan[0], tokens=1000), plan[1]]
+    rows = gq.table_rows(results, plan)
+    r = rows[0]
+    assert r["dp_emulated"] == pytest.approx(3.0) and r["diloco_sync"] == pytest.approx(3.25)
+    assert r["diloco_sync_ratio"] == pytest.approx((2.1 / 2.0 + 4.4 / 4.0) / 2)   # paired, not ratio of means
+    assert r["decoupled_ratio"] == pytest.approx(4.2 / 4.0) and r["decoupled_ratio_seeds"] == 1
+    assert rows[1]["dp_emulated"] is None and rows[1]["decoupled_ratio"] is None    # nothing ran: dashes
+    md = gq.markdown(rows, {"device": "cpu", "notes": ["a note"]})
+    assert "| 1x16 |" in md and "1.0750" in md and "| 1x32 |" in md and "- a note" in md
+    short = gq.short_table(rows).splitlines()
+    assert len(short) == 3 and "1.0500" in short[1]
+
+
+def test_plot_has_ours_and_the_published_points(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    rows = [{"params": p, "tokens_per_param": 20.0, "diloco_sync_ratio": 1.03, "decoupled_ratio": r}
+            for p, r in ((3e5, 1.05), (3e6, None), (1e7, 1.03))]
+    assert gq.plot(tmp_path / "q.png", rows, "t")
+    assert (tmp_path / "q.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {(x, y) for x, y, _ in gq.PUBLISHED} == {(35e6, 1.020), (90e6, 1.015), (35e6, 1.026), (100e6, 1.019)}
+
+
+def test_in_process_systems_take_a_device_and_keep_the_cpu_result() -> None:
+    """``device=cpu`` given explicitly is the same run as before the device path existed."""
+    task = load_task("gpt", dict(n_layer=1, n_embd=16, n_head=2, seq_len=16, batch_size=4, eval_batches=2,
+                                 corpus_max_bytes=300_000))
+    from common.config import AlgoConfig
+    algo = AlgoConfig(sync_every_steps=3, fragments=2)
+    for run in (systems.run_dp_emulated, systems.run_diloco_sync):
+        a = run(task, algo, learners=2, steps=4, seed=1, eval_points=2)
+        b = run(task, algo, learners=2, steps=4, seed=1, eval_points=2, device=torch.device("cpu"))
+        assert a.curve == b.curve and math.isfinite(a.eval_loss_final)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_in_process_systems_on_cuda_match_the_cpu() -> None:
+    task = load_task("gpt", dict(n_layer=1, n_embd=16, n_head=2, seq_len=16, batch_size=4, eval_batches=2,
+                                 corpus_max_bytes=300_000))
+    from common.config import AlgoConfig
+    algo = AlgoConfig(sync_every_steps=3, fragments=2)
+    for run in (systems.run_dp_emulated, systems.run_diloco_sync):
+        cpu = run(task, algo, learners=2, steps=6, seed=1, eval_points=2)
+        gpu = run(task, algo, learners=2, steps=6, seed=1, eval_points=2, device=torch.device("cuda"))
+        assert gpu.eval_loss_final == pytest.approx(cpu.eval_loss_final, rel=2e-3)
+
+
+def test_merge_takes_the_earlier_plan_with_this_runs_seeds(tmp_path: Path) -> None:
+    plans, _ = gq.plan(gq.FULL, gq.GPU, 150.0)
+    old = tmp_path / "quality.json"
+    old.write_text(json.dumps({"plan": [gq.asdict(p) for p in plans], "results": {"6x64": {"dp_emulated": {}}}}))
+    again, results = gq.merged_plan(str(old), gq.replace(gq.FULL, seeds=3))
+    assert [(p.size, p.tokens) for p in again] == [(p.size, p.tokens) for p in plans]
+    assert [p.seeds for p in again] == [3, 3, 1] and results == {"6x64": {"dp_emulated": {}}}
+    old.write_text("{}")
+    with pytest.raises(gq.QualityError, match="not a quality.json"):
+        gq.merged_plan(str(old), gq.FULL)
+
+
+def test_a_stage_past_its_timeout_is_stopped_and_recorded(tmp_path: Path) -> None:
+    """The budget holds: a stage that overruns gets Ctrl-C at its timeout (here it ignores it:
+    SIGKILL follows), its status says so and the caller goes on."""
+    import sys
+    import time
+    code = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    stage = gq.Stage("s", "inproc", "1x16", [sys.executable, "-c", code], timeout_s=1.0, report=tmp_path / "s")
+    t0 = time.monotonic()
+    gq.run_stage(stage, dict(__import__("os").environ), deadline=time.monotonic() + 100)
+    assert stage.status == "timed out after 1 s" and time.monotonic() - t0 < 1 + gq.STOP_GRACE_S + 5
+    assert (tmp_path / "s" / "stage.log").read_text() == "up\n"
+    failing = gq.Stage("f", "inproc", "1x16", [sys.executable, "-c", "raise SystemExit(3)"], timeout_s=30,
+                       report=tmp_path / "f")
+    gq.run_stage(failing, dict(__import__("os").environ), deadline=time.monotonic() + 100)
+    assert (failing.status, failing.rc) == ("failed (exit 3)", 3)
+    late = gq.Stage("l", "inproc", "1x16", [sys.executable, "-c", "pass"], timeout_s=30, report=tmp_path / "l")
+    gq.run_stage(late, {}, deadline=time.monotonic() + 2)
+    assert late.status.startswith("skipped") and late.rc is None
