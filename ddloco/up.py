@@ -42,7 +42,7 @@ from ddloco.resume import (STATE_FILE, adopt_freshest_model, check_resume, final
                            write_state)
 from ddloco.resume import new_run_id, resolve_resume  # noqa: F401 (`ddloco up`'s command line imports them here)
 from ddloco.supervisor import Supervisor
-from ddloco.up_plan import UpPlan, plan_up
+from ddloco.up_plan import UpPlan, forks_learners, plan_up
 from ddloco.up_tracking import Trackers
 
 EXIT_DID_NOT_TRAIN = exits.DID_NOT_TRAIN
@@ -247,7 +247,10 @@ class _UpRun:
         sup = self.sup = Supervisor(workdir=self.workdir, learner_argv=plan.learner_argv, slots=dict(plan.slots),
                                     steps=up.steps, checkpoint_dir=self.cfg.syncer.checkpoint_dir,
                                     run_id=self.cfg.endpoints.run_id, shards=up.syncers, redis_srv=self.redis_srv)
-        sup.fork_spares = hasattr(os, "fork") and resolve_device(self.cfg.learner.device).type == "cpu"
+        import torch
+        sup.fork_spares = forks_learners(has_fork=hasattr(os, "fork"),
+                                         device=resolve_device(self.cfg.learner.device).type,
+                                         cuda_visible=torch.cuda.is_available())
         max_message_mb = max_frame_bytes(max(f.numel for f in self.fragments)) / (1 << 20)
         sup.add(Child("broker", plan.broker_argv(xsub_bind=broker.xsub_bind, xpub_bind=broker.xpub_bind,
                                                  run_id=self.cfg.endpoints.run_id, fragments=len(self.fragments),

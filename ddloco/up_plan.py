@@ -90,3 +90,13 @@ def plan_up(*, learners: int, syncers: int, steps: int, config_path: str, insecu
     return UpPlan(learner_ids=learner_ids, extra_ids=extra_ids, syncers=syncers, steps=steps,
                   threads_per_learner=max(1, cpu_count // learners), slots=slots, metrics_ports=ports,
                   common_args=common_args, step_time_floor_ms=step_time_floor_ms, python=python)
+
+
+def forks_learners(*, has_fork: bool, device: str, cuda_visible: bool) -> bool:
+    """Whether `up` starts its learners as forks of one prepared standby process: CPU learners on
+    a machine where no GPU is visible. A process that set CUDA up cannot be forked; and where a GPU
+    is visible, torch's autograd starts a thread per device at the standby's dry-run backward
+    even for a CPU model, so every fork's first backward fails ("Unable to handle autograd's
+    threading in combination with fork-based multiprocessing", seen on a GPU machine with
+    `--device cpu`): there the learners start as processes of their own."""
+    return has_fork and device == "cpu" and not cuda_visible

@@ -193,6 +193,9 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
                                       stats=self._net_stats, shard_endpoints=lambda: heartbeat.shard_endpoints,
                                       stop=self._threads_stop, peer_bind=self.options.peer_bind,
                                       advertise_host=self.options.advertise_host, log=self.log)
+        self.net.bases = lambda: self._bases
+        if self._staging is not None:
+            self.net.stage = self._staging.prefetch
         net_stats = self._net_stats
 
         def network() -> None:

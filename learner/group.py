@@ -187,13 +187,17 @@ class Group:
         an ``nn.ModuleList`` a unit of its own, then the root; the parameters become DTensors
         (callers must re-read them). Every rank must hold rank 0's values already."""
         if sharding == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
+            # the mesh on the learner's device: fully_shard's default mesh is CUDA's wherever a GPU is
+            # visible, which moved a gloo group's CPU parameters to cuda:0 (seen on a GPU machine)
+            mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
             units = {id(layer) for m in model.modules() if isinstance(m, torch.nn.ModuleList) for layer in m
                      if any(True for _ in layer.parameters())}
             for m in reversed(list(model.modules())):   # inner units first (experts inside blocks)
                 if id(m) in units:
-                    fully_shard(m)
-            fully_shard(model)
+                    fully_shard(m, mesh=mesh)
+            fully_shard(model, mesh=mesh)
             self.sharded = True
             return model
         from torch.nn.parallel import DistributedDataParallel

@@ -83,7 +83,8 @@ class Joining:
         self.task, self.run_cfg = bind_task(run, self.task, shared=shared)
         self.algo = self.run_cfg.algo
         self.device = self._resolve_device()
-        self.model = build_model(self.task, self.run_cfg.task.seed).to(self.device)
+        on_gpu = self.device if self.device.type == "cuda" else None   # its values come at join
+        self.model = build_model(self.task, self.run_cfg.task.seed, device=on_gpu).to(self.device)
         self.tensors = state_tensors(self.model)
         self.plan: tuple[Fragment, ...] = model_plan(self.model, self.task.embedding_names, self.algo.fragments)
         self.plan_digest = plan_digest(self.plan)

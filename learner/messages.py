@@ -26,6 +26,9 @@ class FragmentArrived:
     values: torch.Tensor
     requested: bool
     update_base: int = -1
+    on_device: Any = None
+    """A CUDA learner: the full value already on its way to the device (``HostStaging.prefetch``,
+    started by the network thread), which the training thread adopts instead of copying ``values``."""
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,11 @@ class NetworkThread(PeerLink):
         self._wake: Outbox | None = outbox if isinstance(outbox, Outbox) else None
         self._wake_fd: int | None = None if self._wake is None else self._wake.fd
         self.stats = stats
+        self.bases: Callable[[], Any] | None = None
+        """The training thread's bases as last published (``Learner._bases``): an update built on
+        the published base is resolved to its full value here, off the training thread."""
+        self.stage: Callable[[torch.Tensor], Any] | None = None
+        """A CUDA learner's ``HostStaging.prefetch``: a merged value's copy to the device starts here."""
         self.published = NetworkReadings.of(stats)
         """What the other threads read of ``stats``: a frozen copy, replaced once per loop."""
         self.shard_endpoints = shard_endpoints
@@ -273,4 +278,22 @@ class NetworkThread(PeerLink):
         if requested:   # full values fetched (join, repairs): counted apart from the broadcasts
             self.stats.bytes_fetched += msg.payload_nbytes
         update_base = msg.base if msg.base >= 0 and not requested else -1
-        self.inbox.put(FragmentArrived(msg.fragment, msg.epoch, msg.version, values, requested, update_base))
+        if update_base >= 0:
+            full = self._resolve(msg.fragment, msg.epoch, update_base, values)
+            if full is not None:
+                values, update_base = full, -1
+        on_device = self.stage(values) if self.stage is not None and update_base < 0 and not requested else None
+        self.inbox.put(FragmentArrived(msg.fragment, msg.epoch, msg.version, values, requested, update_base,
+                                       on_device))
+
+    def _resolve(self, p: int, epoch: int, update_base: int, update: torch.Tensor) -> torch.Tensor | None:
+        """Θ_v = Θ_base + deq(update) in fp32, as the shard computed it (bit-identical), when the
+        published base of fragment p is that base; None otherwise (the training thread decides:
+        learner/receipt.py ``_resolve_update``)."""
+        bases = self.bases() if self.bases is not None else None
+        if bases is None:
+            return None
+        base = bases.values[p]
+        if base is None or int(bases.epochs[p]) != epoch or int(bases.versions[p]) != update_base:
+            return None
+        return base + update

@@ -206,7 +206,7 @@ class Receipt:
         mine = local(p) if carry or self.mix_alpha > 0 else None
         merged, base = item.values, self.base_values[p]
         if to_device is not None:    # on the GPU, where the local value and snapshot are
-            merged = to_device(merged)
+            merged = to_device(item.on_device if item.on_device is not None else merged)
             if carry and contributed is None:
                 base = to_device(base)
         value, self.c_steps[p], self.c_tokens[p] = receive_merged(

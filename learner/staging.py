@@ -20,6 +20,7 @@ Ownership: a ``HostStaging`` belongs to the training thread (it alone calls ``to
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +28,17 @@ import torch
 PENDING_MAX = 4096
 """Copies whose timing events are still waiting to be read: beyond this many, the oldest are
 dropped uncounted (a device that never completes work would otherwise grow the list)."""
+
+
+@dataclass(frozen=True)
+class Prefetched:
+    """A merged value on its way to the device: the copy was queued by the network thread on
+    the staging's ``ahead`` stream between ``start`` and ``end``; ``pinned`` is its host source."""
+
+    value: torch.Tensor
+    start: Any
+    end: Any
+    pinned: torch.Tensor
 
 
 class HostStaging:
@@ -38,6 +50,7 @@ class HostStaging:
         self.device = device
         self.up = torch.cuda.Stream(device)      # device -> host (answers)
         self.down = torch.cuda.Stream(device)    # host -> device (merges), not queued behind answers
+        self.ahead = torch.cuda.Stream(device)   # host -> device, queued by the network thread (prefetch)
         self._init_counters()
 
     def _init_counters(self) -> None:
@@ -62,9 +75,30 @@ class HostStaging:
         self._track("d2h", start, done, None)
         return host, done
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+    def prefetch(self, host: torch.Tensor) -> Prefetched:
+        """Network thread: start copying the merged value ``host`` to the device as soon as it is
+        decoded, so that it is there when the training thread applies it (``to_device``): the
+        host copy into pinned memory and the transfer cost the training thread nothing, and its
+        stream finds the copy ended. Touches none of the training thread's state."""
+        pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+        pinned.copy_(host)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.ahead):
+            start = _timed_event(self.ahead)
+            value = pinned.to(self.device, non_blocking=True)
+            end = _timed_event(self.ahead)
+        return Prefetched(value, start, end, pinned)
+
+    def to_device(self, host: torch.Tensor | Prefetched) -> torch.Tensor:
         """``host`` on the device; the training stream waits for the copy on the GPU (the calling
-        thread does not)."""
+        thread does not). A ``Prefetched`` value is adopted: the stream waits for its copy's end
+        (ended long ago, as a rule: counted in ``stream_waits`` when not)."""
+        if isinstance(host, Prefetched):
+            current = torch.cuda.current_stream(self.device)
+            reached = _timed_event(current)
+            current.wait_event(host.end)
+            host.value.record_stream(current)  # allocated on the ahead stream, used on the training one
+            self._track("h2d", host.start, host.end, reached)
+            return host.value
         pinned = host if host.is_pinned() else host.pin_memory()
         with torch.cuda.stream(self.down):
             start = _timed_event(self.down)

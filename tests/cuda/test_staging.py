@@ -139,3 +139,33 @@ def test_a_round_trip_through_the_host_is_exact_for_a_models_fragments(device):
         scatter(theirs, f, staging.to_device(host))
     for name, t in tensors.items():
         assert theirs[name].device.type == dev.type and torch.equal(theirs[name].cpu(), t.cpu()), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_prefetched_merge_is_adopted_exactly_and_the_training_stream_need_not_wait():
+    """The network thread starts a merged value's copy (``prefetch``) as soon as it is decoded;
+    the training thread adopts it later: exact values, and once the copy ended, no stream wait."""
+    import threading
+    dev = torch.device("cuda", 0)
+    staging = HostStaging(dev)
+    hosts = [torch.randn(1 << 20) for _ in range(6)]
+    pre: list[Any] = []
+    t = threading.Thread(target=lambda: pre.extend(staging.prefetch(h) for h in hosts))   # the network thread
+    t.start()
+    t.join()
+    for p in pre:
+        p.end.synchronize()             # long ended by the time a step boundary applies it
+    values = [staging.to_device(p) for p in pre]
+    for h, v in zip(hosts, values):
+        assert torch.equal((v * 2).cpu(), h * 2)
+    torch.cuda.synchronize(dev)
+    r = staging.readings()
+    assert r["h2d_copies"] == 6 and r["stream_waits"] == 0 and r["h2d_ms"] > 0
+    # a copy adopted while still queued behind GPU work: the training stream waits, counted
+    with torch.cuda.stream(staging.ahead):
+        torch.cuda._sleep(50_000_000)
+    late = staging.prefetch(hosts[0])
+    v = staging.to_device(late)
+    assert torch.equal(v.cpu(), hosts[0])
+    torch.cuda.synchronize(dev)
+    assert staging.readings()["stream_waits"] == 1

@@ -208,3 +208,21 @@ def test_published_bases_are_read_only_copies() -> None:
     assert int(bases.versions[0]) == 3 and int(rc.base_version[0]) == 4
     with pytest.raises(ValueError):
         bases.versions[0] = 7
+
+
+def test_the_network_thread_resolves_an_update_on_the_published_base_bit_identically():
+    """An int4 broadcast update built on the base the training thread last published is made the
+    full value on the network thread (base + deq(update), as the shard computed it); an update on
+    any other base, epoch or an unknown fragment is left to the training thread."""
+    import numpy as np
+    from learner.network import NetworkThread
+    from learner.receipt import Bases
+    net = NetworkThread.__new__(NetworkThread)
+    base, update = torch.randn(100), torch.randn(100)
+    net.bases = lambda: Bases(np.array([7, 3]), np.array([2, 2]), (base, None))
+    assert torch.equal(net._resolve(0, 2, 7, update), base + update)
+    assert net._resolve(0, 2, 6, update) is None       # built on another version
+    assert net._resolve(0, 3, 7, update) is None       # another life of the shard
+    assert net._resolve(1, 2, 3, update) is None       # no value yet
+    net.bases = lambda: None
+    assert net._resolve(0, 2, 7, update) is None       # nothing published yet

@@ -49,3 +49,13 @@ def test_the_broker_and_shards_argv_and_insecure_reaches_every_daemon():
     assert plan.shard_argv(1) == ["py", "-m", "ddloco", "syncer", *common, "--shard", "1", "--shards", "2",
                                   "--metrics-host", "127.0.0.1", "--metrics-port", "9002"]
     assert "--insecure" in plan.learner_argv("learner-0", 0)
+
+
+def test_learners_are_forked_only_on_a_cpu_machine_with_no_gpu_visible():
+    """A GPU machine running CPU learners: the forks' first backward failed there (autograd's
+    device threads, started in the standby), so each learner starts as its own process."""
+    from ddloco.up_plan import forks_learners
+    assert forks_learners(has_fork=True, device="cpu", cuda_visible=False)
+    assert not forks_learners(has_fork=True, device="cpu", cuda_visible=True)
+    assert not forks_learners(has_fork=True, device="cuda", cuda_visible=True)
+    assert not forks_learners(has_fork=False, device="cpu", cuda_visible=False)
