@@ -273,7 +273,7 @@ class _CpuStaging:
     event the network thread must query (it counts the queries)."""
 
     def __init__(self) -> None:
-        self.to_host_calls = self.to_device_calls = self.queried = 0
+        self.to_host_calls = self.to_device_calls = self.queried = self.prefetched = self.adopted = 0
 
     def to_host(self, value):
         self.to_host_calls += 1
@@ -285,8 +285,18 @@ class _CpuStaging:
                 return True
         return value.clone(), Done()
 
+    def readings(self) -> dict:   # what a CUDA staging adds to the learner's stats: nothing here
+        return {}
+
+    def prefetch(self, host):     # the network thread: the merged value's copy starts there
+        self.prefetched += 1
+        return ("on its way", host.clone())
+
     def to_device(self, host):
         self.to_device_calls += 1
+        if isinstance(host, tuple):   # adopted: what the network thread copied
+            self.adopted += 1
+            return host[1]
         return host.clone()
 
 
@@ -314,6 +324,8 @@ def test_a_learner_with_host_staging_contributes_and_stays_bit_identical_to_the_
     assert staged.algo.carry_local_steps and staged.stats.merges_applied >= 8, staged.stats
     assert staging.to_host_calls == staged.stats.answers >= 8
     assert staging.queried >= 1 and staging.to_device_calls >= staged.stats.merges_applied
+    # the broadcasts were resolved and their copies started on the network thread, then adopted
+    assert staging.prefetched >= staging.adopted >= staged.stats.merges_applied // 2 >= 4, vars(staging)
     shard = cluster.shards[0]
     for p, f in shard.frags.items():
         v = int(staged.base_version[p])
