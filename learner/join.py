@@ -83,8 +83,7 @@ class Joining:
         self.task, self.run_cfg = bind_task(run, self.task, shared=shared)
         self.algo = self.run_cfg.algo
         self.device = self._resolve_device()
-        on_gpu = self.device if self.device.type == "cuda" else None   # its values come at join
-        self.model = build_model(self.task, self.run_cfg.task.seed, device=on_gpu).to(self.device)
+        self.model = self._build_model()
         self.tensors = state_tensors(self.model)
         self.plan: tuple[Fragment, ...] = model_plan(self.model, self.task.embedding_names, self.algo.fragments)
         self.plan_digest = plan_digest(self.plan)
@@ -92,6 +91,19 @@ class Joining:
         self.stream = data_stream(self.options, self.id)
         check_task(self.task, self.model, seed=self.run_cfg.task.seed, stream=self.stream)
         self._stats.boot_phases["prepared"] = round(time.time() - self._process_started_at, 3)
+
+    def _build_model(self) -> torch.nn.Module:
+        """The task's model on this learner's device. On a GPU it is built there (its values come
+        from the shards at join; a 1 B-parameter model built on the host first cost 1.9 GB of peak
+        RSS); a model whose construction needs the host (a CPU ``torch.Generator`` for its init,
+        as the built-in tasks use) is built on the host and moved."""
+        seed = self.run_cfg.task.seed
+        if self.device.type == "cuda":
+            try:
+                return build_model(self.task, seed, device=self.device)
+            except RuntimeError as e:
+                self.log.info("learner.model_built_on_host", reason=str(e)[:200])
+        return build_model(self.task, seed).to(self.device)
 
     def _resolve_device(self) -> torch.device:
         """``options.device``; in a group on CUDA, this rank's GPU (cuda:LOCAL_RANK: one GPU per

@@ -81,6 +81,8 @@ class NetworkThread(PeerLink):
         the published base is resolved to its full value here, off the training thread."""
         self.stage: Callable[[torch.Tensor], Any] | None = None
         """A CUDA learner's ``HostStaging.prefetch``: a merged value's copy to the device starts here."""
+        self.pinned: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """A CUDA learner's ``HostStaging.pinned_like``: where a resolved value is written."""
         self.published = NetworkReadings.of(stats)
         """What the other threads read of ``stats``: a frozen copy, replaced once per loop."""
         self.shard_endpoints = shard_endpoints
@@ -279,14 +281,16 @@ class NetworkThread(PeerLink):
             self.stats.bytes_fetched += msg.payload_nbytes
         update_base = msg.base if msg.base >= 0 and not requested else -1
         if update_base >= 0:
-            full = self._resolve(msg.fragment, msg.epoch, update_base, values)
+            full = self._resolve(msg.fragment, msg.epoch, update_base, values,
+                                 out=self.pinned(values) if self.pinned is not None else None)
             if full is not None:
                 values, update_base = full, -1
         on_device = self.stage(values) if self.stage is not None and update_base < 0 and not requested else None
         self.inbox.put(FragmentArrived(msg.fragment, msg.epoch, msg.version, values, requested, update_base,
                                        on_device))
 
-    def _resolve(self, p: int, epoch: int, update_base: int, update: torch.Tensor) -> torch.Tensor | None:
+    def _resolve(self, p: int, epoch: int, update_base: int, update: torch.Tensor, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Θ_v = Θ_base + deq(update) in fp32, as the shard computed it (bit-identical), when the
         published base of fragment p is that base; None otherwise (the training thread decides:
         learner/receipt.py ``_resolve_update``)."""
@@ -296,4 +300,4 @@ class NetworkThread(PeerLink):
         base = bases.values[p]
         if base is None or int(bases.epochs[p]) != epoch or int(bases.versions[p]) != update_base:
             return None
-        return base + update
+        return torch.add(base, update, out=out) if out is not None else base + update

@@ -80,13 +80,18 @@ class HostStaging:
         decoded, so that it is there when the training thread applies it (``to_device``): the
         host copy into pinned memory and the transfer cost the training thread nothing, and its
         stream finds the copy ended. Touches none of the training thread's state."""
-        pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-        pinned.copy_(host)
+        pinned = host if host.is_pinned() else self.pinned_like(host).copy_(host)
         with torch.cuda.device(self.device), torch.cuda.stream(self.ahead):
             start = _timed_event(self.ahead)
             value = pinned.to(self.device, non_blocking=True)
             end = _timed_event(self.ahead)
         return Prefetched(value, start, end, pinned)
+
+    @staticmethod
+    def pinned_like(t: torch.Tensor) -> torch.Tensor:
+        """Pinned host memory of ``t``'s shape (the network thread resolves a merged value into it:
+        no second copy before the transfer; it then stays the learner's base value)."""
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
     def to_device(self, host: torch.Tensor | Prefetched) -> torch.Tensor:
         """``host`` on the device; the training stream waits for the copy on the GPU (the calling

@@ -288,6 +288,9 @@ class _CpuStaging:
     def readings(self) -> dict:   # what a CUDA staging adds to the learner's stats: nothing here
         return {}
 
+    def pinned_like(self, t):     # the network thread resolves a merged value into it
+        return torch.empty_like(t)
+
     def prefetch(self, host):     # the network thread: the merged value's copy starts there
         self.prefetched += 1
         return ("on its way", host.clone())

@@ -1,6 +1,8 @@
 """Learner device placement helpers (the GPU path itself is exercised on a GPU machine)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -55,3 +57,16 @@ def test_host_staging_round_trip_on_cuda():
     assert host.is_pinned() and torch.equal(host, value.cpu())
     back = staging.to_device(host * 2)
     assert torch.equal(back.cpu(), host * 2)      # the current stream waited for the copy
+
+
+def test_build_model_creates_the_models_tensors_on_the_device_asked():
+    """A CUDA learner builds its model on the GPU (no host copy). (A model whose init draws from a
+    CPU generator, as the built-in GPT's, fails there: learner/join.py ``_build_model`` then builds
+    it on the host; seen on an H200, where tests/cuda covers it.)"""
+    from common.task import build_model
+    from ddloco.bench.synthetic import task as synthetic
+    linear = dataclasses.replace(synthetic(params=70_000), model=lambda: torch.nn.Linear(4, 3))
+    m = build_model(linear, 0, device="meta")
+    assert all(p.device.type == "meta" for p in m.parameters())
+    cpu = build_model(synthetic(params=70_000), 0)
+    assert all(p.device.type == "cpu" for p in cpu.parameters())
