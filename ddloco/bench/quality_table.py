@@ -1,0 +1,154 @@
+"""``make gpu-quality``'s results: the figures collected from the stages' compare runs, the
+table (markdown and short), the plot of the ratio to DP against parameters with the published
+points (standard library only at import; matplotlib inside ``plot``)."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from ddloco.bench.quality_plan import LEARNERS, PUBLISHED, SYSTEMS, SizePlan
+
+# ------------------------------------------------------------------------------------ results
+def collect(stage_dirs: Iterable[tuple[str, Path, int]]) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+    """{size: {system: {seed: run}}} from the stages' ``runs/SYSTEM-sSEED.json``; a cluster run
+    whose compare record is missing is read from its own report.json when it trained the whole
+    budget (a failure after the report, e.g. a plot, loses nothing). ``stage_dirs``: (size,
+    directory, the size's planned tokens)."""
+    out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+    for size, d, tokens in stage_dirs:
+        runs = d / "runs"
+        if not runs.is_dir():
+            continue
+        for f in sorted(runs.glob("*-s*.json")):
+            m = re.fullmatch(r"(.+)-s(\d+)\.json", f.name)
+            try:
+                r = json.loads(f.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if m and _finite(r.get("eval_loss_final")) and r.get("tokens") == tokens:
+                out.setdefault(size, {}).setdefault(m.group(1), {})[m.group(2)] = _slim(r)
+        for rep in sorted(runs.glob("decoupled-s*/report.json")):
+            seed = rep.parent.name.rsplit("-s", 1)[1]
+            if seed in out.get(size, {}).get("decoupled", {}):
+                continue
+            r = _from_report(rep, tokens)
+            if r is not None:
+                out.setdefault(size, {}).setdefault("decoupled", {})[seed] = r
+    return out
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _slim(r: dict[str, Any]) -> dict[str, Any]:
+    keep = ("eval_loss_final", "tokens", "steps", "wall_s", "bytes_per_token", "curve")
+    out = {k: r[k] for k in keep if k in r}
+    extra = r.get("extra", {})
+    out.update({k: extra[k] for k in ("device", "merges", "goodput", "backend") if k in extra})
+    return out
+
+
+def _from_report(path: Path, tokens: int) -> dict[str, Any] | None:
+    try:
+        rep = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not _finite(rep.get("eval_loss_final")) or rep.get("timed_out") or not rep.get("eval_curve"):
+        return None
+    if not int(rep["eval_curve"][-1]["tokens"]) == int(rep.get("tokens_total", -1)) == tokens:
+        return None
+    return {"eval_loss_final": float(rep["eval_loss_final"]), "tokens": int(rep["tokens_total"]),
+            "wall_s": rep.get("wall_s"), "recovered_from": "report.json"}
+
+
+def table_rows(results: dict[str, dict[str, dict[str, dict[str, Any]]]], plans: Sequence[SizePlan]
+               ) -> list[dict[str, Any]]:
+    """One row per planned size: mean eval loss per system, ratios to dp_emulated paired by
+    seed (mean over the seeds both ran), seeds."""
+    rows = []
+    for p in plans:
+        by = results.get(p.size, {})
+        row: dict[str, Any] = {"size": p.size, "params": p.params, "tokens": p.tokens,
+                               "tokens_per_param": p.tokens_per_param}
+        for system in SYSTEMS:
+            runs = by.get(system, {})
+            row[system] = (sum(r["eval_loss_final"] for r in runs.values()) / len(runs)) if runs else None
+            row[f"{system}_seeds"] = sorted(int(s) for s in runs)
+        dp = by.get("dp_emulated", {})
+        for system in ("diloco_sync", "decoupled"):
+            paired = [by[system][s]["eval_loss_final"] / dp[s]["eval_loss_final"]
+                      for s in by.get(system, {}) if s in dp]
+            row[f"{system}_ratio"] = sum(paired) / len(paired) if paired else None
+            row[f"{system}_ratio_seeds"] = len(paired)
+        rows.append(row)
+    return rows
+
+
+def _fmt(x: Any, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def markdown(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [f"# Quality with scale: {meta.get('device_name') or meta.get('device')}, M = {LEARNERS}", "",
+             f"Command: `{meta.get('command', '')}`", "",
+             "| size | params | tokens | tokens/param | dp (emulated) | diloco_sync | decoupled | "
+             "diloco_sync ÷ dp | decoupled ÷ dp | seeds (dp/sync/dec) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        seeds = "/".join(str(len(r[f"{s}_seeds"])) for s in SYSTEMS)
+        lines.append(f"| {r['size']} | {r['params'] / 1e6:.2f} M | {r['tokens']:,} | {r['tokens_per_param']:.2f} | "
+                     f"{_fmt(r['dp_emulated'], '.4f')} | {_fmt(r['diloco_sync'], '.4f')} | "
+                     f"{_fmt(r['decoupled'], '.4f')} | {_fmt(r['diloco_sync_ratio'], '.4f')} | "
+                     f"{_fmt(r['decoupled_ratio'], '.4f')} | {seeds} |")
+    lines += ["", "Ratios: each system's final eval loss ÷ dp_emulated's at the same seed, mean over seeds. "
+              "Published at 20 tokens/param, H = 30: DiLoCo M=4 1.020 (35 M), 1.015 (90 M); "
+              "Streaming DiLoCo 1.026 (35 M), 1.019 (100 M)."]
+    for note in meta.get("notes", []):
+        lines.append(f"- {note}")
+    return "\n".join(lines) + "\n"
+
+
+def short_table(rows: Sequence[dict[str, Any]]) -> str:
+    head = f"{'size':>8} {'params':>9} {'tok/par':>7} {'dp':>7} {'sync':>7} {'dec':>7} {'sync/dp':>8} {'dec/dp':>8}"
+    body = [f"{r['size']:>8} {r['params'] / 1e6:>8.2f}M {r['tokens_per_param']:>7.2f} {_fmt(r['dp_emulated'], '7.4f')} "
+            f"{_fmt(r['diloco_sync'], '7.4f')} {_fmt(r['decoupled'], '7.4f')} {_fmt(r['diloco_sync_ratio'], '8.4f')} "
+            f"{_fmt(r['decoupled_ratio'], '8.4f')}" for r in rows]
+    return "\n".join([head, *body])
+
+
+def plot(path: Path, rows: Sequence[dict[str, Any]], title: str) -> bool:
+    """Ratio to DP vs parameters (log x): ours per system, the published points. False: no matplotlib."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return False
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for system, marker in (("diloco_sync", "s"), ("decoupled", "o")):
+        pts = [(r["params"], r[f"{system}_ratio"]) for r in rows if r[f"{system}_ratio"] is not None]
+        if pts:
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker=marker, label=f"ours: {system} ÷ dp")
+    for r in rows:    # what each of our sizes trained on
+        ys = [r[f"{s}_ratio"] for s in ("diloco_sync", "decoupled") if r[f"{s}_ratio"] is not None]
+        if ys:
+            ax.annotate(f"{r['tokens_per_param']:.2g} tok/param", (r["params"], max(ys)), fontsize=7,
+                        textcoords="offset points", xytext=(4, 6))
+    for label, marker in (("DiLoCo M=4 (Charles et al. 2025)", "^"), ("Streaming DiLoCo", "v")):
+        pts = [(x, y) for x, y, lab in PUBLISHED if lab == label]
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker=marker, linestyle=":", color="grey"
+                if marker == "^" else "black", label=f"published: {label}, 20 tok/param")
+    ax.axhline(1.0, color="lightgrey", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel("final eval loss ÷ data-parallel's")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
