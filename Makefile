@@ -48,7 +48,7 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=10 tests
 
 # Not part of `make test` (needs a container engine or root, and minutes): see the README.
 #   make compose-check -> builds the image, runs compose.yaml, trains, scales 2 -> 4 -> 1, stops

@@ -47,12 +47,12 @@ FULL = {
 }
 DRY = {
     # the CUDA cases only (they skip here): the command and the collection; the CPU cases are in the suite
-    "cuda_tests": (120, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda", "tests/cuda",
+    "cuda_tests": (120, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda and not cpu", "tests/cuda",
                          "tests/unit/test_learner_device.py"]),
-    "bench_gpu": (90, ["-m", "ddloco", "bench", "sync", "--device", "auto", "--params", "2e5", "--learners", "2",
-                       "--step-time-floor-ms", "50", "--minutes", "0.2", "--json"]),
-    "bench_cpu": (90, ["-m", "ddloco", "bench", "sync", "--params", "1e5", "--learners", "2",
-                       "--step-time-floor-ms", "50", "--minutes", "0.2", "--json"]),
+    "bench_gpu": (90, ["-m", "ddloco", "bench", "sync", "--device", "auto", "--params", "2e5", "--learners", "1",
+                       "--step-time-floor-ms", "50", "--minutes", "0.15", "--json"]),
+    "bench_cpu": (90, ["-m", "ddloco", "bench", "sync", "--params", "1e5", "--learners", "1",
+                       "--step-time-floor-ms", "50", "--minutes", "0.15", "--json"]),
 }
 
 
