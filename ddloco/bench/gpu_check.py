@@ -45,14 +45,16 @@ FULL = {
     "bench_cpu": (130, ["-m", "ddloco", "bench", "sync", "--params", "1e8", "--learners", "2",
                         "--step-time-floor-ms", "250", "--minutes", "0.7", "--json"]),
 }
+# 15 s caps: a cap landing on a learner's join on a loaded machine made `up` report the learner
+# killed at the stop (exit 1; seen with 6-9 s caps, noted in docs/results/gpu.md)
 DRY = {
     # the CUDA cases only (they skip here): the command and the collection; the CPU cases are in the suite
     "cuda_tests": (120, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda and not cpu", "tests/cuda",
                          "tests/unit/test_learner_device.py"]),
     "bench_gpu": (90, ["-m", "ddloco", "bench", "sync", "--device", "auto", "--params", "2e5", "--learners", "1",
-                       "--step-time-floor-ms", "50", "--minutes", "0.15", "--json"]),
+                       "--step-time-floor-ms", "50", "--minutes", "0.25", "--json"]),
     "bench_cpu": (90, ["-m", "ddloco", "bench", "sync", "--params", "1e5", "--learners", "1",
-                       "--step-time-floor-ms", "50", "--minutes", "0.15", "--json"]),
+                       "--step-time-floor-ms", "50", "--minutes", "0.25", "--json"]),
 }
 
 
