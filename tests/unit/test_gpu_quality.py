@@ -142,7 +142,7 @@ def test_a_stage_past_its_timeout_is_stopped_and_recorded(tmp_path: Path) -> Non
     SIGKILL follows), its status says so and the caller goes on."""
     import sys
     import time
-    code = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    code = "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); signal.pause()"
     stage = gq.Stage("s", "inproc", "1x16", [sys.executable, "-c", code], timeout_s=1.0, report=tmp_path / "s")
     t0 = time.monotonic()
     gq.run_stage(stage, dict(__import__("os").environ), deadline=time.monotonic() + 100)
