@@ -281,8 +281,7 @@ class NetworkThread(PeerLink):
             self.stats.bytes_fetched += msg.payload_nbytes
         update_base = msg.base if msg.base >= 0 and not requested else -1
         if update_base >= 0:
-            full = self._resolve(msg.fragment, msg.epoch, update_base, values,
-                                 out=self.pinned(values) if self.pinned is not None else None)
+            full = self._resolve(msg.fragment, msg.epoch, update_base, values, alloc=self.pinned)
             if full is not None:
                 values, update_base = full, -1
         on_device = self.stage(values) if self.stage is not None and update_base < 0 and not requested else None
@@ -290,14 +289,15 @@ class NetworkThread(PeerLink):
                                        on_device))
 
     def _resolve(self, p: int, epoch: int, update_base: int, update: torch.Tensor, *,
-                 out: torch.Tensor | None = None) -> torch.Tensor | None:
+                 alloc: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor | None:
         """Θ_v = Θ_base + deq(update) in fp32, as the shard computed it (bit-identical), when the
         published base of fragment p is that base; None otherwise (the training thread decides:
-        learner/receipt.py ``_resolve_update``)."""
+        learner/receipt.py ``_resolve_update``). ``alloc``: where to write it (pinned memory for a
+        CUDA learner), asked only once the value is known to resolve."""
         bases = self.bases() if self.bases is not None else None
         if bases is None:
             return None
         base = bases.values[p]
         if base is None or int(bases.epochs[p]) != epoch or int(bases.versions[p]) != update_base:
             return None
-        return torch.add(base, update, out=out) if out is not None else base + update
+        return torch.add(base, update, out=alloc(update)) if alloc is not None else base + update

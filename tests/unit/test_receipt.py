@@ -222,7 +222,9 @@ def test_the_network_thread_resolves_an_update_on_the_published_base_bit_identic
     net.bases = lambda: Bases(np.array([7, 3]), np.array([2, 2]), (base, None))
     assert torch.equal(net._resolve(0, 2, 7, update), base + update)
     out = torch.empty(100)
-    assert net._resolve(0, 2, 7, update, out=out) is out and torch.equal(out, base + update)
+    assert net._resolve(0, 2, 7, update, alloc=lambda t: out) is out and torch.equal(out, base + update)
+    asked = []
+    assert net._resolve(0, 2, 6, update, alloc=asked.append) is None and not asked   # nothing allocated
     assert net._resolve(0, 2, 6, update) is None       # built on another version
     assert net._resolve(0, 3, 7, update) is None       # another life of the shard
     assert net._resolve(1, 2, 3, update) is None       # no value yet
