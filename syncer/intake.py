@@ -63,7 +63,7 @@ class Intake:
         """A valid answer into its open round, its claims bounded (common.robust); its quorum time noted."""
         rnd = f.round
         H, step_s = self.run.algo.sync_every_steps, self._claim_step_s(msg.sender)
-        elapsed_s = self._time_since_answered(f, msg.sender, msg.round)
+        elapsed_s, first = self._time_since_answered(f, msg.sender, msg.round)
         max_steps = max_steps_claim(versions_since_base=f.version - msg.base, sync_every_steps=H, step_s=step_s,
                                     factor=self.options.max_steps_factor, elapsed_s=elapsed_s)
         steps, tokens, cut = bound_claims(steps=msg.steps, tokens=msg.tokens, max_steps=max_steps,
@@ -73,7 +73,8 @@ class Intake:
                 self.stats.claims_clamped += 1
                 self.log.info("syncer.claims_clamped", learner=msg.sender[:64], fragment=f.spec.index,
                               steps=msg.steps, tokens=msg.tokens, max_steps=max_steps, round=msg.round,
-                              base=msg.base, version=f.version, elapsed_s=round(elapsed_s, 3), step_s=round(step_s, 5))
+                              base=msg.base, version=f.version, elapsed_s=round(elapsed_s, 3), step_s=round(step_s, 5),
+                              first=first)
                 continue
             self._reject(reason, msg.sender, f.spec.index, steps=msg.steps, tokens=msg.tokens, max_steps=max_steps,
                          base=msg.base, version=f.version, elapsed_s=round(elapsed_s, 3), step_s=round(step_s, 5))
@@ -92,19 +93,19 @@ class Intake:
             if rnd.timed:
                 self.xi_quorum.update(now - rnd.opened_at)
 
-    def _time_since_answered(self, f: FragmentState, learner: str, round_id: int) -> float:
-        """Seconds since ``learner`` last answered an earlier round of fragment ``f`` (its steps
+    def _time_since_answered(self, f: FragmentState, learner: str, round_id: int) -> tuple[float, bool]:
+        """(seconds since ``learner`` last answered an earlier round of fragment ``f`` (its steps
         since then are what it claims now), and this answer recorded. A learner never seen
         answering: since it joined, as this shard saw it (learners live when this shard started:
         since the last checkpoint, or this process's start; one not yet seen live: since the last
-        read of the live learners)."""
+        read of the live learners), whether it is its first answer to ``f``)."""
         now = time.time()
         seen = f.answered_unix.get(learner)
         joined = self._first_seen.setdefault(learner, self._live_read_unix) if seen is None else now
         reference, f.answered_unix[learner] = claims_reference(seen, round_id, now, joined)
         if len(f.answered_unix) > 100_000:       # bounded whatever joins
             f.answered_unix.clear()
-        return now - reference
+        return now - reference, seen is None
 
     def _claim_step_s(self, learner: str) -> float:
         """The step time a learner's claims are checked against: its own step-time EMA (the last
