@@ -130,13 +130,26 @@ static inline void dequantise_block(const uint8_t *v, int levels, float s, float
     }
 }
 
-/* Decode n values; returns 0 if a scale is NaN/inf. */
+/* The largest |scale| whose block decodes to finite values whatever its codes: |q| <= 8 (int4)
+ * or 128 (int8, a hostile -128), and q * s must stay within FLT_MAX. */
+static inline float scale_limit(int levels) { return FLT_MAX / (levels == 7 ? 8.0f : 128.0f); }
+
+/* Every scale of n values is finite and within scale_limit: then every decoded value is finite
+ * (the decoder's answer to "is this payload finite", one pass over n / 64 scales). */
+static int scales_ok(const uint8_t *scales, Py_ssize_t n, int levels) {
+    Py_ssize_t n_blocks = (n + BLOCK - 1) / BLOCK;
+    float limit = scale_limit(levels);
+    for (Py_ssize_t b = 0; b < n_blocks; b++)
+        if (!(fabsf(bf16_f32(load_scale(scales, b))) <= limit)) return 0;   /* NaN fails too */
+    return 1;
+}
+
+/* Decode n values; returns 0 (nothing written) if a scale is NaN/inf or so large that a value
+ * would overflow: a decoded payload is always finite. */
 MULTIVERSION
 static int decode_blocks(const uint8_t *values, const uint8_t *scales, Py_ssize_t n, int levels,
                          float *out) {
-    Py_ssize_t n_blocks = (n + BLOCK - 1) / BLOCK;
-    for (Py_ssize_t b = 0; b < n_blocks; b++)
-        if ((load_scale(scales, b) & 0x7F80u) == 0x7F80u) return 0;
+    if (!scales_ok(scales, n, levels)) return 0;
     Py_ssize_t full = n / BLOCK;
     Py_ssize_t stride = levels == 7 ? BLOCK / 2 : BLOCK;
     for (Py_ssize_t b = 0; b < full; b++)
@@ -424,7 +437,7 @@ static struct PyModuleDef module = {
 };
 
 /* What common/quant.py expects (KERNELS_ABI there): a module built from older sources is not used. */
-#define QKERNELS_ABI 2
+#define QKERNELS_ABI 3
 
 PyMODINIT_FUNC PyInit__qkernels(void) {
     PyObject *m = PyModule_Create(&module);

@@ -52,9 +52,12 @@ BLOCK = 64
 
 _LEVELS: dict[str, int] = {"int8": 127, "int4": 7}
 """Largest quantisation level L of each blockwise codec (levels are -L..L)."""
+_SCALE_LIMIT: dict[str, float] = {"int8": float(np.finfo(np.float32).max) / 128, "int4": float(np.finfo(np.float32).max) / 8}
+"""The largest |scale| a payload may carry: its codes (|q| <= 128 for int8 read as a byte, 8 for int4)
+times it stay finite in fp32 (the C kernels' ``scale_limit``)."""
 
 
-KERNELS_ABI = 2
+KERNELS_ABI = 3
 """The version of ``common/_qkernels.c`` this code calls (its ``QKERNELS_ABI``): an extension
 built from other sources (a checkout updated without ``pip install -e .``) is not used."""
 
@@ -86,6 +89,11 @@ KERNEL: str = "c" if _kernels is not None else "torch"
 
 class CodecError(ValueError):
     """Unknown codec, invalid input vector, or frames that do not match the codec's layout."""
+
+
+class NonFiniteError(CodecError):
+    """Values (to encode, or decoded from a payload) that are NaN/inf, or int8/int4 scales so large
+    that a decoded value would be: ``decode`` never returns a non-finite value."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,7 +163,7 @@ def _all_finite(t: torch.Tensor) -> bool:
 def _finite(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself, or ``CodecError`` if it holds NaN/inf."""
     if not _all_finite(t):
-        raise CodecError("non-finite values")
+        raise NonFiniteError("non-finite values")
     return t
 
 
@@ -208,7 +216,7 @@ def encode(x: torch.Tensor, codec: str) -> list[memoryview]:
         values = np.empty(values_nbytes, dtype=np.uint8)
         scales = np.empty(scales_nbytes // 2, dtype=np.int16)
         if not _kernels.encode(x.numpy(), _LEVELS[codec], values, scales):
-            raise CodecError("non-finite values")
+            raise NonFiniteError("non-finite values")
         return [memoryview(values), memoryview(scales).cast("B")]
     q, scales_bf16 = _quantise_blocks(x, _LEVELS[codec])
     values_t = q[:n] if codec == "int8" else _pack_nibbles(q, n)
@@ -282,9 +290,11 @@ def decode(frames: Sequence[Any], codec: str, numel: int) -> torch.Tensor:
     if _kernels is not None:
         out = torch.empty(numel, dtype=torch.float32)
         if not _kernels.decode(views[0], views[1], _LEVELS[codec], out.numpy()):
-            raise CodecError("non-finite values")
+            raise NonFiniteError("non-finite values")
         return out
     scales = _finite(_to_tensor(views[1], np.dtype("<i2")).view(torch.bfloat16))
+    if scales.numel() and float(scales.float().abs().max()) > _SCALE_LIMIT[codec]:   # q * scale would overflow
+        raise NonFiniteError("non-finite values")
     if codec == "int8":
         q = _to_tensor(views[0], np.dtype("i1"))
     else:

@@ -73,6 +73,11 @@ class PayloadError(WireError):
     """Payload sizes or checksum do not match the header, or the codec rejects it."""
 
 
+class NonFinitePayload(PayloadError):
+    """A well-formed payload whose values decode to NaN/inf (or would: int8/int4 scales beyond the
+    fp32 range); ``Message.values`` never returns a non-finite value."""
+
+
 class WrongRunError(WireError):
     """A well-formed message for another run."""
 
@@ -116,13 +121,15 @@ class Message:
         return sum(len(memoryview(f)) for f in self.payload)
 
     def values(self) -> torch.Tensor:
-        """Dequantize the payload to a flat fp32 tensor (raises PayloadError); ``decoded`` when
-        that is set (the same tensor, not a copy)."""
+        """Dequantize the payload to a flat fp32 tensor, every value finite (raises PayloadError,
+        ``NonFinitePayload`` for NaN/inf); ``decoded`` when that is set (the same tensor, not a copy)."""
         if self.decoded is not None:
             return self.decoded
         quant = _quant()
         try:
             return quant.decode(self.payload, self.codec, self.numel)
+        except quant.NonFiniteError as e:
+            raise NonFinitePayload(str(e)) from None
         except quant.CodecError as e:
             raise PayloadError(str(e)) from None
 

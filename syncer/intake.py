@@ -50,12 +50,12 @@ class Intake:
                           oldest=min(f.history), epoch=msg.epoch, our_epoch=self.epoch)
             return
         try:
-            delta = msg.values()
+            delta = msg.values()     # finite: the decoder checks the payload (fp32/bf16 values, int scales)
+        except wire.NonFinitePayload:   # e.g. an int4 scale that decodes to inf: this answer only
+            self._reject("nonfinite_delta", msg.sender, f.spec.index)
+            return
         except wire.WireError as e:
             self._count_malformed(e)
-            return
-        if not bool(torch.isfinite(delta).all()):   # e.g. an int4 scale that decodes to inf: this answer only
-            self._reject("nonfinite_delta", msg.sender, f.spec.index)
             return
         self._accept_answer(f, msg, delta)
 

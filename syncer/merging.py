@@ -18,7 +18,7 @@ from typing import Any
 import redis
 import torch
 
-from common import control, wire
+from common import control, quant, wire
 from common.merge import OuterAccumulator, outer_step, quantized_update
 from common.robust import fair_weights, fold_round
 from syncer.state import BEHIND_FACTOR, Answer, FragmentState, MergeInput, MergeJob, MergeResult, OpenRound
@@ -61,9 +61,10 @@ def compute_merge(job: MergeInput) -> MergeResult:
     if acc.count == 0:                                       # every answer dropped: no merge
         return MergeResult(None, None, None, [], clipped, time.perf_counter() - t0, every_answer_dropped=True)
     theta, momentum = outer_step(master, job.momentum, acc.result(), spec.spans, algo, merges_done=job.version)
-    if not bool(torch.isfinite(theta).all()):   # a diverged learner must not poison Θ
+    try:   # the broadcast's encoder checks Θ in the pass that encodes it (no pass of its own)
+        replica, master, frames = broadcast_merged(job, theta)
+    except quant.NonFiniteError:   # a diverged learner must not poison Θ
         return MergeResult(None, None, None, [], clipped, time.perf_counter() - t0)
-    replica, master, frames = broadcast_merged(job, theta)
     return MergeResult(replica, master, momentum, frames, clipped, time.perf_counter() - t0)
 
 

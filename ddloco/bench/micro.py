@@ -102,7 +102,9 @@ def bench_merge(numel: int, repeats: int, learners: Sequence[int] = (2, 4, 8)) -
     learner's history and the round's weighted median, folded into the accumulator
     (``common.robust.fold_round``; RDA per tensor, with the C kernels where built), then the outer
     step; its speed relative to a memcpy of its fp32 inputs (M deltas) measured in the same
-    process; and the same merge without the robust rules (token weights, every answer folded as
+    process; the whole path from the int4 answers as they arrive to the encoded broadcast
+    (``path_ms``, ``path_vs_memcpy``: memcpy of the M fp32 inputs ÷ the path, median of three
+    runs, and their range; ``merge_path``); and the same merge without the robust rules (token weights, every answer folded as
     sent: ``plain_ms``), so ``robust_cost`` = merge_ms / plain_ms − 1 is what the rules cost."""
     per = numel // 24
     spans = tuple((i * per, (i + 1) * per, i == 0) for i in range(24))
@@ -132,12 +134,55 @@ def bench_merge(numel: int, repeats: int, learners: Sequence[int] = (2, 4, 8)) -
             outer_step(theta, mom, acc.result(), spans, algo)
         pairs = [(_median_ms(merge, repeats), _median_ms(plain, repeats)) for _ in range(3)]
         ms, plain_ms = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
-        copy = memcpy_ms(m * n, repeats)
+        path = merge_path(deltas, theta, repeats)
+        copies = [memcpy_ms(m * n, repeats) for _ in range(3)]
+        copy = statistics.median(copies)
+        path_ratios = [c / p for c, p in zip(copies, path)]
         rows.append({"learners": m, "numel": n, "merge_ms": ms, "plain_ms": plain_ms,
                      "robust_cost": ms / plain_ms - 1,
                      "robust_cost_range": [min(a / b - 1 for a, b in pairs), max(a / b - 1 for a, b in pairs)],
-                     "memcpy_inputs_ms": copy, "merge_vs_memcpy": copy / ms})
+                     "memcpy_inputs_ms": copy, "merge_vs_memcpy": copy / ms,
+                     "path_ms": statistics.median(path), "path_vs_memcpy": statistics.median(path_ratios),
+                     "path_vs_memcpy_range": [min(path_ratios), max(path_ratios)]})
     return rows
+
+
+def merge_path(deltas: Sequence[torch.Tensor], theta: torch.Tensor, repeats: int, *,
+               codec: str = "int4", rounds: int = 3) -> list[float]:
+    """The shard's whole path for one fragment, ``rounds`` medians of ``repeats`` (ms): each answer
+    (``deltas``, sent as int4 UPDATE messages, the frames as they come off the socket) decoded and
+    checked as the shard's intake does, the round merged on its worker (``syncer.merging.compute_merge``:
+    robust weights and bounds, RDA, outer step) and the update encoded for the broadcast
+    (the run's int4 downlink). Θ of 24 equal parameter pieces; the bases are Θ."""
+    from common.fragments import Fragment, Piece, TensorSpec
+    from syncer.merging import compute_merge
+    from syncer.state import Answer, MergeInput
+    import threading
+    n = theta.numel()
+    per = n // 24
+    spec = Fragment(0, tuple(Piece(TensorSpec(f"w{i:02d}", (per,)), 0, per) for i in range(24)))
+    theta = theta[:per * 24].contiguous()
+    messages = [[bytes(memoryview(f)) for f in wire.encode(kind=wire.UPDATE, run="bench", sender=f"l{i}", fragment=0,
+                                                           values=d[:per * 24].contiguous(), codec=codec, round=1,
+                                                           base=0, steps=24, tokens=24 * 1024 * (10 + i))]
+                for i, d in enumerate(deltas)]
+    algo, scratch, clipper = AlgoConfig(), threading.local(), NormClipper()
+    bases, momentum = {0: theta.clone()}, torch.zeros_like(theta)
+
+    def one_round() -> None:
+        answers = []
+        for frames in messages:                           # the loop's intake
+            msg = wire.decode(frames, expect_run="bench")
+            answers.append(Answer(sender=msg.sender, base=msg.base, steps=msg.steps, tokens=msg.tokens,
+                                  delta=msg.values(), received_at=0.0, clip_steps=float(msg.steps)))
+        weights, _ = fair_weights([a.tokens for a in answers], [a.steps for a in answers])
+        result = compute_merge(MergeInput(spec=spec, theta=theta, master=None, momentum=momentum, bases=bases,
+                                          answers=tuple(answers), weights=weights, clipper=clipper, algo=algo,
+                                          version=0, epoch=1, run_id="bench", sender="s", scratch=scratch,
+                                          largest_numel=theta.numel()))
+        if not result.frames:
+            raise RuntimeError("bench merge: the measured round did not merge")
+    return [_median_ms(one_round, repeats) for _ in range(rounds)]
 
 
 def _lo_bytes() -> int:
