@@ -423,11 +423,336 @@ release:
     return result;
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* The shard's quantized-update downlink in one pass (common/merge.py quantized_update): the
+ * codes of u = master - replica and the new replica + deq(codes), chunk by chunk through L1;
+ * the same bytes and values as encode(master - replica) then replica + decode(...). */
+MULTIVERSION
+static int encode_update_blocks(const float *master, const float *replica, Py_ssize_t n, int levels,
+                                uint8_t *values_out, uint16_t *scales_out, float *out) {
+    float x[CHUNK * BLOCK], deq[BLOCK];
+    Py_ssize_t stride = levels == 7 ? BLOCK / 2 : BLOCK;
+    Py_ssize_t n_blocks = (n + BLOCK - 1) / BLOCK;
+    for (Py_ssize_t b = 0; b < n_blocks; b += CHUNK) {
+        Py_ssize_t k = n_blocks - b < CHUNK ? n_blocks - b : CHUNK;
+        Py_ssize_t a = b * BLOCK, len = (b + k) * BLOCK <= n ? k * BLOCK : n - a;
+        for (Py_ssize_t i = 0; i < len; i++) x[i] = master[a + i] - replica[a + i];
+        for (Py_ssize_t i = len; i < k * BLOCK; i++) x[i] = 0.0f;       /* the tail's padding */
+        uint8_t tailv[BLOCK];
+        int partial = len < k * BLOCK;
+        uint8_t *vals = values_out + b * stride;
+        if (partial) {   /* the last chunk holds the partial block: its codes go through tailv */
+            if (k > 1 && !quantise_chunk(x, k - 1, levels, vals, scales_out + b)) return 0;
+            if (!quantise_chunk(x + (k - 1) * BLOCK, 1, levels, tailv, scales_out + b + k - 1)) return 0;
+            Py_ssize_t rest = len - (k - 1) * BLOCK;
+            memcpy(vals + (k - 1) * stride, tailv, (size_t)(levels == 7 ? (rest + 1) / 2 : rest));
+        } else if (!quantise_chunk(x, k, levels, vals, scales_out + b)) {
+            return 0;
+        }
+        for (Py_ssize_t j = 0; j < k; j++) {
+            const uint8_t *v = (partial && j == k - 1) ? tailv : vals + j * stride;
+            dequantise_block(v, levels, bf16_f32(scales_out[b + j]), deq);
+            Py_ssize_t lo = j * BLOCK, hi = lo + BLOCK < len ? lo + BLOCK : len;
+            for (Py_ssize_t i = lo; i < hi; i++) out[a + i] = replica[a + i] + deq[i - lo];
+        }
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(encode_update_doc,
+"encode_update(master, replica, levels, values_out, scales_out, out) -> bool\n\n"
+"Quantise master - replica into values_out / scales_out (as encode) and write replica + the\n"
+"decoded codes into out, in one pass. False (out partly written) if master - replica holds NaN/inf.");
+
+static PyObject *py_encode_update(PyObject *self, PyObject *args) {
+    Py_buffer ma, re, vals, scales, out;
+    int levels;
+    if (!PyArg_ParseTuple(args, "y*y*iw*w*w*", &ma, &re, &levels, &vals, &scales, &out)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = ma.len / 4;
+    if (re.len != ma.len || out.len != ma.len || !aligned4(3, &ma, &re, &out)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "encode_update: master, replica and out must be float32 of one size");
+        goto done;
+    }
+    if (!check_codec_buffers(&ma, &vals, &scales, levels)) goto done;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = encode_update_blocks((const float *)ma.buf, (const float *)re.buf, n, levels, (uint8_t *)vals.buf,
+                              (uint16_t *)scales.buf, (float *)out.buf);
+    Py_END_ALLOW_THREADS
+    result = PyBool_FromLong(ok);
+done:
+    PyBuffer_Release(&ma); PyBuffer_Release(&re); PyBuffer_Release(&vals);
+    PyBuffer_Release(&scales); PyBuffer_Release(&out);
+    return result;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* A whole round at once (common/merge.py OuterAccumulator.measure_round / fold_round): every
+ * answer's outer gradient o_m = theta - (base_m + delta_m), where delta_m is fp32 or still int8 /
+ * int4 codes (decoded tile by tile into a small buffer, never as a whole vector). Each segment is
+ * walked in sub-tiles of TILE values from its start and, within a sub-tile, answer by answer: theta
+ * and the accumulators stay in cache while all answers pass over them. Per value, the operations
+ * and their order are those of outer_sq_sums / accumulate_outer_segments one answer after the other
+ * (the four double accumulators continue across sub-tiles; answers are added in order), so the
+ * results are bit-identical to theirs. */
+
+#define TILE 1024   /* values per sub-tile: a multiple of 16 (the sums' chunks) */
+
+typedef struct {
+    Py_buffer base, de, vals, scales;   /* de (fp32) or vals + scales (codes) */
+    int levels;                         /* 0: fp32 delta */
+} round_answer;
+
+/* delta at [x, y) of an answer: a pointer d with d[i - x] = delta[i] (n values in all). */
+static const float *delta_tile(const round_answer *a, Py_ssize_t n, Py_ssize_t x, Py_ssize_t y, float *buf) {
+    if (!a->levels) return (const float *)a->de.buf + x;
+    const uint8_t *vals = (const uint8_t *)a->vals.buf, *scales = (const uint8_t *)a->scales.buf;
+    Py_ssize_t stride = a->levels == 7 ? BLOCK / 2 : BLOCK;
+    Py_ssize_t b0 = x / BLOCK, b1 = (y + BLOCK - 1) / BLOCK;
+    for (Py_ssize_t b = b0; b < b1; b++) {
+        float s = bf16_f32(load_scale(scales, b));
+        float *out = buf + (b - b0) * BLOCK;
+        if ((b + 1) * BLOCK <= n) {
+            dequantise_block(vals + b * stride, a->levels, s, out);
+        } else {                                   /* the last, partial block */
+            uint8_t v[BLOCK] = {0};
+            Py_ssize_t rest = n - b * BLOCK;
+            memcpy(v, vals + b * stride, (size_t)(a->levels == 7 ? (rest + 1) / 2 : rest));
+            dequantise_block(v, a->levels, s, out);
+        }
+    }
+    return buf + (x - b0 * BLOCK);
+}
+
+typedef struct { v4d s[4]; double tail; } sq_state;   /* 32-byte aligned (its vectors) */
+
+/* sq_sum over [x, y) continued from st: full chunks of 16 from x, the scalar rest only when y
+ * ends the segment (x - start is a multiple of 16 for every sub-tile). */
+static inline void sq_continue(const float *th, const float *ba, const float *d, Py_ssize_t x, Py_ssize_t y,
+                               sq_state *st) {
+    Py_ssize_t i = x;
+    for (; i + 16 <= y; i += 16)
+        for (int j = 0; j < 4; j++) {
+            Py_ssize_t k = i + 4 * j;
+            v4d v = __builtin_convertvector(load4(th + k) - (load4(ba + k) + load4(d + (k - x))), v4d);
+            st->s[j] += v * v;
+        }
+    for (; i < y; i++) {
+        float t = ba[i] + d[i - x];
+        double v = (double)(th[i] - t);
+        st->tail += v * v;
+    }
+}
+
+MULTIVERSION
+static void round_sq_sums(const float *th, const round_answer *ans, Py_ssize_t m, Py_ssize_t n,
+                          const int64_t *seg, Py_ssize_t n_seg, double *sums, sq_state *st, float *buf) {
+    for (Py_ssize_t k = 0; k < n_seg; k++) {
+        Py_ssize_t a = (Py_ssize_t)seg[3 * k], b = (Py_ssize_t)seg[3 * k + 1];
+        memset(st, 0, sizeof(sq_state) * (size_t)m);
+        for (Py_ssize_t x = a; x < b; x += TILE) {
+            Py_ssize_t y = b - x > TILE ? x + TILE : b;
+            for (Py_ssize_t j = 0; j < m; j++)
+                sq_continue(th, (const float *)ans[j].base.buf, delta_tile(&ans[j], n, x, y, buf), x, y, &st[j]);
+        }
+        for (Py_ssize_t j = 0; j < m; j++) {
+            v4d t = (st[j].s[0] + st[j].s[1]) + (st[j].s[2] + st[j].s[3]);
+            sums[j * n_seg + k] = st[j].tail + ((t[0] + t[1]) + (t[2] + t[3]));
+        }
+    }
+}
+
+MULTIVERSION
+static void round_accumulate(const float *th, const round_answer *ans, Py_ssize_t m, Py_ssize_t n,
+                             const double *sw, float *mean, float *direction, const int64_t *seg,
+                             Py_ssize_t n_seg, const double *norms, float *buf) {
+    for (Py_ssize_t k = 0; k < n_seg; k++) {
+        Py_ssize_t a = (Py_ssize_t)seg[3 * k], b = (Py_ssize_t)seg[3 * k + 1];
+        for (Py_ssize_t x = a; x < b; x += TILE) {
+            Py_ssize_t y = b - x > TILE ? x + TILE : b;
+            for (Py_ssize_t j = 0; j < m; j++) {
+                const float *ba = (const float *)ans[j].base.buf;
+                const float *d = delta_tile(&ans[j], n, x, y, buf);   /* d[i - x] = delta[i] */
+                float s = (float)sw[2 * j];
+                int scaled = sw[2 * j] != 1.0;
+                double w = sw[2 * j + 1], nk = norms[j * n_seg + k];
+                float wf = (float)w;
+                if (seg[3 * k + 2] && nk > 0.0) {
+                    double ad = w / nk;
+                    int wide = !(ad <= FLT_MAX);
+                    float af = wide ? 0.0f : (float)ad;
+                    for (Py_ssize_t i = x; i < y; i++) {
+                        float t = ba[i] + d[i - x], o = th[i] - t;
+                        mean[i] += wf * (scaled ? o * s : o);
+                        direction[i] += unit_term(ad, af, wide, o);
+                    }
+                } else {
+                    for (Py_ssize_t i = x; i < y; i++) {
+                        float t = ba[i] + d[i - x], o = th[i] - t;
+                        mean[i] += wf * (scaled ? o * s : o);
+                    }
+                }
+            }
+        }
+    }
+}
+
+static void release_answers(round_answer *ans, Py_ssize_t m) {
+    for (Py_ssize_t j = 0; j < m; j++) {
+        if (ans[j].base.obj) PyBuffer_Release(&ans[j].base);
+        if (ans[j].de.obj) PyBuffer_Release(&ans[j].de);
+        if (ans[j].vals.obj) PyBuffer_Release(&ans[j].vals);
+        if (ans[j].scales.obj) PyBuffer_Release(&ans[j].scales);
+    }
+    PyMem_Free(ans);
+}
+
+static int get_buffer(PyObject *o, Py_buffer *b, const char *what) {
+    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "round: %s is not a contiguous buffer", what);
+        return 0;
+    }
+    return 1;
+}
+
+/* answers: a sequence of (base, delta) or (base, values, scales, levels), n values each. */
+static round_answer *parse_answers(PyObject *seq, Py_ssize_t n, Py_ssize_t *m_out) {
+    PyObject *fast = PySequence_Fast(seq, "round: answers must be a sequence");
+    if (!fast) return NULL;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(fast);
+    round_answer *ans = PyMem_Calloc(m ? (size_t)m : 1, sizeof(round_answer));
+    if (!ans) { Py_DECREF(fast); PyErr_NoMemory(); return NULL; }
+    for (Py_ssize_t j = 0; j < m; j++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(fast, j);
+        Py_ssize_t len = PyTuple_Check(t) ? PyTuple_GET_SIZE(t) : -1;
+        if (len != 2 && len != 4) {
+            PyErr_SetString(PyExc_ValueError, "round: each answer is (base, delta) or (base, values, scales, levels)");
+            goto bad;
+        }
+        round_answer *a = &ans[j];
+        if (!get_buffer(PyTuple_GET_ITEM(t, 0), &a->base, "a base")) goto bad;
+        if (a->base.len != 4 * n || ((uintptr_t)a->base.buf & 3u)) {
+            PyErr_SetString(PyExc_ValueError, "round: each base must be float32 of theta's size, aligned");
+            goto bad;
+        }
+        if (len == 2) {
+            if (!get_buffer(PyTuple_GET_ITEM(t, 1), &a->de, "a delta")) goto bad;
+            if (a->de.len != 4 * n || ((uintptr_t)a->de.buf & 3u)) {
+                PyErr_SetString(PyExc_ValueError, "round: each fp32 delta must be float32 of theta's size, aligned");
+                goto bad;
+            }
+            continue;
+        }
+        a->levels = (int)PyLong_AsLong(PyTuple_GET_ITEM(t, 3));
+        if (PyErr_Occurred() || !check_levels(a->levels)) goto bad;
+        if (!get_buffer(PyTuple_GET_ITEM(t, 1), &a->vals, "a values frame") ||
+            !get_buffer(PyTuple_GET_ITEM(t, 2), &a->scales, "a scales frame")) goto bad;
+        if (!check_size(&a->vals, values_nbytes(n, a->levels), "values") ||
+            !check_size(&a->scales, 2 * ((n + BLOCK - 1) / BLOCK), "scales")) goto bad;
+        if (!scales_ok((const uint8_t *)a->scales.buf, n, a->levels)) {
+            PyErr_SetString(PyExc_ValueError, "round: non-finite values (a scale beyond the fp32 range)");
+            goto bad;
+        }
+    }
+    Py_DECREF(fast);
+    *m_out = m;
+    return ans;
+bad:
+    Py_DECREF(fast);
+    release_answers(ans, m);
+    return NULL;
+}
+
+PyDoc_STRVAR(round_sq_sums_doc,
+"round_sq_sums(theta, answers, segments, sums) -> None\n\n"
+"answers: (base, delta) or (base, values, scales, levels) per answer. sums[m * n_seg + k] = the\n"
+"sum over segment k of (theta - (base_m + delta_m))^2 (float64), bit-identical to outer_sq_sums.");
+
+static PyObject *py_round_sq_sums(PyObject *self, PyObject *args) {
+    Py_buffer th, seg, sums;
+    PyObject *answers;
+    if (!PyArg_ParseTuple(args, "y*Oy*w*", &th, &answers, &seg, &sums)) return NULL;
+    PyObject *result = NULL;
+    round_answer *ans = NULL;
+    Py_ssize_t m = 0, n = th.len / 4;
+    sq_state *st = NULL;
+    float *buf = NULL;
+    if (th.len % 4 || !aligned4(1, &th) || !check_segments(&seg, n, 1)) goto done;
+    if (!(ans = parse_answers(answers, n, &m))) goto done;
+    if (sums.len != m * (seg.len / 24) * 8) {
+        PyErr_SetString(PyExc_ValueError, "round_sq_sums: sums must hold one float64 per answer and segment");
+        goto done;
+    }
+    st = PyMem_Malloc(sizeof(sq_state) * (size_t)(m + 1));   /* + 1: room to align to the vectors' 32 bytes */
+    buf = PyMem_Malloc(sizeof(float) * (TILE + 2 * BLOCK));
+    if (!st || !buf) { PyErr_NoMemory(); goto done; }
+    sq_state *aligned = (sq_state *)(((uintptr_t)st + 31u) & ~(uintptr_t)31u);
+    Py_BEGIN_ALLOW_THREADS
+    round_sq_sums((const float *)th.buf, ans, m, n, (const int64_t *)seg.buf, seg.len / 24, (double *)sums.buf,
+                  aligned, buf);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    if (ans) release_answers(ans, m);
+    PyMem_Free(st); PyMem_Free(buf);
+    PyBuffer_Release(&th); PyBuffer_Release(&seg); PyBuffer_Release(&sums);
+    return result;
+}
+
+PyDoc_STRVAR(round_accumulate_doc,
+"round_accumulate(theta, answers, scale_weight, mean, direction, segments, norms) -> None\n\n"
+"accumulate_outer for every answer in order (scale_weight: float64 (scale, weight) per answer;\n"
+"norms: float64 per answer and segment), tile by tile: bit-identical to calling it per answer.");
+
+static PyObject *py_round_accumulate(PyObject *self, PyObject *args) {
+    Py_buffer th, sw, mean, dir = {0}, seg, norms;
+    PyObject *answers, *dir_obj;
+    if (!PyArg_ParseTuple(args, "y*Oy*w*Oy*y*", &th, &answers, &sw, &mean, &dir_obj, &seg, &norms)) return NULL;
+    PyObject *result = NULL;
+    round_answer *ans = NULL;
+    Py_ssize_t m = 0, n = th.len / 4;
+    float *buf = NULL;
+    int have_dir = dir_obj != Py_None;
+    if (have_dir && PyObject_GetBuffer(dir_obj, &dir, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (th.len % 4 || mean.len != th.len || (have_dir && dir.len != th.len) ||
+        !aligned4(3, &th, &mean, have_dir ? &dir : NULL)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "round_accumulate: theta, mean and direction must be float32 of one size");
+        goto done;
+    }
+    if (!check_segments(&seg, n, have_dir)) goto done;
+    if (!(ans = parse_answers(answers, n, &m))) goto done;
+    if (sw.len != m * 16 || norms.len != m * (seg.len / 24) * 8) {
+        PyErr_SetString(PyExc_ValueError, "round_accumulate: scale_weight (2 float64) and norms (float64 per segment) per answer");
+        goto done;
+    }
+    if (!(buf = PyMem_Malloc(sizeof(float) * (TILE + 2 * BLOCK)))) { PyErr_NoMemory(); goto done; }
+    Py_BEGIN_ALLOW_THREADS
+    round_accumulate((const float *)th.buf, ans, m, n, (const double *)sw.buf, (float *)mean.buf,
+                     have_dir ? (float *)dir.buf : NULL, (const int64_t *)seg.buf, seg.len / 24,
+                     (const double *)norms.buf, buf);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    if (ans) release_answers(ans, m);
+    PyMem_Free(buf);
+    if (have_dir && dir.obj) PyBuffer_Release(&dir);
+    PyBuffer_Release(&th); PyBuffer_Release(&sw); PyBuffer_Release(&mean);
+    PyBuffer_Release(&seg); PyBuffer_Release(&norms);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS, encode_doc},
     {"decode", py_decode, METH_VARARGS, decode_doc},
     {"outer_sq_sums", py_outer_sq_sums, METH_VARARGS, outer_sq_sums_doc},
     {"accumulate_outer", py_accumulate_outer, METH_VARARGS, accumulate_outer_doc},
+    {"encode_update", py_encode_update, METH_VARARGS, encode_update_doc},
+    {"round_sq_sums", py_round_sq_sums, METH_VARARGS, round_sq_sums_doc},
+    {"round_accumulate", py_round_accumulate, METH_VARARGS, round_accumulate_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -285,6 +285,50 @@ class OuterAccumulator:
         self.weight_sum += abs(w)
         self.count += 1
 
+    def round_kernels(self, theta: torch.Tensor, answers: Sequence[tuple[torch.Tensor, Any]]) -> bool:
+        """Whether ``measure_round`` / ``fold_round`` serve this round: the C kernels built, fp32
+        CPU tensors (Θ, the accumulators, each base and fp32 δ) and every buffer piece merged by
+        the weighted median (``robust_buffers``: nothing of a buffer piece is read from the
+        accumulators, so they need no answer-by-answer step)."""
+        if quant._kernels is None or len(self._buffer_pieces) != len(self._floats) + len(self._ints):
+            return False
+        tensors = [theta, self.mean] + [b for b, _ in answers] + \
+            [d for _, d in answers if not isinstance(d, quant.EncodedVector)]
+        return all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.float32
+                   and t.is_contiguous() and t.numel() == self.numel for t in tensors)
+
+    def _round_inputs(self, answers: Sequence[tuple[torch.Tensor, Any]]) -> list[tuple[Any, ...]]:
+        return [(b.numpy(), *d.kernel_args()) if isinstance(d, quant.EncodedVector) else (b.numpy(), d.numpy())
+                for b, d in answers]
+
+    def measure_round(self, theta: torch.Tensor, answers: Sequence[tuple[torch.Tensor, Any]]) -> list["Measured"]:
+        """``measure`` of every (base, δ) of a round in one call, tile by tile (``round_kernels``):
+        Θ stays in cache while the answers pass; an encoded δ is decoded a tile at a time."""
+        sums = np.zeros((len(answers), len(self._segments)), dtype=np.float64)
+        quant._kernels.round_sq_sums(theta.numpy(), self._round_inputs(answers), self._segments, sums)
+        return [Measured(math.sqrt(float(row[self._bounded_segments].sum())), row) for row in sums]
+
+    def fold_round(self, theta: torch.Tensor, folds: Sequence[tuple[torch.Tensor, Any, float, float, "Measured"]]) -> None:
+        """``fold`` of every (base, δ, ŵ, scale, measured) of a round, in order, in one call (the
+        same values as folding them one by one: ``round_kernels`` must hold)."""
+        if not folds:
+            return
+        norms = np.sqrt(np.stack([m.segment_sq for *_, m in folds]))
+        scale_weight = np.array([(float(sc), float(w)) for _, _, w, sc, _ in folds], dtype=np.float64)
+        quant._kernels.round_accumulate(theta.numpy(), self._round_inputs([(b, d) for b, d, *_ in folds]),
+                                        scale_weight, self.mean.numpy(),
+                                        None if self.direction is None else self.direction.numpy(),
+                                        self._segments, norms)
+        for (base, delta, w, scale, _), row in zip(folds, norms):
+            w = float(w)
+            for i, k in self._rda_segment:
+                self.radius[i] += w * scale * float(row[k])
+            if self._robust_radius and self._rda_segment:
+                self._piece_norms.append((w, [scale * float(row[k]) for _, k in self._rda_segment]))
+            self._keep_buffers(w, [theta[a:b] - (base[a:b] + delta[a:b]) for a, b in self._buffer_pieces])
+            self.weight_sum += abs(w)
+            self.count += 1
+
     def buffers_within(self, theta: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, ceiling: float) -> bool:
         """The answer's float-buffer pieces of Δ_m = Θ − (base + δ_m) are finite and within ``ceiling``."""
         sq = 0.0
@@ -422,6 +466,9 @@ def quantized_update(replica: torch.Tensor, master: torch.Tensor, codec: str) ->
     """The quantized-update downlink (ALGORITHM §7): (the new replica, the broadcast's codec
     frames). The frames carry q(master − replica); the new replica is replica + deq(frames), the
     same fp32 addition every learner holding ``replica`` makes, so all copies stay bit-identical."""
+    fused = quant.encode_update(master, replica, codec)
+    if fused is not None:   # one pass: the same bytes and values as the two lines below
+        return fused
     frames = quant.encode(master - replica, codec)
     return replica + quant.decode(frames, codec, master.numel()), frames
 

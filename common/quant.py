@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -300,3 +301,83 @@ def decode(frames: Sequence[Any], codec: str, numel: int) -> torch.Tensor:
     else:
         q = _unpack_nibbles(_to_tensor(views[0], np.dtype("u1")))
     return _dequantise_blocks(q, scales, numel)
+
+
+# --------------------------------------------------------------------------------------------
+# a payload kept encoded (the shard's merge decodes it tile by tile: common.merge)
+
+
+def _scales_in_range(scales: memoryview, codec: str) -> bool:
+    """Every bf16 scale finite and within ``_SCALE_LIMIT`` (then every decoded value is finite)."""
+    bits = np.frombuffer(scales, dtype="<u2").astype(np.uint32) << 16
+    return bool((np.abs(bits.view(np.float32)) <= _SCALE_LIMIT[codec]).all())   # NaN fails too
+
+
+@dataclass(frozen=True, eq=False)
+class EncodedVector:
+    """An int8/int4 payload of ``numel`` values, checked (sizes, scales: it decodes to finite
+    values) but not decoded: 1/8 (int4) of the fp32 memory while it waits in a round. The merge
+    kernels read it directly (``kernel_args``); ``vec[a:b]`` decodes values [a, b) only."""
+
+    codec: str
+    numel: int
+    values: memoryview
+    scales: memoryview
+
+    def decode(self) -> torch.Tensor:
+        return decode([self.values, self.scales], self.codec, self.numel)
+
+    def kernel_args(self) -> tuple[memoryview, memoryview, int]:
+        """(values, scales, levels) for ``_qkernels.round_*``."""
+        return self.values, self.scales, _LEVELS[self.codec]
+
+    def __getitem__(self, where: slice) -> torch.Tensor:
+        a, b, step = where.indices(self.numel)
+        if step != 1:
+            raise CodecError("an encoded vector is sliced with step 1 only")
+        if b <= a:
+            return torch.empty(0, dtype=torch.float32)
+        b0, b1 = a // BLOCK, -(-b // BLOCK)
+        per_block = BLOCK // 2 if self.codec == "int4" else BLOCK
+        count = min(b1 * BLOCK, self.numel) - b0 * BLOCK
+        values = self.values[b0 * per_block:b0 * per_block + _frame_nbytes(count, self.codec)[0]]
+        out = decode([values, self.scales[2 * b0:2 * b1]], self.codec, count)
+        return out[a - b0 * BLOCK:b - b0 * BLOCK]
+
+
+def encoded(frames: Sequence[Any], codec: str, numel: int) -> "EncodedVector | torch.Tensor":
+    """``frames`` checked as ``decode`` checks them, kept encoded where the merge kernels can read
+    them (int8/int4 with the C kernels built); otherwise decoded. Raises ``NonFiniteError`` for a
+    payload that would decode to NaN/inf, ``CodecError`` for a malformed one."""
+    if codec not in ("int8", "int4") or _kernels is None:
+        return decode(frames, codec, numel)
+    _check_codec(codec)
+    _check_numel(numel)
+    views = [_as_bytes_view(f) for f in frames]
+    expected = _frame_nbytes(numel, codec)
+    if len(views) != len(expected) or any(v.nbytes != nb for v, nb in zip(views, expected)):
+        raise CodecError(f"codec {codec} frames for {numel} values must be {list(expected)} bytes, "
+                         f"got {[v.nbytes for v in views]}")
+    if not _scales_in_range(views[1], codec):
+        raise NonFiniteError("non-finite values")
+    return EncodedVector(codec, numel, views[0], views[1])
+
+
+def encode_update(master: torch.Tensor, replica: torch.Tensor, codec: str) -> tuple[torch.Tensor, list[memoryview]] | None:
+    """(replica + decode(encode(master − replica)), those frames) in one pass with the C kernels
+    (int8/int4, fp32 CPU vectors): the bytes and values of the unfused expression. None where the
+    kernels do not serve it; ``NonFiniteError`` if master − replica holds NaN/inf."""
+    if codec not in ("int8", "int4") or _kernels is None:
+        return None
+    for t in (master, replica):
+        _check_input(t)
+    if master.numel() != replica.numel():
+        raise CodecError(f"master has {master.numel()} values, replica {replica.numel()}")
+    values_nbytes, scales_nbytes = _frame_nbytes(master.numel(), codec)
+    values = np.empty(values_nbytes, dtype=np.uint8)
+    scales = np.empty(scales_nbytes // 2, dtype=np.int16)
+    out = torch.empty_like(master)
+    if not _kernels.encode_update(master.detach().numpy(), replica.detach().numpy(), _LEVELS[codec], values,
+                                  scales, out.numpy()):
+        raise NonFiniteError("non-finite values")
+    return out, [memoryview(values), memoryview(scales).cast("B")]

@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from common.merge import contribution_weights, weighted_median_rows
+from common.quant import EncodedVector
 
 REASONS = ("nonfinite_delta", "tokens_claim", "steps_claim", "clipped")
 TIME_SLACK = 1.5
@@ -257,13 +258,21 @@ def fold_round(acc: Any, theta: torch.Tensor, answers: Sequence[tuple[str, torch
     to the lower of the clipper's bound (history) and the round's own (``round_bound``) and
     folded in. An answer moving float buffers beyond ``buffer_ceiling`` is left out. Returns
     each answer's scale (1: as sent; 0: left out)."""
-    measured = []
-    for _, base, delta, _ in answers:
-        ok = buffer_ceiling is None or acc.buffers_within(theta, base, delta, buffer_ceiling)
-        measured.append(acc.measure(theta, base, delta, buf=buf) if ok else None)
+    whole = acc.round_kernels(theta, [(base, delta) for _, base, delta, _ in answers])
+    if not whole:   # answer by answer: the deltas decoded
+        answers = [(s, base, d.decode() if isinstance(d, EncodedVector) else d, st) for s, base, d, st in answers]
+    within = [buffer_ceiling is None or acc.buffers_within(theta, base, delta, buffer_ceiling)
+              for _, base, delta, _ in answers]
+    if whole:
+        kept = [(base, delta) for (_, base, delta, _), ok in zip(answers, within) if ok]
+        it = iter(acc.measure_round(theta, kept))
+        measured = [next(it) if ok else None for ok in within]
+    else:
+        measured = [acc.measure(theta, base, delta, buf=buf) if ok else None
+                    for (_, base, delta, _), ok in zip(answers, within)]
     limit = round_bound([m.norm if m is not None else math.nan for m in measured], list(weights))
     reference: list[float] = []   # the fragment's own norm: only the clipper's warm-up needs it
-    scales = []
+    scales, folds = [], []
     for (sender, base, delta, steps), w, m in zip(answers, weights, measured):
         if m is None:
             scales.append(0.0)
@@ -272,8 +281,13 @@ def fold_round(acc: Any, theta: torch.Tensor, answers: Sequence[tuple[str, torch
             reference.append(acc.bounded_norm(theta))
         scale = clipper.observe(m.norm, reference[0] if reference else None, steps, learner=sender, limit=limit)
         if scale != 0.0:
-            acc.fold(theta, base, delta, float(w), scale, m, buf=buf)
+            folds.append((base, delta, float(w), scale, m))
         scales.append(scale)
+    if whole:
+        acc.fold_round(theta, folds)
+    else:
+        for base, delta, w, scale, m in folds:
+            acc.fold(theta, base, delta, w, scale, m, buf=buf)
     return scales
 
 

@@ -134,6 +134,21 @@ class Message:
             raise PayloadError(str(e)) from None
 
 
+    def values_for_merge(self) -> Any:
+        """The values as the shard's merge reads them: int8/int4 kept encoded and checked
+        (``common.quant.EncodedVector``, decoded tile by tile in the merge) where the C kernels
+        are built, else ``values()``. Raises as ``values()`` does."""
+        if self.decoded is not None:
+            return self.decoded
+        quant = _quant()
+        try:
+            return quant.encoded(self.payload, self.codec, self.numel)
+        except quant.NonFiniteError as e:
+            raise NonFinitePayload(str(e)) from None
+        except quant.CodecError as e:
+            raise PayloadError(str(e)) from None
+
+
 def topic(run: str, kind: str, fragment: int) -> bytes:
     """Exact topic of a message; also a SUB prefix matching exactly one fragment."""
     return f"{run}|{kind}.{fragment:04d}".encode()

@@ -10,7 +10,6 @@ import statistics
 import time
 from typing import Any
 
-import torch
 
 from common import wire
 from common.robust import STEP_TIME_FLOOR_OF_MEDIAN, STEP_TIME_UNKNOWN_S, bound_claims, claims_reference, \
@@ -50,7 +49,7 @@ class Intake:
                           oldest=min(f.history), epoch=msg.epoch, our_epoch=self.epoch)
             return
         try:
-            delta = msg.values()     # finite: the decoder checks the payload (fp32/bf16 values, int scales)
+            delta = msg.values_for_merge()   # finite: the decoder checks the payload (fp32/bf16 values, int scales)
         except wire.NonFinitePayload:   # e.g. an int4 scale that decodes to inf: this answer only
             self._reject("nonfinite_delta", msg.sender, f.spec.index)
             return
@@ -59,7 +58,7 @@ class Intake:
             return
         self._accept_answer(f, msg, delta)
 
-    def _accept_answer(self, f: FragmentState, msg: wire.Message, delta: torch.Tensor) -> None:
+    def _accept_answer(self, f: FragmentState, msg: wire.Message, delta: Any) -> None:
         """A valid answer into its open round, its claims bounded (common.robust); its quorum time noted."""
         rnd = f.round
         H, step_s = self.run.algo.sync_every_steps, self._claim_step_s(msg.sender)

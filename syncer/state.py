@@ -48,7 +48,8 @@ class Answer:
     base: int
     steps: int
     tokens: int
-    delta: torch.Tensor
+    delta: Any
+    """δ_m: a flat fp32 tensor, or its int8/int4 payload still encoded (``common.quant.EncodedVector``)."""
     received_at: float
     clip_steps: float | None = None
     """Its steps as far as the time since its base allows: what may stretch the norm bound (common.robust)."""

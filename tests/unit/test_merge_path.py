@@ -86,3 +86,119 @@ def test_a_merge_whose_outer_step_is_not_finite_is_dropped_not_broadcast(downlin
         monkeypatch.setattr(merging, "outer_step", poisoned)
         res = merging.compute_merge(_job(256, downlink))
         assert res.replica is None and res.frames == [], (downlink, bad)
+
+
+# --------------------------------------------------------------------------- the round kernels
+def _spans(numel: int) -> list[tuple[int, int, str]]:
+    """Pieces of every kind, a gap, one piece longer than the kernels' tile, odd lengths."""
+    kinds = [(5000, "param"), (7, "param"), (300, "embedding"), (64, "buffer"), (3, "int_buffer"),
+             (1, "param"), (2111, "param")]
+    spans, at = [], 0
+    for i, (length, kind) in enumerate(kinds):
+        if i == 3:
+            at += 9                       # a gap no piece covers
+        spans.append((at, at + length, kind))
+        at += length
+    assert at == numel
+    return spans
+
+
+NUMEL = 5000 + 7 + 300 + 9 + 64 + 3 + 1 + 2111
+
+
+def _round(codec: str, seed: int) -> tuple[torch.Tensor, dict[int, torch.Tensor], list[tuple[str, int, object, float]]]:
+    g = torch.Generator().manual_seed(seed)
+    theta = torch.randn(NUMEL, generator=g)
+    bases = {3: theta - 0.01 * torch.randn(NUMEL, generator=g), 4: theta.clone()}
+    answers = []
+    for i in range(6):
+        d = 0.02 * torch.randn(NUMEL, generator=g) * (1 + i)          # growing norms: some get clipped
+        if i == 4:
+            d[5300:5364] += 50.0                                        # its float buffers move wildly
+        frames = quant.encode(d, codec) if codec != "fp32" else None
+        delta = quant.encoded(frames, codec, NUMEL) if frames else d
+        answers.append((f"l{i}", 3 + i % 2, delta, 24.0))
+    return theta, bases, answers
+
+
+def _merge(theta, bases, answers, *, whole: bool):
+    from common.merge import OuterAccumulator
+    from common.robust import fold_round
+    acc = OuterAccumulator(NUMEL, _spans(NUMEL), "rda", robust_buffers=True, robust_radius=True)
+    if not whole:
+        acc.round_kernels = lambda *a: False                            # answer by answer, decoded
+    clipper = NormClipper(min_samples=2)
+    for sender in ("l0", "l1", "l2"):                                   # a history: the bound is known
+        clipper.observe(1.0, None, 24.0, learner=sender)
+        clipper.observe(1.2, None, 24.0, learner=sender)
+    weights = [0.1, 0.25, 0.15, 0.2, 0.1, 0.2]
+    scales = fold_round(acc, theta, [(s, bases[b], d, st) for s, b, d, st in answers], weights, clipper,
+                        buffer_ceiling=100.0)
+    return acc.result().clone(), scales, list(acc.radius), acc.weight_sum, acc.count
+
+
+@pytest.mark.parametrize("codec", ["int4", "int8", "fp32"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_round_kernels_merge_bit_identically_to_the_answer_by_answer_path(codec: str, seed: int) -> None:
+    """measure_round / fold_round (every answer tile by tile, int8/int4 decoded a tile at a time)
+    against measure / fold of each decoded answer, as the shard merged before: the same merged
+    outer gradient to the bit, the same clip scales (some < 1, one answer left out for its
+    buffers), radii and weights."""
+    if _BUILT is None:
+        pytest.skip("common._qkernels is not built here")
+    theta, bases, answers = _round(codec, seed)
+    new = _merge(theta, bases, answers, whole=True)
+    old = _merge(theta, bases, answers, whole=False)
+    assert new[1] == old[1] and any(0 < s < 1 for s in new[1]) and 0.0 in new[1], (new[1], old[1])
+    assert torch.equal(new[0].view(torch.int32), old[0].view(torch.int32)), \
+        float((new[0] - old[0]).abs().max())
+    assert new[2:] == old[2:]
+
+
+@pytest.mark.parametrize("codec", ["int4", "int8"])
+def test_the_fused_update_encoder_writes_the_bytes_and_values_of_the_two_step_one(codec: str) -> None:
+    if _BUILT is None:
+        pytest.skip("common._qkernels is not built here")
+    g = torch.Generator().manual_seed(5)
+    for n in (1, 63, 64, 65, 1000, 4095, 4096, 4097, 70001):
+        replica = torch.randn(n, generator=g)
+        master = replica + 0.01 * torch.randn(n, generator=g)
+        out, frames = quant.encode_update(master, replica, codec)
+        ref_frames = quant.encode(master - replica, codec)
+        ref = replica + quant.decode(ref_frames, codec, n)
+        assert [bytes(f) for f in frames] == [bytes(f) for f in ref_frames], n
+        assert torch.equal(out.view(torch.int32), ref.view(torch.int32)), n
+    master[3] = float("nan")
+    with pytest.raises(quant.NonFiniteError):
+        quant.encode_update(master, replica, codec)
+
+
+@pytest.mark.parametrize("codec", ["int4", "int8"])
+def test_an_encoded_vector_decodes_any_slice_as_the_whole_decode_does(codec: str) -> None:
+    if _BUILT is None:
+        pytest.skip("common._qkernels is not built here")
+    n = 1000
+    x = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    vec = quant.encoded(quant.encode(x, codec), codec, n)
+    whole = vec.decode()
+    for a, b in ((0, n), (0, 1), (63, 65), (64, 128), (100, 999), (999, 1000), (500, 500), (960, 1000)):
+        assert torch.equal(vec[a:b], whole[a:b]), (a, b)
+
+
+@pytest.mark.parametrize("downlink", ["int4", "fp32"])
+def test_compute_merge_on_encoded_answers_equals_it_on_decoded_ones(downlink: str) -> None:
+    """The shard's merge of int4 answers kept encoded (as intake now hands them over) and of the
+    same answers decoded: the same replica, master and broadcast bytes."""
+    if _BUILT is None:
+        pytest.skip("common._qkernels is not built here")
+    job = _job(4096 * 3 + 40, downlink, answers=5)
+    encoded = tuple(dataclasses.replace(a, delta=quant.encoded(quant.encode(a.delta, "int4"), "int4", a.delta.numel()))
+                    for a in job.answers)
+    decoded = tuple(dataclasses.replace(a, delta=a.delta.decode()) for a in encoded)
+    res = [merging.compute_merge(dataclasses.replace(job, answers=ans, clipper=NormClipper(), scratch=threading.local()))
+           for ans in (encoded, decoded)]
+    assert torch.equal(res[0].replica.view(torch.int32), res[1].replica.view(torch.int32))
+    assert (res[0].master is None) == (res[1].master is None)
+    if res[0].master is not None:
+        assert torch.equal(res[0].master.view(torch.int32), res[1].master.view(torch.int32))
+    assert [bytes(memoryview(f)) for f in res[0].frames[2:]] == [bytes(memoryview(f)) for f in res[1].frames[2:]]
