@@ -117,13 +117,13 @@ static int encode_blocks(const float *x, Py_ssize_t n, int levels, uint8_t *valu
     return 1;
 }
 
-static inline void dequantise_block(const uint8_t *v, int levels, float s, float *out) {
-    if (levels == 7) {
-        for (int j = 0; j < BLOCK / 2; j++) {
-            int32_t p = v[j];
-            out[2 * j] = (float)(((p & 0x0F) ^ 8) - 8) * s;
-            out[2 * j + 1] = (float)(((p >> 4) ^ 8) - 8) * s;
-        }
+static inline __attribute__((always_inline)) void dequantise_block(const uint8_t *v, int levels, float s, float *out) {
+    if (levels == 7) {   /* nibbles to bytes (little-endian pairs), sign-extended, then to float: loops that vectorise */
+        uint16_t w[BLOCK / 2];
+        int8_t q[BLOCK];
+        for (int j = 0; j < BLOCK / 2; j++) w[j] = (uint16_t)((v[j] & 0x0Fu) | ((uint16_t)(v[j] & 0xF0u) << 4));
+        memcpy(q, w, BLOCK);
+        for (int i = 0; i < BLOCK; i++) out[i] = (float)(int8_t)((q[i] ^ 8) - 8) * s;
     } else {
         const int8_t *q = (const int8_t *)v;
         for (int i = 0; i < BLOCK; i++) out[i] = (float)q[i] * s;
@@ -505,7 +505,7 @@ typedef struct {
 } round_answer;
 
 /* delta at [x, y) of an answer: a pointer d with d[i - x] = delta[i] (n values in all). */
-static const float *delta_tile(const round_answer *a, Py_ssize_t n, Py_ssize_t x, Py_ssize_t y, float *buf) {
+static inline __attribute__((always_inline)) const float *delta_tile(const round_answer *a, Py_ssize_t n, Py_ssize_t x, Py_ssize_t y, float *buf) {
     if (!a->levels) return (const float *)a->de.buf + x;
     const uint8_t *vals = (const uint8_t *)a->vals.buf, *scales = (const uint8_t *)a->scales.buf;
     Py_ssize_t stride = a->levels == 7 ? BLOCK / 2 : BLOCK;
@@ -529,7 +529,7 @@ typedef struct { v4d s[4]; double tail; } sq_state;   /* 32-byte aligned (its ve
 
 /* sq_sum over [x, y) continued from st: full chunks of 16 from x, the scalar rest only when y
  * ends the segment (x - start is a multiple of 16 for every sub-tile). */
-static inline void sq_continue(const float *th, const float *ba, const float *d, Py_ssize_t x, Py_ssize_t y,
+static inline __attribute__((always_inline)) void sq_continue(const float *th, const float *ba, const float *d, Py_ssize_t x, Py_ssize_t y,
                                sq_state *st) {
     Py_ssize_t i = x;
     for (; i + 16 <= y; i += 16)
