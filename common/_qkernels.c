@@ -566,7 +566,7 @@ static void round_sq_sums(const float *th, const round_answer *ans, Py_ssize_t m
 MULTIVERSION
 static void round_accumulate(const float *th, const round_answer *ans, Py_ssize_t m, Py_ssize_t n,
                              const double *sw, float *mean, float *direction, const int64_t *seg,
-                             Py_ssize_t n_seg, const double *norms, float *buf) {
+                             Py_ssize_t n_seg, const double *norms, float *buf, int init) {
     for (Py_ssize_t k = 0; k < n_seg; k++) {
         Py_ssize_t a = (Py_ssize_t)seg[3 * k], b = (Py_ssize_t)seg[3 * k + 1];
         for (Py_ssize_t x = a; x < b; x += TILE) {
@@ -578,7 +578,23 @@ static void round_accumulate(const float *th, const round_answer *ans, Py_ssize_
                 int scaled = sw[2 * j] != 1.0;
                 double w = sw[2 * j + 1], nk = norms[j * n_seg + k];
                 float wf = (float)w;
-                if (seg[3 * k + 2] && nk > 0.0) {
+                if (init && j == 0) {   /* the accumulators are not zeroed: 0 + term, as += on zeros */
+                    if (seg[3 * k + 2]) {
+                        double ad = nk > 0.0 ? w / nk : 0.0;
+                        int wide = !(ad <= FLT_MAX);
+                        float af = wide ? 0.0f : (float)ad;
+                        for (Py_ssize_t i = x; i < y; i++) {
+                            float t = ba[i] + d[i - x], o = th[i] - t;
+                            mean[i] = 0.0f + wf * (scaled ? o * s : o);
+                            direction[i] = nk > 0.0 ? 0.0f + unit_term(ad, af, wide, o) : 0.0f;
+                        }
+                    } else {
+                        for (Py_ssize_t i = x; i < y; i++) {
+                            float t = ba[i] + d[i - x], o = th[i] - t;
+                            mean[i] = 0.0f + wf * (scaled ? o * s : o);
+                        }
+                    }
+                } else if (seg[3 * k + 2] && nk > 0.0) {
                     double ad = w / nk;
                     int wide = !(ad <= FLT_MAX);
                     float af = wide ? 0.0f : (float)ad;
@@ -703,14 +719,16 @@ done:
 }
 
 PyDoc_STRVAR(round_accumulate_doc,
-"round_accumulate(theta, answers, scale_weight, mean, direction, segments, norms) -> None\n\n"
+"round_accumulate(theta, answers, scale_weight, mean, direction, segments, norms, init=False) -> None\n\n"
 "accumulate_outer for every answer in order (scale_weight: float64 (scale, weight) per answer;\n"
-"norms: float64 per answer and segment), tile by tile: bit-identical to calling it per answer.");
+"norms: float64 per answer and segment), tile by tile: bit-identical to calling it per answer.\n"
+"init: mean and direction hold garbage; the first answer writes 0 + its terms (rda segments' direction).");
 
 static PyObject *py_round_accumulate(PyObject *self, PyObject *args) {
     Py_buffer th, sw, mean, dir = {0}, seg, norms;
     PyObject *answers, *dir_obj;
-    if (!PyArg_ParseTuple(args, "y*Oy*w*Oy*y*", &th, &answers, &sw, &mean, &dir_obj, &seg, &norms)) return NULL;
+    int init = 0;
+    if (!PyArg_ParseTuple(args, "y*Oy*w*Oy*y*|p", &th, &answers, &sw, &mean, &dir_obj, &seg, &norms, &init)) return NULL;
     PyObject *result = NULL;
     round_answer *ans = NULL;
     Py_ssize_t m = 0, n = th.len / 4;
@@ -732,7 +750,7 @@ static PyObject *py_round_accumulate(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     round_accumulate((const float *)th.buf, ans, m, n, (const double *)sw.buf, (float *)mean.buf,
                      have_dir ? (float *)dir.buf : NULL, (const int64_t *)seg.buf, seg.len / 24,
-                     (const double *)norms.buf, buf);
+                     (const double *)norms.buf, buf, init);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);

@@ -142,11 +142,13 @@ class OuterAccumulator:
         self.gaps = [(end, start) for end, (start, _, _) in zip(ends, self.pieces + [(numel, 0, "")]) if start > end]
         """Stretches no piece covers: zero in the result (``add`` sums whole vectors, gaps included)."""
         if scratch is not None and all(b.numel() == numel and b.dtype == torch.float32 for b in scratch):
-            self.mean = scratch[0].zero_()
-            self.direction = scratch[1].zero_() if any(self.rda) else None
+            self.mean = scratch[0]           # zeroed by the first fold (``_zero_once``)
+            self.direction = scratch[1] if any(self.rda) else None
+            self._unset = True
         else:
             self.mean = torch.zeros(numel, dtype=torch.float32, device=device)
             self.direction = torch.zeros(numel, dtype=torch.float32, device=device) if any(self.rda) else None
+            self._unset = False
         self.radius = [0.0] * len(self.pieces)
         self._robust_radius = robust_radius
         self._piece_norms: list[tuple[float, list[float]]] = []
@@ -188,10 +190,20 @@ class OuterAccumulator:
             outer[a:b].mul_(scale)
         return outer
 
+    def _zero_once(self) -> None:
+        """Zero the scratch accumulators before the first fold that adds to them (the round
+        kernels' first answer writes them instead: no pass of its own)."""
+        if self._unset:
+            self.mean.zero_()
+            if self.direction is not None:
+                self.direction.zero_()
+            self._unset = False
+
     def add(self, outer: torch.Tensor, weight: float) -> None:
         """Fold in one contributor's Δ_m [numel] with normalised weight ŵ_m (Δ_m is only read)."""
         if outer.dim() != 1 or outer.shape[0] != self.numel:
             raise ValueError(f"outer gradient must be [{self.numel}], got shape {tuple(outer.shape)}")
+        self._zero_once()
         w = float(weight)
         kept = self._ints_so_far()
         self.mean.add_(outer, alpha=w)          # one pass over the fragment (gaps add zeros)
@@ -261,6 +273,7 @@ class OuterAccumulator:
              measured: "Measured", buf: torch.Tensor | None = None) -> None:
         """Second pass: fold Δ_m = Θ − (base + δ_m), its parameter pieces scaled by ``scale``, in
         with weight ŵ_m (``measured``: what ``measure`` returned for the same inputs)."""
+        self._zero_once()
         w = float(weight)
         if measured.segment_sq is None or not self._kernel_inputs(theta, base, delta):
             outer = torch.add(base, delta, out=buf) if buf is not None else base + delta
@@ -318,7 +331,8 @@ class OuterAccumulator:
         quant._kernels.round_accumulate(theta.numpy(), self._round_inputs([(b, d) for b, d, *_ in folds]),
                                         scale_weight, self.mean.numpy(),
                                         None if self.direction is None else self.direction.numpy(),
-                                        self._segments, norms)
+                                        self._segments, norms, self._unset)
+        self._unset = False
         for (base, delta, w, scale, _), row in zip(folds, norms):
             w = float(w)
             for i, k in self._rda_segment:
@@ -426,6 +440,7 @@ def outer_nesterov_step(
     lr: float,
     momentum_coef: float,
     nesterov: bool = True,
+    check_only: bool = False,
 ) -> None:
     """One outer SGD step with (Nesterov) momentum, in place on ``theta`` and ``momentum``.
 
@@ -442,6 +457,8 @@ def outer_nesterov_step(
         raise ValueError(f"lr must be finite and > 0, got {lr}")
     if not 0.0 <= momentum_coef < 1.0:
         raise ValueError(f"momentum_coef must be in [0, 1), got {momentum_coef}")
+    if check_only:   # the arguments' checks only (outer_step takes the μ = 0 step itself)
+        return
     with torch.no_grad():
         if momentum_coef == 0:
             theta.add_(grad, alpha=-lr)
@@ -526,12 +543,15 @@ def outer_step(theta: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor,
     """The run's outer step with the merged outer gradient ``grad``, on copies (see
     ``outer_update``); buffers take the learners' merged value, without the outer optimizer.
     With μ = 0 the momentum is returned as given (unchanged, not copied)."""
-    new_theta = theta.clone()
     moving = algo.outer_momentum != 0
+    lr = outer_lr_at(algo.outer_lr, merges_done, algo.outer_warmup_merges)
     if moving:   # with μ = 0 the momentum is never read nor written: no copy of it per merge
-        momentum = momentum.clone()
-    outer_nesterov_step(new_theta, momentum, grad, lr=outer_lr_at(algo.outer_lr, merges_done, algo.outer_warmup_merges),
-                        momentum_coef=algo.outer_momentum, nesterov=algo.outer_nesterov)
+        new_theta, momentum = theta.clone(), momentum.clone()
+        outer_nesterov_step(new_theta, momentum, grad, lr=lr, momentum_coef=algo.outer_momentum,
+                            nesterov=algo.outer_nesterov)
+    else:        # Θ − η·Δ into a new tensor in one pass (the same kernel and values as clone + add_)
+        outer_nesterov_step(theta, momentum, grad, lr=lr, momentum_coef=0.0, check_only=True)
+        new_theta = torch.add(theta, grad, alpha=-lr)
     for start, stop, kind in spans:  # buffers: the learners' merged value, no outer optimizer
         if _span_kind(kind) in ("buffer", "int_buffer"):
             new_theta[start:stop] = theta[start:stop] - grad[start:stop]

@@ -3,6 +3,7 @@ decoder and the broadcast's encoder instead of passes of their own."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 import numpy as np
@@ -121,10 +122,11 @@ def _round(codec: str, seed: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]
     return theta, bases, answers
 
 
-def _merge(theta, bases, answers, *, whole: bool):
+def _merge(theta, bases, answers, *, whole: bool, scratch: bool = False):
     from common.merge import OuterAccumulator
     from common.robust import fold_round
-    acc = OuterAccumulator(NUMEL, _spans(NUMEL), "rda", robust_buffers=True, robust_radius=True)
+    garbage = (torch.full((NUMEL,), float("nan")), torch.full((NUMEL,), 3.0)) if scratch else None  # a reused merge's leftovers
+    acc = OuterAccumulator(NUMEL, _spans(NUMEL), "rda", robust_buffers=True, robust_radius=True, scratch=garbage)
     if not whole:
         acc.round_kernels = lambda *a: False                            # answer by answer, decoded
     clipper = NormClipper(min_samples=2)
@@ -143,16 +145,18 @@ def test_the_round_kernels_merge_bit_identically_to_the_answer_by_answer_path(co
     """measure_round / fold_round (every answer tile by tile, int8/int4 decoded a tile at a time)
     against measure / fold of each decoded answer, as the shard merged before: the same merged
     outer gradient to the bit, the same clip scales (some < 1, one answer left out for its
-    buffers), radii and weights."""
+    buffers), radii and weights; also into scratch buffers left over from another merge (NaN),
+    which the first answer overwrites instead of a zeroing pass."""
     if _BUILT is None:
         pytest.skip("common._qkernels is not built here")
     theta, bases, answers = _round(codec, seed)
-    new = _merge(theta, bases, answers, whole=True)
     old = _merge(theta, bases, answers, whole=False)
-    assert new[1] == old[1] and any(0 < s < 1 for s in new[1]) and 0.0 in new[1], (new[1], old[1])
-    assert torch.equal(new[0].view(torch.int32), old[0].view(torch.int32)), \
-        float((new[0] - old[0]).abs().max())
-    assert new[2:] == old[2:]
+    for scratch in (False, True):    # fresh zeros, or scratch buffers the first answer overwrites
+        new = _merge(theta, bases, answers, whole=True, scratch=scratch)
+        assert new[1] == old[1] and any(0 < s < 1 for s in new[1]) and 0.0 in new[1], (new[1], old[1])
+        assert torch.equal(new[0].view(torch.int32), old[0].view(torch.int32)), \
+            (scratch, float((new[0] - old[0]).abs().max()))
+        assert new[2:] == old[2:]
 
 
 @pytest.mark.parametrize("codec", ["int4", "int8"])
@@ -202,3 +206,32 @@ def test_compute_merge_on_encoded_answers_equals_it_on_decoded_ones(downlink: st
     if res[0].master is not None:
         assert torch.equal(res[0].master.view(torch.int32), res[1].master.view(torch.int32))
     assert [bytes(memoryview(f)) for f in res[0].frames[2:]] == [bytes(memoryview(f)) for f in res[1].frames[2:]]
+
+
+def test_the_outer_step_without_momentum_takes_one_pass_and_the_values_of_clone_then_step() -> None:
+    from common.merge import outer_nesterov_step, outer_step
+    g = torch.Generator().manual_seed(9)
+    for n, lr in ((1, 1.0), (1000, 0.7), (100_003, 0.123456789)):
+        theta, grad = torch.randn(n, generator=g), 1e-3 * torch.randn(n, generator=g)
+        spans = [(0, n, "param")]
+        algo = dataclasses.replace(AlgoConfig(), outer_lr=lr, outer_momentum=0.0)
+        new, momentum = outer_step(theta, torch.zeros(1).expand(n), grad, spans, algo, merges_done=10_000)
+        ref = theta.clone()
+        outer_nesterov_step(ref, torch.zeros(n), grad, lr=lr, momentum_coef=0.0)
+        assert torch.equal(new.view(torch.int32), ref.view(torch.int32)) and new.data_ptr() != theta.data_ptr()
+
+
+def test_keep_freed_memory_applies_where_glibc_is() -> None:
+    """The shard's allocator policy: applied on glibc Linux (mallopt accepts both settings), so a
+    fragment-sized tensor freed by one merge serves the next without fresh page faults."""
+    import resource
+    from common.memory import keep_freed_memory
+    if not (os.path.exists("/lib/x86_64-linux-gnu/libc.so.6") or os.path.exists("/lib/aarch64-linux-gnu/libc.so.6")):
+        pytest.skip("not a glibc Linux")
+    assert keep_freed_memory()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        x = torch.empty(1 << 20)       # 4 MB, what a 10^6-value merge allocates
+        x.fill_(1.0)
+        del x
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults < 20 * 1024 / 4, "freed memory not reused"
