@@ -57,7 +57,8 @@ def bench_codec(numel: int, repeats: int) -> list[dict[str, Any]]:
     copy = memcpy_ms(numel, repeats)
     rows = [{"codec": "memcpy", "impl": "torch", "numel": numel, "bytes": 4 * numel, "bits_per_value": 32.0,
              "encode_ms": copy, "decode_ms": copy, "encode_input_GB_per_s": numel * 4 / copy / 1e6,
-             "max_abs_error": 0.0, "encode_vs_memcpy": 1.0, "decode_vs_memcpy": 1.0}]
+             "max_abs_error": 0.0, "encode_vs_memcpy": 1.0, "decode_vs_memcpy": 1.0,
+             "encode_vs_memcpy_range": [1.0, 1.0], "decode_vs_memcpy_range": [1.0, 1.0]}]
     runs = [(codec, quant.KERNEL if codec in ("int8", "int4") else "torch") for codec in quant.CODECS]
     if quant.KERNEL == "c":
         runs += [("int8", "torch"), ("int4", "torch")]
@@ -65,14 +66,25 @@ def bench_codec(numel: int, repeats: int) -> list[dict[str, Any]]:
         with _implementation(impl):
             frames = quant.encode(x, codec)
             err = float((quant.decode(frames, codec, numel) - x).abs().max())
-            enc = _median_ms(lambda: quant.encode(x, codec), repeats)
-            dec = _median_ms(lambda: quant.decode(frames, codec, numel), repeats)
+            enc = ratio_runs(lambda: quant.encode(x, codec), numel, repeats)
+            dec = ratio_runs(lambda: quant.decode(frames, codec, numel), numel, repeats)
         nbytes = quant.payload_nbytes(numel, codec)
         rows.append({"codec": codec, "impl": impl, "numel": numel, "bytes": nbytes,
-                     "bits_per_value": 8 * nbytes / numel, "encode_ms": enc, "decode_ms": dec,
-                     "encode_input_GB_per_s": numel * 4 / enc / 1e6, "max_abs_error": err,
-                     "encode_vs_memcpy": copy / enc, "decode_vs_memcpy": copy / dec})
+                     "bits_per_value": 8 * nbytes / numel, "encode_ms": enc["ms"], "decode_ms": dec["ms"],
+                     "encode_input_GB_per_s": numel * 4 / enc["ms"] / 1e6, "max_abs_error": err,
+                     "encode_vs_memcpy": enc["vs_memcpy"], "decode_vs_memcpy": dec["vs_memcpy"],
+                     "encode_vs_memcpy_range": enc["range"], "decode_vs_memcpy_range": dec["range"]})
     return rows
+
+
+def ratio_runs(fn: Callable[[], Any], memcpy_numel: int, repeats: int, runs: int = 3) -> dict[str, Any]:
+    """``fn``'s median time and its speed against a memcpy of ``memcpy_numel`` fp32 values, each
+    measured ``runs`` times alternately in this process: {ms, vs_memcpy (memcpy ÷ fn, median of the
+    runs' ratios), range [lowest, highest ratio]}."""
+    pairs = [(_median_ms(fn, repeats), memcpy_ms(memcpy_numel, repeats)) for _ in range(runs)]
+    ratios = [copy / ms for ms, copy in pairs]
+    return {"ms": statistics.median(ms for ms, _ in pairs), "vs_memcpy": statistics.median(ratios),
+            "range": [min(ratios), max(ratios)]}
 
 
 def bench_wire(numel: int, repeats: int) -> list[dict[str, Any]]:
@@ -89,10 +101,14 @@ def bench_wire(numel: int, repeats: int) -> list[dict[str, Any]]:
                                round=1, base=0, steps=24, tokens=24 * 1024)
         with _implementation(impl):
             frames = [bytes(memoryview(f)) for f in enc()]
+            e = ratio_runs(enc, numel, repeats)
+            d = ratio_runs(lambda: wire.decode(frames).values(), numel, repeats)
             rows.append({"codec": codec, "impl": impl, "numel": numel, "message_bytes": wire.message_nbytes(frames),
-                         "encode_ms": _median_ms(enc, repeats),
+                         "encode_ms": e["ms"],
                          "decode_header_ms": _median_ms(lambda: wire.decode(frames), repeats),
-                         "decode_values_ms": _median_ms(lambda: wire.decode(frames).values(), repeats)})
+                         "decode_values_ms": d["ms"], "encode_vs_memcpy": e["vs_memcpy"],
+                         "encode_vs_memcpy_range": e["range"], "decode_values_vs_memcpy": d["vs_memcpy"],
+                         "decode_values_vs_memcpy_range": d["range"]})
     return rows
 
 
@@ -141,10 +157,12 @@ def bench_merge(numel: int, repeats: int, learners: Sequence[int] = (2, 4, 8)) -
         copies = [memcpy_ms(m * n, repeats) for _ in range(3)]
         copy = statistics.median(copies)
         path_ratios = [c / p for c, p in zip(copies, path)]
+        merge_ratios = [c / p[0] for c, p in zip(copies, pairs)]
         rows.append({"learners": m, "numel": n, "merge_ms": ms, "plain_ms": plain_ms,
                      "robust_cost": ms / plain_ms - 1,
                      "robust_cost_range": [min(a / b - 1 for a, b in pairs), max(a / b - 1 for a, b in pairs)],
-                     "memcpy_inputs_ms": copy, "merge_vs_memcpy": copy / ms,
+                     "memcpy_inputs_ms": copy, "merge_vs_memcpy": statistics.median(merge_ratios),
+                     "merge_vs_memcpy_range": [min(merge_ratios), max(merge_ratios)],
                      "path_ms": statistics.median(path), "path_vs_memcpy": statistics.median(path_ratios),
                      "path_vs_memcpy_range": [min(path_ratios), max(path_ratios)]})
     return rows
@@ -412,7 +430,9 @@ def _print_table(name: str, rows: list[dict[str, Any]]) -> None:
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
     for r in rows:
-        cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in r.values()]
+        cells = [f"{v:.3g}" if isinstance(v, float) else
+                 "-".join(f"{x:.3g}" for x in v) if isinstance(v, list) and all(isinstance(x, float) for x in v)
+                 else str(v) for v in r.values()]
         print("| " + " | ".join(cells) + " |")
     print()
 
