@@ -128,7 +128,12 @@ class SyncerOptions:
     storage that follows the shard (a volume); a shard that starts without it recovers its
     fragments from the live learners (ALGORITHM §8)."""
     checkpoint_every_merges: int = 20
-    """Checkpoint after this many merges (and always on SIGTERM)."""
+    """Checkpoint once a fragment of this shard moved this many versions since the last checkpoint
+    (and always on SIGTERM): a restarted shard that lost Redis too adopts a copy one learner alone
+    holds up to its checkpoint's version + this (ALGORITHM §8), so no merge is lost beyond that."""
+    checkpoint_interval_s: float = 300.0
+    """Also checkpoint when this many seconds passed since the last one with any merge since
+    (a slow run's fragments rarely move ``checkpoint_every_merges`` versions)."""
     rpc_bind: str = "tcp://127.0.0.1:0"
     """ROUTER endpoint serving full fragments on request (port 0 = pick a free one)."""
     advertise_host: str = ""
@@ -180,6 +185,7 @@ class SyncerOptions:
         check_value("syncer.rpc_bind", self.rpc_bind, endpoint_problem)
         _check(0 <= self.shard < self.shards, "syncer.shard must be in [0, shards)")
         _check(self.checkpoint_every_merges >= 1, "syncer.checkpoint_every_merges must be >= 1")
+        _check(self.checkpoint_interval_s > 0, "syncer.checkpoint_interval_s must be > 0")
         _check(self.tokens_per_step_max >= 0, "syncer.tokens_per_step_max must be >= 0")
         _check(self.max_steps_factor >= 1, "syncer.max_steps_factor must be >= 1")
         _check(self.min_answers >= 1, "syncer.min_answers must be >= 1")

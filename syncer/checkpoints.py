@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -64,6 +65,27 @@ class LatestWriter:
                 self._pending_cond.wait()
 
 
+@dataclass(frozen=True)
+class CheckpointOutcome:
+    """What the writer thread reports of one checkpoint (the loop counts it: ``_count_checkpoints``)."""
+
+    written: bool
+    cpu_s: float = 0.0
+    """The writer thread's CPU seconds for it (``time.thread_time``)."""
+    wall_s: float = 0.0
+    nbytes: int = 0
+
+
+def checkpoint_due(*, advanced: int, merges_since: int, since_last_s: float, every_merges: int,
+                   interval_s: float) -> bool:
+    """Whether a merge that moved a fragment ``advanced`` versions past its checkpointed one calls
+    for a checkpoint: at ``every_merges`` versions (what a restarted shard that lost Redis too may
+    take back from one learner's copy: ``syncer.recovery``), or after ``interval_s`` seconds with
+    any merge since. Counted per fragment, not over the shard's fragments: a shard of 12 fragments
+    writes its whole state 12 × less often than after every 20 of its merges, for the same bound."""
+    return advanced >= every_merges or (merges_since > 0 and since_last_s >= interval_s)
+
+
 class CheckpointMismatch(RuntimeError):
     """The checkpoint on disk belongs to another run config or shard layout."""
 
@@ -101,6 +123,8 @@ class Checkpointing:
             "token_shares": dict(self.token_shares), "data_positions": dict(self.data_positions),
         }
         self._merges_since_ckpt = 0
+        self._ckpt_versions = {p: f.version for p, f in self.frags.items()}
+        self._ckpt_at = self.clock()
         if wait:
             self._ckpt_writer.close()
             self._write_checkpoint(state)
@@ -113,27 +137,33 @@ class Checkpointing:
         stop): it reads nothing of the live shard state and reports its outcome as a message."""
         path = self.checkpoint_path
         assert path is not None
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             with atomic_path(path, durable=True) as tmp:
                 torch.save(state, tmp)
+                nbytes = Path(tmp).stat().st_size
         except (OSError, RuntimeError) as e:  # disk full, directory gone: keep merging, the old one stays intact
-            self._ckpt_outcomes.put(False)
+            self._ckpt_outcomes.put(CheckpointOutcome(False, time.thread_time() - cpu0, time.perf_counter() - t0))
             self.log.error("syncer.checkpoint_failed", path=str(path), error=str(e))
             return
-        self._ckpt_outcomes.put(True)
-        self.log.info("syncer.checkpoint", path=str(path), write_s=round(time.perf_counter() - t0, 4),
+        outcome = CheckpointOutcome(True, time.thread_time() - cpu0, time.perf_counter() - t0, nbytes)
+        self._ckpt_outcomes.put(outcome)
+        self.log.info("syncer.checkpoint", path=str(path), write_s=round(outcome.wall_s, 4),
+                      cpu_s=round(outcome.cpu_s, 4), bytes=nbytes,
                       versions={p: fs["version"] for p, fs in state["fragments"].items()})
 
     def _count_checkpoints(self) -> None:
         """On the loop: count the writes the writer thread reported (written, failed)."""
         while True:
             try:
-                written = self._ckpt_outcomes.get_nowait()
+                outcome = self._ckpt_outcomes.get_nowait()
             except queue.Empty:
                 return
-            if written:
+            self.stats.checkpoint_cpu_s += outcome.cpu_s
+            self.stats.checkpoint_write_s += outcome.wall_s
+            if outcome.written:
                 self.stats.checkpoints += 1
+                self.stats.checkpoint_bytes += outcome.nbytes
             else:
                 self.stats.checkpoint_errors += 1
 
@@ -160,6 +190,7 @@ class Checkpointing:
         for p, fs in state["fragments"].items():
             f = self.frags[int(p)]
             f.theta, f.momentum, f.version = fs["theta"], fs["momentum"], int(fs["version"])
+            self._ckpt_versions[int(p)] = f.version
             f.master, f.reply = fs.get("master"), None
             f.history = {f.version: f.theta}  # answers on older bases are refused as stale
             f.next_round = int(fs["next_round"])

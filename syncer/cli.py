@@ -27,6 +27,7 @@ OWN_FLAGS = (
     Flag("--shards", SyncerOptions, "shards"),
     Flag("--checkpoint-dir", SyncerOptions, "checkpoint_dir"),
     Flag("--checkpoint-every", SyncerOptions, "checkpoint_every_merges"),
+    Flag("--checkpoint-interval-s", SyncerOptions, "checkpoint_interval_s"),
     Flag("--rpc-bind", SyncerOptions, "rpc_bind", metavar="ENDPOINT"),
     Flag("--advertise-host", SyncerOptions, "advertise_host", note="env DDLOCO_ADVERTISE_HOST"),
     Flag("--merge-threads", SyncerOptions, "merge_threads"),

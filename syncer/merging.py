@@ -21,6 +21,7 @@ import torch
 from common import control, quant, wire
 from common.merge import OuterAccumulator, outer_step, quantized_update
 from common.robust import fair_weights, fold_round
+from syncer.checkpoints import checkpoint_due
 from syncer.state import BEHIND_FACTOR, Answer, FragmentState, MergeInput, MergeJob, MergeResult, OpenRound
 
 
@@ -177,7 +178,10 @@ class Merging:
                       contributors=contributors, reason=job.reason, merge_s=round(res.seconds, 4))
         self._record_merge(f, rnd, answers, job.weights, waited, job.grace, job.reason)
         self._check_schedule(f, now)
-        if self._merges_since_ckpt >= self.options.checkpoint_every_merges:
+        if checkpoint_due(advanced=f.version - self._ckpt_versions.get(f.spec.index, 0),
+                          merges_since=self._merges_since_ckpt, since_last_s=now - self._ckpt_at,
+                          every_merges=self.options.checkpoint_every_merges,
+                          interval_s=self.options.checkpoint_interval_s):
             self.checkpoint()
 
     def _merge_dropped(self, job: MergeJob) -> None:

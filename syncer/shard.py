@@ -43,7 +43,7 @@ from common.log import get_logger
 from common.quorum import Decision, Ema
 from common.security import Security
 from common.task import Task
-from syncer.checkpoints import CheckpointMismatch, Checkpointing, LatestWriter
+from syncer.checkpoints import CheckpointMismatch, CheckpointOutcome, Checkpointing, LatestWriter
 from syncer.control_plane import ControlPlane
 from syncer.intake import Intake
 from syncer.merging import Merging
@@ -89,10 +89,13 @@ class Shard(SetUp, ControlPlane, Intake, Merging, Recovering, Checkpointing, Ser
         self._last_control = -1e9
         self._redis_ok = True
         self._merges_since_ckpt = 0
+        self._ckpt_versions: dict[int, int] = {}
+        """Each fragment's version in the last checkpoint (loaded or written; none: nothing on disk)."""
+        self._ckpt_at = clock()
         self._lease_lost = False
         self._ckpt_writer = LatestWriter(self._write_checkpoint, name=f"{self.id}-checkpoint")
-        self._ckpt_outcomes: queue.SimpleQueue[bool] = queue.SimpleQueue()
-        """From the writer thread: True per checkpoint written, False per one failed (counted by the loop)."""
+        self._ckpt_outcomes: queue.SimpleQueue[CheckpointOutcome] = queue.SimpleQueue()
+        """From the writer thread: each checkpoint's outcome and cost (counted by the loop)."""
         self.grace_s = 0.0
         """The adaptive grace window of the last poll (seconds a round waits past its quorum)."""
         self.round_log = RoundStateLog(self.log.info)

@@ -223,6 +223,14 @@ class ShardStats:
                                label="outcome", key="written", redis="checkpoints")
     checkpoint_errors: int = declare(0, doc="Checkpoints that failed.", metric="shard_checkpoints_total",
                                      label="outcome", key="failed")
+    checkpoint_cpu_s: float = declare(0.0, doc="CPU seconds the checkpoint writer thread spent writing (its "
+                                      "thread time: serialisation, checksums, copies into the page cache).",
+                                      metric="shard_checkpoint_cpu_seconds_total", redis="checkpoint_cpu_s", digits=3)
+    checkpoint_write_s: float = declare(0.0, doc="Wall seconds of checkpoint writes (fsyncs included).",
+                                        metric="shard_checkpoint_write_seconds_total", redis="checkpoint_write_s",
+                                        digits=3)
+    checkpoint_bytes: int = declare(0, doc="Bytes of checkpoints written.", metric="shard_checkpoint_bytes_total",
+                                    redis="checkpoint_bytes")
     versions_behind: int = declare(0, doc="Fragments that restarted below the run's recorded version (no live "
                                    "learner had it).", metric="shard_versions_behind_total", redis="versions_behind")
     bytes_in: int = declare(0, doc="Message bytes: in (answers, copies), out (opens, merged fragments, "

@@ -203,13 +203,20 @@ def _cpu_figures(with_sync: dict[str, Any], without: dict[str, Any], shards: dic
     if not (steps_w and steps_o) or not all(_f(h, "cpu_s") for h in shards.values()):
         return {}      # reports of a version that did not record CPU time
     per_step_w, per_step_o = cpu_w / steps_w, cpu_o / steps_o
-    shard_per_step = sum(_f(h, "cpu_s") for h in shards.values()) / steps_w   # start-up included
+    shard_cpu = sum(_f(h, "cpu_s") for h in shards.values())
+    shard_per_step = shard_cpu / steps_w   # start-up included
+    checkpoint = {}
+    if all("checkpoint_cpu_s" in h for h in shards.values()):   # the writer thread's CPU, of the shards' own
+        checkpoint = {"shard_checkpoint_cpu_share": round(sum(_f(h, "checkpoint_cpu_s") for h in shards.values())
+                                                          / shard_cpu, 4),
+                      "shard_checkpoints": int(sum(_f(h, "checkpoints") for h in shards.values())),
+                      "shard_checkpoint_mb": round(sum(_f(h, "checkpoint_bytes") for h in shards.values()) / 1e6, 1)}
     return {"cpu": {
         "learner_cores_with": round(cores_w, 3), "learner_cores_without": round(cores_o, 3),
         "learner_cpu_s_per_step_with": round(per_step_w, 4), "learner_cpu_s_per_step_without": round(per_step_o, 4),
         "shard_cpu_s_per_learner_step": round(shard_per_step, 4),
         "cores_needed_for_ratio_1": round(steps_per_s_without * (per_step_w + shard_per_step), 3),
-        "cores": os.cpu_count()}}
+        "cores": os.cpu_count(), **checkpoint}}
 
 
 def main(argv: Sequence[str]) -> int:
