@@ -264,99 +264,178 @@ def summarize_broker_runs(runs: Sequence[BrokerRun], message_bytes: int) -> dict
             "straggler_wait_s": STRAGGLER_IDLE_S}
 
 
-def _broker_run(frames: list[Any], *, stalled: int, messages: int, keys_dir: str = "",
-                wire_bytes: list[int] | None = None, idle_timeout_s: float = STRAGGLER_IDLE_S) -> BrokerRun:
-    """One run: ``messages`` sent through a fresh broker to two live subscribers and ``stalled``
-    subscribers that never read. ``keys_dir``: CURVE on every socket (the publisher is learner
-    ``b``, the subscribers the monitor); ``wire_bytes`` gets the loopback bytes of the run appended."""
+RELAY_SHAPES = ("process", "thread", "direct")
+"""How messages go from the publisher to the subscribers in ``bench broker``: the broker daemon as
+its own process (as deployed), the broker on a thread of the bench process (it shares the GIL with
+the publisher and the readers), or a direct PUB -> SUB socket (the physical baseline: no hop)."""
+
+
+@contextlib.contextmanager
+def _relay(shape: str, transport: str, keys_dir: str = "") -> Iterator[tuple[str, str, bool]]:
+    """(the publisher's endpoint, the subscribers' endpoint, whether the publisher binds) of a
+    relay of ``shape`` (``RELAY_SHAPES``) on ``transport`` (tcp on 127.0.0.1, or ipc in a fresh
+    private directory), running until the block ends."""
+    import subprocess
+    import sys
+    import tempfile
     import threading
 
-    import zmq
-
-    from broker.daemon import Broker, BrokerOptions
     from common.redis_server import free_port
+    with tempfile.TemporaryDirectory(prefix="ddloco-ipc-") as tmp:
+        if transport == "ipc":
+            pub_ep, sub_ep = f"ipc://{tmp}/xsub", f"ipc://{tmp}/xpub"
+        else:
+            pub_ep, sub_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        if shape == "direct":
+            yield pub_ep, pub_ep, True
+        elif shape == "process":
+            cmd = [sys.executable, "-m", "ddloco", "broker", "--xsub", pub_ep, "--xpub", sub_ep, "--log-level", "warning",
+                   *(["--keys", keys_dir] if keys_dir else ["--insecure"])]
+            log = open(f"{tmp}/broker.log", "w")
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                yield pub_ep, sub_ep, False
+            except RuntimeError as e:          # it never relayed: say what the daemon said
+                raise RuntimeError(f"{e}; the broker daemon's log ends: {open(log.name).read()[-500:]}") from None
+            finally:
+                log.close()
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        else:
+            from broker.daemon import Broker, BrokerOptions
+            stop, ready = threading.Event(), threading.Event()
 
-    pub_ep, sub_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    stop, ready = threading.Event(), threading.Event()
-
-    def forward() -> None:
-        with Broker(BrokerOptions(xsub_bind=pub_ep, xpub_bind=sub_ep, stats_interval_s=1e9, keys_dir=keys_dir)) as b:
-            ready.set()
-            while not stop.is_set():
-                b.poll_once(10)
-    t = threading.Thread(target=forward, daemon=True)
-    t.start()
-    ready.wait(10)
-    ctx = zmq.Context()
-    sub_sec = pub_sec = None
-    if keys_dir:
-        from common.security import Security
-        sub_sec, pub_sec = Security(keys_dir, "monitor"), Security(keys_dir, "b")
-    try:
-        subs = []
-        for _ in range(2 + stalled):
-            s = ctx.socket(zmq.SUB)
-            s.setsockopt(zmq.RCVHWM, 100)
-            s.setsockopt(zmq.SUBSCRIBE, b"bench|")
-            if sub_sec is not None:
-                sub_sec.client(s, "broker")
-            s.connect(sub_ep)
-            subs.append(s)
-        pub = ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, 10_000)
-        if pub_sec is not None:
-            pub_sec.client(pub, "broker")
-        pub.connect(pub_ep)
-        live = subs[:2]
-        while True:  # slow joiner: send probes until both live subscriptions deliver
-            pub.send_multipart(frames)
-            if all(s.poll(50) for s in live):
-                break
-        for s in live:
-            while s.poll(200):
-                s.recv_multipart()
-        received: list[tuple[int, float | None]] = [(0, None), (0, None)]
-
-        def read(i: int) -> None:  # a learner's network thread: reads all the time
-            received[i] = receive_until_idle(live[i], messages, idle_timeout_s)
-        readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
-        for r in readers:
-            r.start()
-        lo0 = _lo_bytes()
-        t0 = time.perf_counter()   # the first send
-        for _ in range(messages):
-            pub.send_multipart(frames, copy=False)
-        for r in readers:
-            r.join(60 + idle_timeout_s)
-        if wire_bytes is not None:
-            wire_bytes.append(_lo_bytes() - lo0)
-        arrivals = [last for _, last in received if last is not None]
-        return BrokerRun(sent=messages, delivered=tuple(n for n, _ in received),
-                         seconds=max(arrivals) - t0 if arrivals else None)
-    finally:
-        ctx.destroy(linger=0)
-        stop.set()
-        t.join(5)
+            def forward() -> None:
+                with Broker(BrokerOptions(xsub_bind=pub_ep, xpub_bind=sub_ep, stats_interval_s=1e9,
+                                          keys_dir=keys_dir)) as b:
+                    ready.set()
+                    while not stop.is_set():
+                        b.poll_once(10)
+            t = threading.Thread(target=forward, daemon=True)
+            t.start()
+            ready.wait(10)
+            try:
+                yield pub_ep, sub_ep, False
+            finally:
+                stop.set()
+                t.join(5)
 
 
-def bench_broker(numel: int, repeats: int, messages: int = 1000) -> list[dict[str, Any]]:
-    """Broker throughput with int4 fragment messages to two live subscribers (reader threads),
-    with and without a subscriber that never reads (a frozen learner): the live ones must not be
-    slowed by it. The publisher floods as fast as it can, far above a run's rate (one fragment
-    per learner step), so PUB/SUB may drop under this overload: ``delivered_to_live_min`` says
-    how many arrived, and the rates count only those, over the time from the first send to the
-    last arrival (the wait for messages that never came is not timed). Median of 5 runs per
-    row, runs interleaved."""
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(2))
-    frames = wire.encode(kind=wire.UPDATE, run="bench", sender="b", fragment=0, values=x, codec="int4",
-                         round=1, base=0, steps=24, tokens=24 * 1024)
-    size = wire.message_nbytes(frames)
-    runs: dict[int, list[BrokerRun]] = {0: [], 1: []}
-    for _ in range(5):
-        for stalled in (0, 1):
-            runs[stalled].append(_broker_run(frames, stalled=stalled, messages=messages))
-    return [{"stalled_subscribers": stalled, "messages": messages, "message_bytes": size,
-             **summarize_broker_runs(rs, size)} for stalled, rs in runs.items()]
+def _broker_run(frames: list[Any], *, stalled: int, messages: int, keys_dir: str = "",
+                wire_bytes: list[int] | None = None, idle_timeout_s: float = STRAGGLER_IDLE_S,
+                shape: str = "thread", transport: str = "tcp") -> BrokerRun:
+    """One run: ``messages`` sent through a fresh relay (``_relay``: ``shape`` on ``transport``) to
+    two live subscribers and ``stalled`` subscribers that never read. ``keys_dir``: CURVE on every
+    socket (the publisher is learner ``b``, the subscribers the monitor); ``wire_bytes`` gets the
+    loopback bytes of the run appended."""
+    import zmq
+    with _relay(shape, transport, keys_dir) as (pub_ep, sub_ep, pub_binds):
+        ctx = zmq.Context()
+        sub_sec = pub_sec = None
+        if keys_dir:
+            from common.security import Security
+            sub_sec, pub_sec = Security(keys_dir, "monitor"), Security(keys_dir, "b")
+        try:
+            pub = ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.SNDHWM, 10_000)
+            if pub_sec is not None:
+                pub_sec.client(pub, "broker")
+            pub.bind(pub_ep) if pub_binds else pub.connect(pub_ep)
+            subs = []
+            for _ in range(2 + stalled):
+                s = ctx.socket(zmq.SUB)
+                s.setsockopt(zmq.RCVHWM, 100)
+                s.setsockopt(zmq.SUBSCRIBE, b"bench|")
+                if sub_sec is not None:
+                    sub_sec.client(s, "broker")
+                s.connect(sub_ep)
+                subs.append(s)
+            return _timed_flood(pub, subs[:2], frames, messages, wire_bytes, idle_timeout_s)
+        finally:
+            ctx.destroy(linger=0)
+
+
+def _timed_flood(pub: Any, live: list[Any], frames: list[Any], messages: int, wire_bytes: list[int] | None,
+                 idle_timeout_s: float) -> BrokerRun:
+    """Probes until both ``live`` subscribers deliver (a relay starting, a slow joiner; at most 30 s),
+    then ``messages`` sent as fast as the publisher can, read by one thread per subscriber."""
+    import threading
+    deadline = time.monotonic() + 30
+    while True:
+        pub.send_multipart(frames)
+        if all(s.poll(50) for s in live):
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError("bench broker: the relay delivered nothing within 30 s")
+    for s in live:
+        while s.poll(200):
+            s.recv_multipart()
+    received: list[tuple[int, float | None]] = [(0, None), (0, None)]
+
+    def read(i: int) -> None:  # a learner's network thread: reads all the time
+        received[i] = receive_until_idle(live[i], messages, idle_timeout_s)
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
+    for r in readers:
+        r.start()
+    lo0 = _lo_bytes()
+    t0 = time.perf_counter()   # the first send
+    for _ in range(messages):
+        pub.send_multipart(frames, copy=False)
+    for r in readers:
+        r.join(60 + idle_timeout_s)
+    if wire_bytes is not None:
+        wire_bytes.append(_lo_bytes() - lo0)
+    arrivals = [last for _, last in received if last is not None]
+    return BrokerRun(sent=messages, delivered=tuple(n for n, _ in received),
+                     seconds=max(arrivals) - t0 if arrivals else None)
+
+
+SMALL_MESSAGE_VALUES = 13_000
+"""An int4 answer of about 7 kB (the small fragments of a small model), beside ``--numel``'s."""
+
+
+def bench_broker(numel: int, repeats: int, messages: int = 1000, transports: Sequence[str] = ("tcp",),
+                 runs: int = 5) -> list[dict[str, Any]]:
+    """Relay throughput of int4 answers (``numel`` values, about 557 kB at the default, and
+    ``SMALL_MESSAGE_VALUES``, about 7 kB) from one publisher to two live subscribers (reader
+    threads), through the broker daemon as its own process (as deployed), the broker on a thread
+    of this process, and a direct PUB -> SUB socket (the baseline, no hop), on each of
+    ``transports`` (tcp on loopback, ipc); and through the process broker with a third
+    subscriber that never reads (a frozen learner: the live ones must not slow down). The
+    publisher floods as fast as it can, far above a run's rate, so PUB/SUB may drop under this
+    overload: ``delivered_to_live_min`` says how many arrived and rates count only those, over the
+    time from the first send to the last arrival. ``runs`` runs per row, interleaved; ``vs_direct``
+    = the row's rate ÷ the direct socket's in the same round (median and range over rounds)."""
+    rows = []
+    for n in sorted({numel, SMALL_MESSAGE_VALUES}, reverse=True):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(2))
+        frames = wire.encode(kind=wire.UPDATE, run="bench", sender="b", fragment=0, values=x, codec="int4",
+                             round=1, base=0, steps=24, tokens=24 * 1024)
+        size = wire.message_nbytes(frames)
+        cases = [(shape, transport, 0) for transport in transports for shape in RELAY_SHAPES] + \
+                [("process", transports[0], 1)]
+        results: dict[tuple[str, str, int], list[BrokerRun]] = {c: [] for c in cases}
+        for _ in range(runs):
+            for shape, transport, stalled in cases:
+                results[(shape, transport, stalled)].append(
+                    _broker_run(frames, stalled=stalled, messages=messages, shape=shape, transport=transport))
+        for (shape, transport, stalled), rs in results.items():
+            direct = results[("direct", transport, 0)]
+            ratios = [_rate(r) / _rate(d) for r, d in zip(rs, direct) if _rate(r) and _rate(d)]
+            rows.append({"shape": shape, "transport": transport, "stalled_subscribers": stalled, "numel": n,
+                         "messages": messages, "message_bytes": size, **summarize_broker_runs(rs, size),
+                         "vs_direct": statistics.median(ratios) if ratios else None,
+                         "vs_direct_range": [min(ratios), max(ratios)] if ratios else None})
+    return rows
+
+
+def _rate(run: BrokerRun) -> float:
+    """Messages per second per live subscriber (0 when none arrived)."""
+    return statistics.fmean(run.delivered) / run.seconds if run.seconds else 0.0
 
 
 def bench_curve(numel: int, repeats: int, messages: int = 1000) -> list[dict[str, Any]]:
@@ -461,14 +540,18 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("name", choices=[*BENCHES, "all"], help="(and group: a torchrun learner's cost per rank, "
                     "DDP vs FSDP, ddloco bench group --help; sync: the real daemons with a synthetic "
                     "model of N parameters, ddloco bench sync --help) codec: encode/decode time, size and error of each "
-                    "codec; wire: whole-message encode/decode; merge: a syncer merge of one fragment; broker: "
-                    "throughput to 2 live subscribers, with and without one that never reads (delivered counts, "
-                    "time from the first send to the last arrival); curve: the broker path with and without "
+                    "codec; wire: whole-message encode/decode; merge: a syncer merge of one fragment and the "
+                    "shard's whole path; broker: throughput to 2 live subscribers through the broker daemon, "
+                    "the broker on a thread and a direct socket (vs_direct), and with one that never reads "
+                    "(delivered counts, time from the first send to the last arrival); curve: the broker path with and without "
                     "CurveZMQ; adamw: one inner AdamW step, PyTorch's default CPU loop vs foreach vs fused; all: every one")
     ap.add_argument("--numel", type=int, default=1 << 20, help="elements per fragment (default 1,048,576)")
     ap.add_argument("--repeats", type=int, default=20, help="timed repeats per figure of codec, wire and merge "
                     "(default 20; broker and curve take the median of 5 runs)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1, like a learner's helper)")
+    ap.add_argument("--transport", choices=["tcp", "ipc", "both"], default="tcp",
+                    help="broker: the relay's transport, tcp on loopback (default), ipc (a broker and "
+                    "members on one host), or both side by side")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     args = ap.parse_args(list(argv))
     if args.numel < 64 or args.repeats < 1 or args.threads < 1:
@@ -477,7 +560,9 @@ def main(argv: Sequence[str]) -> int:
     from common.log import configure_logging
     configure_logging(level="warning")  # results on stdout, nothing else
     names = list(BENCHES) if args.name == "all" else [args.name]
-    out = {n: BENCHES[n](args.numel, args.repeats) for n in names}
+    transports = ("tcp", "ipc") if args.transport == "both" else (args.transport,)
+    out = {n: bench_broker(args.numel, args.repeats, transports=transports) if n == "broker"
+           else BENCHES[n](args.numel, args.repeats) for n in names}
     if args.json:
         print(json.dumps({"numel": args.numel, "threads": args.threads, "results": out}, indent=2))
     else:

@@ -46,3 +46,19 @@ def test_rates_count_the_messages_delivered_over_first_send_to_last_arrival():
     assert s["messages_per_s_per_subscriber"] == 800.0, s   # (500 + 300) / 2 delivered in 0.5 s, not 1000 / 0.5
     assert s["MB_per_s_per_subscriber"] == 800.0
     assert summarize_broker_runs([runs[1]], size)["MB_per_s_per_subscriber"] is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shape,transport", [("process", "ipc"), ("direct", "tcp")])
+def test_a_run_through_the_broker_daemon_or_a_direct_socket_delivers_every_message(shape: str, transport: str) -> None:
+    """The deployed shape (the broker daemon as its own process, here on ipc://) and the physical
+    baseline (a direct PUB -> SUB socket) relay a short flood of small int4 answers to both live
+    subscribers: real processes and sockets."""
+    import torch
+
+    from common import wire
+    from ddloco.bench.micro import _broker_run
+    frames = wire.encode(kind=wire.UPDATE, run="bench", sender="b", fragment=0, values=torch.randn(500),
+                         codec="int4", round=1, base=0, steps=1, tokens=1)
+    run = _broker_run(frames, stalled=0, messages=50, shape=shape, transport=transport)
+    assert run.delivered == (50, 50) and run.seconds and run.seconds > 0
