@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from common.lifecycle import stop_processes
-from ddloco.bench.micro import _lo_bytes
+from ddloco.bench.broker import _lo_bytes
 
 
 def _ddloco(*args: str) -> list[str]:

@@ -6,7 +6,7 @@ import time
 import pytest
 import zmq
 
-from ddloco.bench.micro import BrokerRun, receive_until_idle, summarize_broker_runs
+from ddloco.bench.broker import BrokerRun, receive_until_idle, summarize_broker_runs
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -57,7 +57,7 @@ def test_a_run_through_the_broker_daemon_or_a_direct_socket_delivers_every_messa
     import torch
 
     from common import wire
-    from ddloco.bench.micro import _broker_run
+    from ddloco.bench.broker import _broker_run
     frames = wire.encode(kind=wire.UPDATE, run="bench", sender="b", fragment=0, values=torch.randn(500),
                          codec="int4", round=1, base=0, steps=1, tokens=1)
     run = _broker_run(frames, stalled=0, messages=50, shape=shape, transport=transport)
