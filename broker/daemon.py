@@ -38,7 +38,7 @@ from common.config import ConfigError, check_value, endpoint_problem, redis_url_
 from common.log import get_logger
 from common.links import keep_alive
 from common.security import Security, ZapHandler, authorize, owner_refusal
-from broker import limits
+from broker import ipc, limits
 from broker.stats import BrokerStats, tally
 
 
@@ -176,10 +176,14 @@ class Broker:
             self.xpub.setsockopt(zmq.XPUB_MANUAL, 1)
 
     def _bind(self) -> None:
-        """Bind both sockets and poll them, with the handshakes refused before ZAP (a client
+        """Bind both sockets (an ipc:// path only if it is free, its socket file then this user's
+        alone: ``broker.ipc``) and poll them, with the handshakes refused before ZAP (a client
         without CURVE, garbage) watched on their monitor sockets."""
-        self.xsub.bind(self.options.xsub_bind)
-        self.xpub.bind(self.options.xpub_bind)
+        for sock, name, endpoint in ((self.xsub, "broker.xsub_bind (--xsub)", self.options.xsub_bind),
+                                     (self.xpub, "broker.xpub_bind (--xpub)", self.options.xpub_bind)):
+            check_value(name, endpoint, ipc.bind_problem)
+            sock.bind(endpoint)
+            ipc.restrict(endpoint)
         self.xsub_endpoint = self.xsub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.xpub_endpoint = self.xpub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.poller = zmq.Poller()

@@ -21,6 +21,10 @@ def _check(cond: bool, msg: str) -> None:
 ZMQ_ENDPOINT_FORMS = "tcp://HOST:PORT, ipc://PATH or inproc://NAME"
 """The ZeroMQ endpoints a daemon binds or connects to (HOST may be * or [IPv6] to bind; PORT 0 or *: any)."""
 
+IPC_PATH_MAX_BYTES = 107
+"""Longest ipc:// path (Linux: a Unix socket's address holds 108 bytes with the closing zero); libzmq
+refuses a longer one at bind and at connect, deep inside a daemon."""
+
 REDIS_URL_FORMS = "redis://[USER:PASSWORD@]HOST:PORT/DB, rediss://... (TLS) or unix://PATH"
 """The Redis URLs a process connects to."""
 
@@ -49,6 +53,9 @@ def endpoint_problem(endpoint: Any) -> str:
     if not address or any(c.isspace() for c in address):
         what = {"tcp": "HOST:PORT", "ipc": "PATH", "inproc": "NAME"}[transport]
         return f"{transport}:// needs a {what} without spaces"
+    if transport == "ipc" and len(address.encode()) > IPC_PATH_MAX_BYTES:
+        return (f"an ipc path holds at most {IPC_PATH_MAX_BYTES} bytes (a Unix socket's address), this one "
+                f"{len(address.encode())}: choose a shorter one")
     if transport == "tcp":
         m = re.fullmatch(r"(\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\*|\d{1,5})", address)
         if m is None:

@@ -290,13 +290,17 @@ def broker_endpoints(pub: str = "", sub: str = "") -> BrokerEndpoints:
 
 
 def _check_bindable(flag: str, endpoint: str) -> None:
-    """The broker of `up` can bind ``endpoint``: a fixed TCP port nobody listens on."""
+    """The broker of `up` can bind ``endpoint``: a fixed TCP port nobody listens on, or an ipc://
+    path the broker may bind (``broker.ipc.bind_problem``)."""
     import errno
     import socket
     transport, _, address = endpoint.partition("://")
     if transport == "inproc":
         raise ConfigError(f"{flag} {endpoint!r}: inproc:// does not cross processes; `up` runs the broker as one "
                           f"(use tcp://127.0.0.1:PORT or ipc://PATH)")
+    if transport == "ipc":   # a free path whose directory exists (a live broker's path or a file: refused)
+        from broker.ipc import bind_problem
+        check_value(flag, endpoint, bind_problem)
     if transport != "tcp":
         return
     host, _, port = address.rpartition(":")

@@ -246,6 +246,9 @@ def _main_error(capsys, *argv: str) -> tuple[int, str]:
                                                    "endpoint (expected tcp://HOST:PORT, ipc://PATH or inproc://NAME)"),
     (["learner", "--broker-sub", "ipc://"], "ddloco learner: --broker-sub 'ipc://': ipc:// needs a PATH without "
                                             "spaces"),
+    (["learner", "--broker-sub", "ipc:///" + "x" * 107], "ddloco learner: --broker-sub 'ipc:///" + "x" * 107 + "': an "
+                                                         "ipc path holds at most 107 bytes (a Unix socket's address), "
+                                                         "this one 108: choose a shorter one"),
     (["learner", "--peer-bind", "tcp://*"], "ddloco learner: --peer-bind 'tcp://*': a tcp endpoint is "
                                             "tcp://HOST:PORT (HOST a name, an address, * or [IPv6])"),
     (["status", "--redis-url", "redis://:secret@host:port/0"], "ddloco status: --redis-url "
@@ -292,6 +295,29 @@ def test_up_refuses_a_broker_port_already_in_use_before_starting_anything(tmp_pa
     assert ep.xpub_bind == ep.sub and ep.sub.startswith("tcp://127.0.0.1:") and ep.sub != ep.pub
     with pytest.raises(ConfigError, match="--broker-sub 'tcp://127.0.0.1:0': give a fixed port"):
         broker_endpoints("", "tcp://127.0.0.1:0")
+
+
+def test_up_refuses_an_ipc_path_a_live_process_holds_or_a_file_before_starting_anything(tmp_path):
+    """The broker would unlink either one to bind its socket there: `up` refuses first (its first
+    step, ``broker_endpoints``: one line, exit 2, as for a port in use), and takes a free ipc://
+    path as given (bound and reached at the same path)."""
+    import socket
+    from ddloco.up import broker_endpoints
+    (tmp_path / "notes.txt").write_text("keep")
+    with socket.socket(socket.AF_UNIX) as busy:
+        busy.bind(str(tmp_path / "busy"))
+        busy.listen()
+        with pytest.raises(ConfigError) as refused:
+            broker_endpoints(f"ipc://{tmp_path}/busy", "")
+    assert str(refused.value) == (f"--broker-pub 'ipc://{tmp_path}/busy': a live process listens there (another "
+                                  "broker?): stop it or choose another path"), refused.value
+    with pytest.raises(ConfigError, match=r"--broker-sub '.*/notes.txt': a file that is not a socket is there \(bind"):
+        broker_endpoints("", f"ipc://{tmp_path}/notes.txt")
+    with pytest.raises(ConfigError, match="its directory .*/nowhere does not exist"):
+        broker_endpoints(f"ipc://{tmp_path}/nowhere/pub", "")
+    assert (tmp_path / "notes.txt").read_text() == "keep"
+    ep = broker_endpoints(f"ipc://{tmp_path}/busy", f"ipc://{tmp_path}/sub")   # a stopped process's socket: free
+    assert (ep.xsub_bind, ep.pub, ep.xpub_bind, ep.sub) == (f"ipc://{tmp_path}/busy",) * 2 + (f"ipc://{tmp_path}/sub",) * 2
 
 
 @pytest.fixture
