@@ -21,6 +21,7 @@ import torch
 
 from common import wire
 
+
 def _lo_bytes() -> int:
     """Bytes received on the loopback interface so far (Linux), 0 where unknown."""
     try:
@@ -79,10 +80,26 @@ def summarize_broker_runs(runs: Sequence[BrokerRun], message_bytes: int) -> dict
             "straggler_wait_s": STRAGGLER_IDLE_S}
 
 
-RELAY_SHAPES = ("process", "thread", "direct")
+RELAY_SHAPES = ("process", "thread", "proxy", "direct")
 """How messages go from the publisher to the subscribers in ``bench broker``: the broker daemon as
 its own process (as deployed), the broker on a thread of the bench process (it shares the GIL with
-the publisher and the readers), or a direct PUB -> SUB socket (the physical baseline: no hop)."""
+the publisher and the readers), libzmq's own forwarder (``zmq.proxy``, C, in its own process with
+the broker's high-water marks: what the hop costs without our loop), or a direct PUB -> SUB socket
+(the physical baseline: no hop)."""
+
+PROXY_PROGRAM = """
+import sys, zmq
+xsub_ep, xpub_ep, hwm = sys.argv[1], sys.argv[2], int(sys.argv[3])
+ctx = zmq.Context()
+xsub, xpub = ctx.socket(zmq.XSUB), ctx.socket(zmq.XPUB)
+for s in (xsub, xpub):
+    s.setsockopt(zmq.SNDHWM, hwm)
+    s.setsockopt(zmq.RCVHWM, hwm)
+xsub.bind(xsub_ep)
+xpub.bind(xpub_ep)
+zmq.proxy(xsub, xpub)
+"""
+"""The ``proxy`` relay: ``python -c PROXY_PROGRAM XSUB XPUB HWM``, until it is terminated."""
 
 
 @contextlib.contextmanager
@@ -90,11 +107,10 @@ def _relay(shape: str, transport: str, keys_dir: str = "") -> Iterator[tuple[str
     """(the publisher's endpoint, the subscribers' endpoint, whether the publisher binds) of a
     relay of ``shape`` (``RELAY_SHAPES``) on ``transport`` (tcp on 127.0.0.1, or ipc in a fresh
     private directory), running until the block ends."""
-    import subprocess
     import sys
     import tempfile
-    import threading
 
+    from broker.daemon import BrokerOptions
     from common.redis_server import free_port
     with tempfile.TemporaryDirectory(prefix="ddloco-ipc-") as tmp:
         if transport == "ipc":
@@ -103,41 +119,59 @@ def _relay(shape: str, transport: str, keys_dir: str = "") -> Iterator[tuple[str
             pub_ep, sub_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
         if shape == "direct":
             yield pub_ep, pub_ep, True
-        elif shape == "process":
-            cmd = [sys.executable, "-m", "ddloco", "broker", "--xsub", pub_ep, "--xpub", sub_ep, "--log-level", "warning",
-                   *(["--keys", keys_dir] if keys_dir else ["--insecure"])]
-            log = open(f"{tmp}/broker.log", "w")
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-            try:
+        elif shape == "thread":
+            with _broker_thread(pub_ep, sub_ep, keys_dir):
                 yield pub_ep, sub_ep, False
-            except RuntimeError as e:          # it never relayed: say what the daemon said
-                raise RuntimeError(f"{e}; the broker daemon's log ends: {open(log.name).read()[-500:]}") from None
-            finally:
-                log.close()
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
         else:
-            from broker.daemon import Broker, BrokerOptions
-            stop, ready = threading.Event(), threading.Event()
-
-            def forward() -> None:
-                with Broker(BrokerOptions(xsub_bind=pub_ep, xpub_bind=sub_ep, stats_interval_s=1e9,
-                                          keys_dir=keys_dir)) as b:
-                    ready.set()
-                    while not stop.is_set():
-                        b.poll_once(10)
-            t = threading.Thread(target=forward, daemon=True)
-            t.start()
-            ready.wait(10)
-            try:
+            if shape == "proxy" and keys_dir:
+                raise ValueError("bench broker: the zmq.proxy relay has no CURVE")
+            cmd = [sys.executable, "-m", "ddloco", "broker", "--xsub", pub_ep, "--xpub", sub_ep, "--log-level", "warning",
+                   *(["--keys", keys_dir, "--shards", "1"] if keys_dir else ["--insecure"])] if shape == "process" else \
+                  [sys.executable, "-c", PROXY_PROGRAM, pub_ep, sub_ep, str(BrokerOptions.hwm_messages)]
+            with _relay_process(cmd, f"{tmp}/relay.log"):
                 yield pub_ep, sub_ep, False
-            finally:
-                stop.set()
-                t.join(5)
+
+
+@contextlib.contextmanager
+def _relay_process(cmd: list[str], log_path: str) -> Iterator[None]:
+    """``cmd`` running (its output in ``log_path``) until the block ends, then terminated."""
+    import subprocess
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield
+        except RuntimeError as e:          # it never relayed: say what the relay said
+            raise RuntimeError(f"{e}; the relay's log ends: {open(log_path).read()[-500:]}") from None
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextlib.contextmanager
+def _broker_thread(pub_ep: str, sub_ep: str, keys_dir: str) -> Iterator[None]:
+    """The broker (``broker.daemon.Broker``) forwarding on a thread of this process until the block ends."""
+    import threading
+
+    from broker.daemon import Broker, BrokerOptions
+    stop, ready = threading.Event(), threading.Event()
+
+    def forward() -> None:
+        with Broker(BrokerOptions(xsub_bind=pub_ep, xpub_bind=sub_ep, stats_interval_s=1e9, keys_dir=keys_dir)) as b:
+            ready.set()
+            while not stop.is_set():
+                b.poll_once(10)
+    t = threading.Thread(target=forward, daemon=True)
+    t.start()
+    ready.wait(10)
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(5)
 
 
 def _broker_run(frames: list[Any], *, stalled: int, messages: int, keys_dir: str = "",
@@ -217,14 +251,16 @@ def bench_broker(numel: int, repeats: int, messages: int = 1000, transports: Seq
                  runs: int = 5) -> list[dict[str, Any]]:
     """Relay throughput of int4 answers (``numel`` values, about 557 kB at the default, and
     ``SMALL_MESSAGE_VALUES``, about 7 kB) from one publisher to two live subscribers (reader
-    threads), through the broker daemon as its own process (as deployed), the broker on a thread
-    of this process, and a direct PUB -> SUB socket (the baseline, no hop), on each of
-    ``transports`` (tcp on loopback, ipc); and through the process broker with a third
-    subscriber that never reads (a frozen learner: the live ones must not slow down). The
+    threads), through each relay of ``RELAY_SHAPES`` (the broker daemon as its own process, as
+    deployed; the broker on a thread of this process; ``zmq.proxy``; a direct PUB -> SUB socket, the
+    baseline) on each of ``transports`` (tcp on loopback, ipc); and through the process broker with
+    a third subscriber that never reads (a frozen learner: the live ones must not slow down). The
     publisher floods as fast as it can, far above a run's rate, so PUB/SUB may drop under this
     overload: ``delivered_to_live_min`` says how many arrived and rates count only those, over the
     time from the first send to the last arrival. ``runs`` runs per row, interleaved; ``vs_direct``
-    = the row's rate ÷ the direct socket's in the same round (median and range over rounds)."""
+    = the row's rate ÷ the direct socket's on its transport in the same round, ``vs_tcp`` (ipc
+    rows, with tcp measured too) = the row's rate ÷ the same relay's on tcp in the same round
+    (each the median and range over rounds; None where it does not apply)."""
     rows = []
     for n in sorted({numel, SMALL_MESSAGE_VALUES}, reverse=True):
         x = torch.randn(n, generator=torch.Generator().manual_seed(2))
@@ -239,18 +275,25 @@ def bench_broker(numel: int, repeats: int, messages: int = 1000, transports: Seq
                 results[(shape, transport, stalled)].append(
                     _broker_run(frames, stalled=stalled, messages=messages, shape=shape, transport=transport))
         for (shape, transport, stalled), rs in results.items():
-            direct = results[("direct", transport, 0)]
-            ratios = [_rate(r) / _rate(d) for r, d in zip(rs, direct) if _rate(r) and _rate(d)]
+            tcp = results.get((shape, "tcp", stalled), []) if transport != "tcp" else []
             rows.append({"shape": shape, "transport": transport, "stalled_subscribers": stalled, "numel": n,
                          "messages": messages, "message_bytes": size, **summarize_broker_runs(rs, size),
-                         "vs_direct": statistics.median(ratios) if ratios else None,
-                         "vs_direct_range": [min(ratios), max(ratios)] if ratios else None})
+                         **_ratio("vs_direct", rs, results[("direct", transport, 0)]), **_ratio("vs_tcp", rs, tcp)})
     return rows
 
 
 def _rate(run: BrokerRun) -> float:
     """Messages per second per live subscriber (0 when none arrived)."""
     return statistics.fmean(run.delivered) / run.seconds if run.seconds else 0.0
+
+
+def _ratio(name: str, runs: Sequence[BrokerRun], baseline: Sequence[BrokerRun]) -> dict[str, Any]:
+    """{``name``: the rate of ``runs`` ÷ that of ``baseline``, the median over rounds (the i-th run
+    of each was measured in the same round), ``name``_range: [lowest, highest]}; None for both
+    without a round where both delivered."""
+    ratios = [_rate(r) / _rate(b) for r, b in zip(runs, baseline) if _rate(r) and _rate(b)]
+    return {name: statistics.median(ratios) if ratios else None,
+            f"{name}_range": [min(ratios), max(ratios)] if ratios else None}
 
 
 def bench_curve(numel: int, repeats: int, messages: int = 1000) -> list[dict[str, Any]]:

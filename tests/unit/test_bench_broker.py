@@ -48,17 +48,20 @@ def test_rates_count_the_messages_delivered_over_first_send_to_last_arrival():
     assert summarize_broker_runs([runs[1]], size)["MB_per_s_per_subscriber"] is None
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("shape,transport", [("process", "ipc"), ("direct", "tcp")])
-def test_a_run_through_the_broker_daemon_or_a_direct_socket_delivers_every_message(shape: str, transport: str) -> None:
-    """The deployed shape (the broker daemon as its own process, here on ipc://) and the physical
-    baseline (a direct PUB -> SUB socket) relay a short flood of small int4 answers to both live
-    subscribers: real processes and sockets."""
-    import torch
-
-    from common import wire
-    from ddloco.bench.broker import _broker_run
-    frames = wire.encode(kind=wire.UPDATE, run="bench", sender="b", fragment=0, values=torch.randn(500),
-                         codec="int4", round=1, base=0, steps=1, tokens=1)
-    run = _broker_run(frames, stalled=0, messages=50, shape=shape, transport=transport)
-    assert run.delivered == (50, 50) and run.seconds and run.seconds > 0
+@pytest.mark.timeout(90)
+def test_a_short_bench_relays_every_message_through_each_relay_on_tcp_and_ipc():
+    """A short ``bench broker`` (50 small answers, one round): the broker daemon as its own process,
+    on a thread, zmq.proxy and the direct socket relay every message to both live subscribers on
+    loopback tcp and on ipc (real processes and sockets); each ratio is taken against its own
+    baseline (the direct socket on the same transport, the same relay on tcp)."""
+    from ddloco.bench.broker import RELAY_SHAPES, SMALL_MESSAGE_VALUES, bench_broker
+    rows = bench_broker(SMALL_MESSAGE_VALUES, 1, messages=50, transports=("tcp", "ipc"), runs=1)
+    cases = [(r["shape"], r["transport"], r["stalled_subscribers"]) for r in rows]
+    assert cases == [(s, t, 0) for t in ("tcp", "ipc") for s in RELAY_SHAPES] + [("process", "tcp", 1)], cases
+    assert set(RELAY_SHAPES) == {"process", "thread", "proxy", "direct"}, RELAY_SHAPES
+    for r in rows:
+        assert r["delivered_to_live_min"] == 50 and r["message_bytes"] < 8000, r
+        assert r["vs_direct"] > 0 and r["vs_direct_range"][0] <= r["vs_direct"] <= r["vs_direct_range"][1], r
+        assert (r["vs_tcp"] is None) == (r["transport"] == "tcp"), r
+        assert r["vs_tcp_range"] is None or r["vs_tcp_range"][0] <= r["vs_tcp"] <= r["vs_tcp_range"][1], r
+    assert [r["vs_direct"] for r in rows if r["shape"] == "direct"] == [1.0, 1.0]
