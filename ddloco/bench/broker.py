@@ -3,7 +3,7 @@
 ``broker``: one publisher floods int4 answers to two live subscribers (reader threads, as a
 learner's network thread reads) through each relay of ``RELAY_SHAPES`` on each transport, the
 direct PUB -> SUB socket (no hop) measured in the same rounds as the baseline. ``curve``: the
-broker path with and without CurveZMQ.
+broker path (the broker on a thread of this process) with and without CurveZMQ.
 
 Every relay under test runs until its block ends and is stopped by this process (``_relay``).
 Rates count what arrived (PUB/SUB drops under the flood), over the time from the first send to
@@ -125,9 +125,11 @@ def _relay(shape: str, transport: str, keys_dir: str = "") -> Iterator[tuple[str
         else:
             if shape == "proxy" and keys_dir:
                 raise ValueError("bench broker: the zmq.proxy relay has no CURVE")
-            cmd = [sys.executable, "-m", "ddloco", "broker", "--xsub", pub_ep, "--xpub", sub_ep, "--log-level", "warning",
-                   *(["--keys", keys_dir, "--shards", "1"] if keys_dir else ["--insecure"])] if shape == "process" else \
-                  [sys.executable, "-c", PROXY_PROGRAM, pub_ep, sub_ep, str(BrokerOptions.hwm_messages)]
+            if shape == "process":
+                cmd = [sys.executable, "-m", "ddloco", "broker", "--xsub", pub_ep, "--xpub", sub_ep, "--log-level",
+                       "warning", *(["--keys", keys_dir, "--shards", "1"] if keys_dir else ["--insecure"])]
+            else:
+                cmd = [sys.executable, "-c", PROXY_PROGRAM, pub_ep, sub_ep, str(BrokerOptions.hwm_messages)]
             with _relay_process(cmd, f"{tmp}/relay.log"):
                 yield pub_ep, sub_ep, False
 
@@ -257,10 +259,12 @@ def bench_broker(numel: int, repeats: int, messages: int = 1000, transports: Seq
     a third subscriber that never reads (a frozen learner: the live ones must not slow down). The
     publisher floods as fast as it can, far above a run's rate, so PUB/SUB may drop under this
     overload: ``delivered_to_live_min`` says how many arrived and rates count only those, over the
-    time from the first send to the last arrival. ``runs`` runs per row, interleaved; ``vs_direct``
-    = the row's rate ÷ the direct socket's on its transport in the same round, ``vs_tcp`` (ipc
-    rows, with tcp measured too) = the row's rate ÷ the same relay's on tcp in the same round
-    (each the median and range over rounds; None where it does not apply)."""
+    time from the first send to the last arrival. At 7 kB the Python readers, not the relay, bound
+    the rate, and every relay drops part of the flood (its queues hold 300 messages per
+    subscriber; the direct socket's the whole flood). ``runs`` runs per row, interleaved;
+    ``vs_direct`` = the row's rate ÷ the direct socket's on its transport in the same round,
+    ``vs_tcp`` (ipc rows, with tcp measured too) = the row's rate ÷ the same relay's on tcp in the
+    same round (each the median and range over rounds; None where it does not apply)."""
     rows = []
     for n in sorted({numel, SMALL_MESSAGE_VALUES}, reverse=True):
         x = torch.randn(n, generator=torch.Generator().manual_seed(2))

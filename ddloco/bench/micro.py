@@ -277,7 +277,7 @@ def main(argv: Sequence[str]) -> int:
                     "model of N parameters, ddloco bench sync --help) codec: encode/decode time, size and error of each "
                     "codec; wire: whole-message encode/decode; merge: a syncer merge of one fragment and the "
                     "shard's whole path; broker: throughput to 2 live subscribers through the broker daemon, "
-                    "the broker on a thread and a direct socket (vs_direct), and with one that never reads "
+                    "the broker on a thread, zmq.proxy and a direct socket (vs_direct), and with one that never reads "
                     "(delivered counts, time from the first send to the last arrival); curve: the broker path with and without "
                     "CurveZMQ; adamw: one inner AdamW step, PyTorch's default CPU loop vs foreach vs fused; all: every one")
     ap.add_argument("--numel", type=int, default=1 << 20, help="elements per fragment (default 1,048,576)")
@@ -286,7 +286,7 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1, like a learner's helper)")
     ap.add_argument("--transport", choices=["tcp", "ipc", "both"], default="tcp",
                     help="broker: the relay's transport, tcp on loopback (default), ipc (a broker and "
-                    "members on one host), or both side by side")
+                    "members on one host), or both side by side (vs_tcp: ipc's rate over tcp's)")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     args = ap.parse_args(list(argv))
     if args.numel < 64 or args.repeats < 1 or args.threads < 1:
