@@ -120,11 +120,11 @@ def bench_merge(numel: int, repeats: int, learners: Sequence[int] = (2, 4, 8)) -
     step; its speed relative to a memcpy of its fp32 inputs (M deltas) measured in the same
     process; the whole path from the int4 answers as they arrive to the encoded broadcast
     (``path_ms``, ``path_vs_memcpy``: memcpy of the M fp32 inputs ÷ the path, median of three
-    runs, and their range; ``merge_path``); with the shard's allocator policy
-    (``common.memory.keep_freed_memory``, for the rest of the process); and the same merge without the robust rules (token weights, every answer folded as
+    runs, and their range; ``merge_path``); with the shard's allocator setting
+    (``common.lifecycle.tune_allocator``, for the rest of the process); and the same merge without the robust rules (token weights, every answer folded as
     sent: ``plain_ms``), so ``robust_cost`` = merge_ms / plain_ms − 1 is what the rules cost."""
-    from common.memory import keep_freed_memory
-    keep_freed_memory()                    # the shard daemon's allocator policy (syncer/cli.py)
+    from common.lifecycle import tune_allocator
+    tune_allocator()                       # the shard daemon's allocator setting (syncer/cli.py)
     per = numel // 24
     spans = tuple((i * per, (i + 1) * per, i == 0) for i in range(24))
     n = per * 24

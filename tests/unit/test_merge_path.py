@@ -3,7 +3,6 @@ decoder and the broadcast's encoder instead of passes of their own."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 
 import numpy as np
@@ -219,22 +218,6 @@ def test_the_outer_step_without_momentum_takes_one_pass_and_the_values_of_clone_
         ref = theta.clone()
         outer_nesterov_step(ref, torch.zeros(n), grad, lr=lr, momentum_coef=0.0)
         assert torch.equal(new.view(torch.int32), ref.view(torch.int32)) and new.data_ptr() != theta.data_ptr()
-
-
-def test_keep_freed_memory_applies_where_glibc_is() -> None:
-    """The shard's allocator policy: applied on glibc Linux (mallopt accepts both settings), so a
-    fragment-sized tensor freed by one merge serves the next without fresh page faults."""
-    import resource
-    from common.memory import keep_freed_memory
-    if not (os.path.exists("/lib/x86_64-linux-gnu/libc.so.6") or os.path.exists("/lib/aarch64-linux-gnu/libc.so.6")):
-        pytest.skip("not a glibc Linux")
-    assert keep_freed_memory()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(20):
-        x = torch.empty(1 << 20)       # 4 MB, what a 10^6-value merge allocates
-        x.fill_(1.0)
-        del x
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults < 20 * 1024 / 4, "freed memory not reused"
 
 
 def test_a_checkpoint_is_due_per_fragment_version_or_after_the_interval() -> None:
