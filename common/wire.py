@@ -123,26 +123,22 @@ class Message:
     def values(self) -> torch.Tensor:
         """Dequantize the payload to a flat fp32 tensor, every value finite (raises PayloadError,
         ``NonFinitePayload`` for NaN/inf); ``decoded`` when that is set (the same tensor, not a copy)."""
-        if self.decoded is not None:
-            return self.decoded
-        quant = _quant()
-        try:
-            return quant.decode(self.payload, self.codec, self.numel)
-        except quant.NonFiniteError as e:
-            raise NonFinitePayload(str(e)) from None
-        except quant.CodecError as e:
-            raise PayloadError(str(e)) from None
-
+        return self._checked("decode")
 
     def values_for_merge(self) -> Any:
         """The values as the shard's merge reads them: int8/int4 kept encoded and checked
         (``common.quant.EncodedVector``, decoded tile by tile in the merge) where the C kernels
         are built, else ``values()``. Raises as ``values()`` does."""
+        return self._checked("encoded")
+
+    def _checked(self, how: str) -> Any:
+        """``decoded``, else ``common.quant``'s ``how`` (decode, encoded) of the payload, its errors
+        as this module's."""
         if self.decoded is not None:
             return self.decoded
         quant = _quant()
         try:
-            return quant.encoded(self.payload, self.codec, self.numel)
+            return getattr(quant, how)(self.payload, self.codec, self.numel)
         except quant.NonFiniteError as e:
             raise NonFinitePayload(str(e)) from None
         except quant.CodecError as e:
