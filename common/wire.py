@@ -133,6 +133,23 @@ class Message:
         except quant.CodecError as e:
             raise PayloadError(str(e)) from None
 
+    def values_added_to(self, base: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``base + values()`` in fp32 (a learner's base plus a broadcast update: the value the shard
+        computed, bit-identical), written into ``out`` (None: a new tensor); in one pass over the
+        payload where the C kernels decode it, without the decoded values as a vector. Raises as
+        ``values()`` does."""
+        quant = _quant()
+        if self.decoded is None:
+            try:
+                fused = quant.decode_add(self.payload, self.codec, self.numel, base, out)
+            except quant.NonFiniteError as e:
+                raise NonFinitePayload(str(e)) from None
+            except quant.CodecError as e:
+                raise PayloadError(str(e)) from None
+            if fused is not None:
+                return fused
+        import torch   # loaded with common.quant already
+        return torch.add(base, self.values(), out=out)
 
     def values_for_merge(self) -> Any:
         """The values as the shard's merge reads them: int8/int4 kept encoded and checked
