@@ -5,13 +5,18 @@ they replace (learners and shards must hold bit-identical replicas), with the C 
 the torch fallback (``impl``)."""
 from __future__ import annotations
 
+import queue
+
 import numpy as np
 import pytest
 import torch
 
 from common import quant, wire
-from common.fragments import TensorSpec, gather, plan_fragments
-from common.merge import carry_local_steps, carry_local_steps_
+from common.fragments import TensorSpec, gather, model_plan, plan_fragments, state_tensors
+from common.merge import Contribution, carry_local_steps, carry_local_steps_, receive_merged
+from learner.exchange import Exchange, carry_into
+from learner.messages import FragmentArrived, RoundOpened
+from learner.receipt import Carry, Receipt
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -124,3 +129,100 @@ def test_a_large_snapshot_copy_gives_the_same_values_aligned_or_not(n: int, offs
     (frag,) = plan_fragments([TensorSpec("w", (n,)), TensorSpec("x", (3,))], 1, align=64)
     flat = gather({"w": src.clone(), "x": torch.ones(3)}, frag)
     assert torch.equal(_bits(flat[:n]), _bits(src)) and torch.equal(flat[frag.spans[1][0]:], torch.ones(3))
+
+
+@pytest.mark.parametrize("codec", quant.CODECS)
+@pytest.mark.parametrize("n", [65, 4097])
+def test_the_network_thread_sends_the_same_answer_payload_for_every_codec(codec: str, n: int, impl: str) -> None:
+    from learner.network import NetworkThread
+    net = NetworkThread.__new__(NetworkThread)
+    net.codec, net._delta = codec, None
+    theta, base = _pair(n, 7)
+    assert [bytes(f) for f in net._encode_delta(theta, base)] == [bytes(f) for f in quant.encode(theta - base, codec)]
+
+
+class _Model(torch.nn.Module):
+    """Pieces of lengths that are not multiples of the block (alignment gaps in the fragments), a
+    float buffer, and an int buffer (its fragment takes the gather/scatter path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(37, 129, generator=g))
+        self.b = torch.nn.Parameter(torch.randn(1001, generator=g))
+        self.c = torch.nn.Parameter(torch.randn(70, 70, generator=g))
+        self.register_buffer("mean", torch.randn(333, generator=g))
+        self.register_buffer("count", torch.tensor([7], dtype=torch.int64))
+
+
+class _Host(Exchange):
+    """The part of a learner that applies merged fragments, on the host, with one process."""
+
+    def __init__(self, model: torch.nn.Module, n_fragments: int) -> None:
+        self.model = model
+        self.tensors = state_tensors(model)
+        self.plan = model_plan(model, (), n_fragments)
+        self.receipt = Receipt(n_fragments, carry=True)
+        self._staging = self.group = self._gathered = None
+        self._deferring = False
+        self._outbox = queue.SimpleQueue()
+        self.device = torch.device("cpu")
+
+
+def _apply_a_round(in_place: bool) -> tuple[dict[str, torch.Tensor], list[bool]]:
+    """Join, train, answer fragment 0, train more, receive a merge of every fragment: the model's
+    state after it, and whether each fragment took the in-place carry."""
+    host = _Host(_Model(), 3)
+    rc, plan = host.receipt, host.plan
+    for p, f in enumerate(plan):
+        host._apply(FragmentArrived(p, 1, 5, gather(host.tensors, f), True), joining=True)
+    g = torch.Generator().manual_seed(1)
+
+    def train() -> None:
+        with torch.no_grad():
+            for t in host.tensors.values():
+                t.add_(torch.randn(t.shape, generator=g) * 1e-3 if t.is_floating_point() else 1)
+        rc.count_step(16)
+
+    train()
+    rc.on_open(RoundOpened(0, 1, round=1, attempt=0, version=5), 0.0)
+    for o in rc.rounds_to_answer(1):
+        rc.contribute(o, host._local_values(o.fragment))
+    train()
+    host._carries_in_place = (lambda p: Exchange._carries_in_place(host, p)) if in_place else (lambda p: False)
+    taken = [host._carries_in_place(p) for p in range(len(plan))]
+    for p, f in enumerate(plan):
+        merged = gather(host.tensors, f) + torch.randn(f.numel, generator=g) * 1e-2
+        host._apply(FragmentArrived(p, 1, 6, merged, False))
+    return {k: v.detach().clone() for k, v in host.tensors.items()}, taken
+
+
+def test_a_learner_applies_a_merge_in_place_to_the_bits_of_the_gathered_path(impl: str) -> None:
+    new, taken = _apply_a_round(in_place=True)
+    old, _ = _apply_a_round(in_place=False)
+    assert taken.count(True) == 2 and taken.count(False) == 1, taken   # the int buffer's fragment is copied
+    for name in old:
+        assert torch.equal(new[name].view(-1).view(torch.int32) if new[name].is_floating_point() else new[name],
+                           old[name].view(-1).view(torch.int32) if old[name].is_floating_point() else old[name]), name
+
+
+def test_a_carry_in_place_keeps_the_counters_of_the_steps_not_answered(impl: str) -> None:
+    rc = Receipt(1, carry=True)
+    base = torch.zeros(4)
+    rc.receive(FragmentArrived(0, 1, 3, base, True), now=0.0, local=lambda p: base, joining=True)
+    rc.count_step(8)
+    rc.count_step(8)
+    rc.on_open(RoundOpened(0, 1, round=1, attempt=0, version=3), 0.0)
+    (o,) = rc.rounds_to_answer(1)
+    snapshot = torch.full((4,), 0.5)
+    rc.contribute(o, snapshot)
+    rc.count_step(8)
+    got = rc.receive(FragmentArrived(0, 1, 4, torch.ones(4), False), now=0.0, local=None, carry_in_place=True)
+    assert isinstance(got, Carry) and got.reference is snapshot and torch.equal(got.merged, torch.ones(4))
+    assert (int(rc.c_steps[0]), int(rc.c_tokens[0])) == (1, 8)
+    value, steps, tokens = receive_merged(torch.ones(4), torch.full((4,), 0.7), base, Contribution(snapshot, 2, 16),
+                                          3, 24, carry=True)
+    assert (steps, tokens) == (1, 8)
+    theta = torch.full((4,), 0.7)
+    carry_into({"x": theta}, plan_fragments([TensorSpec("x", (4,))], 1)[0], got)
+    assert torch.equal(theta, value)
