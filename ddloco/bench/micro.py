@@ -499,8 +499,14 @@ def bench_adamw(numel: int, repeats: int) -> list[dict[str, Any]]:
     return out
 
 
+def bench_learner(numel: int, repeats: int) -> list[dict[str, Any]]:
+    """A learner's sync work on one fragment, its old passes vs one pass (ddloco/bench/learner_path.py)."""
+    from ddloco.bench.learner_path import bench_learner as learner_path
+    return learner_path(numel, repeats)
+
+
 BENCHES = {"codec": bench_codec, "wire": bench_wire, "merge": bench_merge, "broker": bench_broker,
-           "curve": bench_curve, "adamw": bench_adamw}
+           "curve": bench_curve, "adamw": bench_adamw, "learner": bench_learner}
 
 
 def _print_table(name: str, rows: list[dict[str, Any]]) -> None:
@@ -544,7 +550,9 @@ def main(argv: Sequence[str]) -> int:
                     "shard's whole path; broker: throughput to 2 live subscribers through the broker daemon, "
                     "the broker on a thread and a direct socket (vs_direct), and with one that never reads "
                     "(delivered counts, time from the first send to the last arrival); curve: the broker path with and without "
-                    "CurveZMQ; adamw: one inner AdamW step, PyTorch's default CPU loop vs foreach vs fused; all: every one")
+                    "CurveZMQ; adamw: one inner AdamW step, PyTorch's default CPU loop vs foreach vs fused; learner: a "
+                    "learner's sync work on one fragment (snapshot, answer, receive, apply), its old passes vs one "
+                    "pass, vs a memcpy of the bytes touched; all: every one")
     ap.add_argument("--numel", type=int, default=1 << 20, help="elements per fragment (default 1,048,576)")
     ap.add_argument("--repeats", type=int, default=20, help="timed repeats per figure of codec, wire and merge "
                     "(default 20; broker and curve take the median of 5 runs)")
