@@ -782,11 +782,238 @@ static struct PyModuleDef module = {
 /* What common/quant.py expects (KERNELS_ABI there): a module built from older sources is not used. */
 #define QKERNELS_ABI 3
 
+static int add_learner_kernels(PyObject *m);   /* the learner's sync path: at the end of this file */
+
 PyMODINIT_FUNC PyInit__qkernels(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "ABI", QKERNELS_ABI) < 0) {
+    if (m && (PyModule_AddIntConstant(m, "ABI", QKERNELS_ABI) < 0 || add_learner_kernels(m) < 0)) {
         Py_DECREF(m);
         return NULL;
     }
     return m;
 }
+
+/* ------------------------------------------------------------------------------------------ */
+/* The learner's sync path (learner/network.py, learner/exchange.py), one pass each over a
+ * fragment: an answer's codes of snapshot - base, without the delta as a vector; a broadcast
+ * update added to the base as it is decoded; the carry of the steps not merged yet, in place; the
+ * snapshot's copy.
+ * Per value they make the fp32 operations of the unfused torch expressions, in their order, so
+ * the results are bit-identical to them (no multiply is followed by an add in one expression
+ * here except q * s + base, which decode_add keeps as two roundings through a buffer, as the
+ * shard's encode_update does). Added functions only: common/quant.py finds them by name. */
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define STREAM_STORES 1
+#endif
+#define STREAM_MIN_BYTES (1 << 20)   /* outputs this large are not read again before they leave the caches */
+
+/* Whether n floats at out are written with streaming (non-temporal) stores: on x86-64, for a large
+ * output whose address allows them. A fresh buffer written with ordinary stores is first read
+ * into the caches line by line, then evicts other data (the training's); a streaming store does
+ * neither. The values written are the same. */
+static inline int stream_stores(const float *out, Py_ssize_t n) {
+#ifdef STREAM_STORES
+    return (Py_ssize_t)sizeof(float) * n >= STREAM_MIN_BYTES && ((uintptr_t)out & 15u) == 0;
+#else
+    (void)out; (void)n;
+    return 0;
+#endif
+}
+
+/* out[0, k) = v[0, k), k a multiple of 4; streaming stores where ``stream`` (out 16-byte aligned). */
+static inline __attribute__((always_inline)) void store_floats(float *out, const float *v, Py_ssize_t k, int stream) {
+#ifdef STREAM_STORES
+    if (stream) {
+        for (Py_ssize_t i = 0; i < k; i += 4) _mm_stream_ps(out + i, _mm_loadu_ps(v + i));
+        return;
+    }
+#endif
+    (void)stream;
+    memcpy(out, v, (size_t)k * sizeof(float));
+}
+
+/* After streaming stores: they are ordered before whatever this thread does next (the Python
+ * object that hands the buffer to another thread). */
+static inline void stream_fence(int stream) {
+#ifdef STREAM_STORES
+    if (stream) _mm_sfence();
+#endif
+    (void)stream;
+}
+
+/* encode(a - b): the differences of a chunk go through an L1 buffer, never to memory. */
+MULTIVERSION
+static int encode_diff_blocks(const float *a, const float *b, Py_ssize_t n, int levels,
+                              uint8_t *values_out, uint16_t *scales_out) {
+    float x[CHUNK * BLOCK];
+    Py_ssize_t stride = levels == 7 ? BLOCK / 2 : BLOCK, full = n / BLOCK;
+    for (Py_ssize_t blk = 0; blk < full; blk += CHUNK) {
+        Py_ssize_t k = full - blk < CHUNK ? full - blk : CHUNK, off = blk * BLOCK;
+        for (Py_ssize_t i = 0; i < k * BLOCK; i++) x[i] = a[off + i] - b[off + i];
+        if (!quantise_chunk(x, k, levels, values_out + blk * stride, scales_out + blk)) return 0;
+    }
+    Py_ssize_t rest = n - full * BLOCK;
+    if (rest) {                                   /* the tail, padded with zeros (as encode_blocks) */
+        uint8_t v[BLOCK];
+        Py_ssize_t off = full * BLOCK;
+        for (Py_ssize_t i = 0; i < BLOCK; i++) x[i] = i < rest ? a[off + i] - b[off + i] : 0.0f;
+        if (!quantise_chunk(x, 1, levels, v, scales_out + full)) return 0;
+        memcpy(values_out + full * stride, v, (size_t)(levels == 7 ? (rest + 1) / 2 : rest));
+    }
+    return 1;
+}
+
+/* base + decode(values, scales): nothing written if a scale fails scales_ok (as decode_blocks). The
+ * new base is read again at the next step boundary at the earliest: written past the caches. */
+MULTIVERSION
+static int decode_add_blocks(const uint8_t *values, const uint8_t *scales, Py_ssize_t n, int levels,
+                             const float *base, float *out) {
+    if (!scales_ok(scales, n, levels)) return 0;
+    float deq[BLOCK], sum[BLOCK];
+    Py_ssize_t stride = levels == 7 ? BLOCK / 2 : BLOCK, full = n / BLOCK;
+    int stream = stream_stores(out, n);
+    for (Py_ssize_t b = 0; b < full; b++) {
+        dequantise_block(values + b * stride, levels, bf16_f32(load_scale(scales, b)), deq);
+        for (int i = 0; i < BLOCK; i++) sum[i] = base[b * BLOCK + i] + deq[i];
+        store_floats(out + b * BLOCK, sum, BLOCK, stream);
+    }
+    stream_fence(stream);
+    Py_ssize_t rest = n - full * BLOCK;
+    if (rest) {
+        uint8_t v[BLOCK] = {0};
+        memcpy(v, values + full * stride, (size_t)(levels == 7 ? (rest + 1) / 2 : rest));
+        dequantise_block(v, levels, bf16_f32(load_scale(scales, full)), deq);
+        for (Py_ssize_t i = 0; i < rest; i++) out[full * BLOCK + i] = base[full * BLOCK + i] + deq[i];
+    }
+    return 1;
+}
+
+/* dst = src (a learner's snapshot of a fragment: common/fragments.py gather), written past the
+ * caches where it is large. */
+MULTIVERSION
+static void copy_values(float *dst, const float *src, Py_ssize_t n) {
+    int stream = stream_stores(dst, n);
+    Py_ssize_t k = stream ? n - n % 4 : 0;
+    store_floats(dst, src, k, stream);
+    stream_fence(stream);
+    memcpy(dst + k, src + k, (size_t)(n - k) * sizeof(float));
+}
+
+/* theta <- merged + (theta - reference), in place (common/merge.py carry_local_steps). */
+MULTIVERSION
+static void carry_values(float *theta, const float *merged, const float *reference, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) theta[i] = merged[i] + (theta[i] - reference[i]);
+}
+
+PyDoc_STRVAR(encode_diff_doc,
+"encode_diff(a, b, levels, values_out, scales_out) -> bool\n\n"
+"encode(a - b) without a - b as a vector: the same bytes. False if a - b holds NaN/inf.");
+
+static PyObject *py_encode_diff(PyObject *self, PyObject *args) {
+    Py_buffer a, b, vals, scales;
+    int levels;
+    if (!PyArg_ParseTuple(args, "y*y*iw*w*", &a, &b, &levels, &vals, &scales)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = a.len / 4;
+    if (b.len != a.len || !aligned4(2, &a, &b)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "encode_diff: a and b must be float32 of one size");
+        goto done;
+    }
+    if (!check_codec_buffers(&a, &vals, &scales, levels)) goto done;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = encode_diff_blocks((const float *)a.buf, (const float *)b.buf, n, levels, (uint8_t *)vals.buf,
+                            (uint16_t *)scales.buf);
+    Py_END_ALLOW_THREADS
+    result = PyBool_FromLong(ok);
+done:
+    PyBuffer_Release(&a); PyBuffer_Release(&b); PyBuffer_Release(&vals); PyBuffer_Release(&scales);
+    return result;
+}
+
+PyDoc_STRVAR(decode_add_doc,
+"decode_add(values, scales, levels, base, out) -> bool\n\n"
+"out = base + decode(values, scales) (float32, n values), in one pass. False (nothing written) if a\n"
+"scale is NaN/inf or would overflow, as decode.");
+
+static PyObject *py_decode_add(PyObject *self, PyObject *args) {
+    Py_buffer vals, scales, base, out;
+    int levels;
+    if (!PyArg_ParseTuple(args, "y*y*iy*w*", &vals, &scales, &levels, &base, &out)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = out.len / 4;
+    if (base.len != out.len || !aligned4(2, &base, &out)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "decode_add: base and out must be float32 of one size");
+        goto done;
+    }
+    if (!check_codec_buffers(&out, &vals, &scales, levels)) goto done;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = decode_add_blocks((const uint8_t *)vals.buf, (const uint8_t *)scales.buf, n, levels,
+                           (const float *)base.buf, (float *)out.buf);
+    Py_END_ALLOW_THREADS
+    result = PyBool_FromLong(ok);
+done:
+    PyBuffer_Release(&vals); PyBuffer_Release(&scales); PyBuffer_Release(&base); PyBuffer_Release(&out);
+    return result;
+}
+
+PyDoc_STRVAR(carry_doc,
+"carry(theta, merged, reference) -> None\n\n"
+"theta = merged + (theta - reference), in place (float32 buffers of one size).");
+
+static PyObject *py_carry(PyObject *self, PyObject *args) {
+    Py_buffer th, me, re;
+    if (!PyArg_ParseTuple(args, "w*y*y*", &th, &me, &re)) return NULL;
+    PyObject *result = NULL;
+    if (th.len % 4 || me.len != th.len || re.len != th.len || !aligned4(3, &th, &me, &re)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "carry: theta, merged and reference must be float32 of one size");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    carry_values((float *)th.buf, (const float *)me.buf, (const float *)re.buf, th.len / 4);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&th); PyBuffer_Release(&me); PyBuffer_Release(&re);
+    return result;
+}
+
+PyDoc_STRVAR(copy_doc,
+"copy(dst, src) -> None\n\n"
+"dst = src (float32 buffers of one size), with streaming stores where dst is large (>= 1 MiB).");
+
+static PyObject *py_copy(PyObject *self, PyObject *args) {
+    Py_buffer dst, src;
+    if (!PyArg_ParseTuple(args, "w*y*", &dst, &src)) return NULL;
+    PyObject *result = NULL;
+    if (dst.len % 4 || src.len != dst.len || !aligned4(2, &dst, &src)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "copy: dst and src must be float32 of one size");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    copy_values((float *)dst.buf, (const float *)src.buf, dst.len / 4);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&dst); PyBuffer_Release(&src);
+    return result;
+}
+
+static PyMethodDef learner_methods[] = {
+    {"encode_diff", py_encode_diff, METH_VARARGS, encode_diff_doc},
+    {"decode_add", py_decode_add, METH_VARARGS, decode_add_doc},
+    {"carry", py_carry, METH_VARARGS, carry_doc},
+    {"copy", py_copy, METH_VARARGS, copy_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static int add_learner_kernels(PyObject *m) { return PyModule_AddFunctions(m, learner_methods); }

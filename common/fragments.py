@@ -30,6 +30,8 @@ from typing import Collection, Mapping, Sequence
 
 import torch
 
+from common import quant
+
 KINDS = ("param", "embedding", "buffer", "int_buffer")
 """Kinds of tensors in a fragment (see the module docstring)."""
 BUFFER_KINDS = ("buffer", "int_buffer")
@@ -288,14 +290,19 @@ def _tensor(tensors: Mapping[str, torch.Tensor], spec: TensorSpec) -> torch.Tens
 def gather(tensors: Mapping[str, torch.Tensor], fragment: Fragment,
            device: torch.device | str = "cpu") -> torch.Tensor:
     """A new flat float32 vector [fragment.numel] on ``device``: the fragment's pieces in order,
-    zero gaps."""
+    zero gaps (each value written once: the gaps are zeroed, not the whole vector; large float32
+    pieces past the caches, ``quant.copy_into``)."""
     spans = fragment.spans                  # computed once: ``numel`` would compute it again
     numel = spans[-1][1] if spans else 0
-    gaps = sum(stop - start for start, stop, _ in spans) != numel
-    flat = (torch.zeros if gaps else torch.empty)(numel, dtype=torch.float32, device=device)
+    flat = torch.empty(numel, dtype=torch.float32, device=device)
+    end = 0
     for piece, (start, stop, _) in zip(fragment.pieces, spans):
+        if start > end:                     # an alignment gap before this piece
+            flat[end:start].zero_()
         src = _tensor(tensors, piece.tensor).detach().reshape(-1)[piece.start:piece.stop]
-        flat[start:stop] = src.to(device=flat.device, dtype=torch.float32)
+        if not quant.copy_into(flat[start:stop], src):
+            flat[start:stop] = src.to(device=flat.device, dtype=torch.float32)
+        end = stop
     return flat
 
 

@@ -497,6 +497,19 @@ def carry_local_steps(merged: torch.Tensor, local: torch.Tensor, reference: torc
     return merged + (local - reference)
 
 
+def carry_local_steps_(local: torch.Tensor, merged: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """``carry_local_steps`` written into ``local`` (a view of the learner's tensor; all three 1-D
+    float32 of one length): local ← merged + (local − reference), the same values, with no
+    temporary vector: one pass with the C kernels, else two in-place torch passes. Returns ``local``."""
+    kernel = getattr(quant._kernels, "carry", None) if quant._kernels is not None else None
+    with torch.no_grad():
+        if kernel is not None and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                                      for t in (local, merged, reference)):
+            kernel(local.detach().numpy(), merged.detach().numpy(), reference.detach().numpy())
+            return local
+        return local.sub_(reference).add_(merged)   # (θ − ref) + Θ_new: the sum of the same two terms
+
+
 @dataclass(frozen=True)
 class Contribution:
     """What a learner last answered fragment p with since its base: the snapshot and its counters."""
@@ -504,6 +517,15 @@ class Contribution:
     snapshot: torch.Tensor
     steps: int
     tokens: int
+
+
+def carried(base: torch.Tensor, contributed: Contribution | None, c_steps: int, c_tokens: int
+            ) -> tuple[torch.Tensor, int, int]:
+    """What a carry keeps (ALGORITHM §6): (the reference the local steps are counted from: the
+    answered snapshot, else the old base; the counters less the answered steps and tokens)."""
+    if contributed is None:
+        return base, c_steps, c_tokens
+    return contributed.snapshot, c_steps - contributed.steps, c_tokens - contributed.tokens
 
 
 def receive_merged(merged: torch.Tensor, local: torch.Tensor | None, base: torch.Tensor,
@@ -518,9 +540,8 @@ def receive_merged(merged: torch.Tensor, local: torch.Tensor | None, base: torch
     if (carry or mix_alpha > 0) and local is None:
         raise ValueError("carry and alpha-mixing need the learner's current value")
     if carry:
-        ref = contributed.snapshot if contributed is not None else base
-        done_steps, done_tokens = (contributed.steps, contributed.tokens) if contributed is not None else (0, 0)
-        return carry_local_steps(merged, local, ref), c_steps - done_steps, c_tokens - done_tokens
+        ref, steps, tokens = carried(base, contributed, c_steps, c_tokens)
+        return carry_local_steps(merged, local, ref), steps, tokens
     if mix_alpha > 0:
         return mix_alpha * local + (1 - mix_alpha) * merged, 0, 0
     return merged, 0, 0

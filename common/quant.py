@@ -381,3 +381,79 @@ def encode_update(master: torch.Tensor, replica: torch.Tensor, codec: str) -> tu
                                   scales, out.numpy()):
         raise NonFiniteError("non-finite values")
     return out, [memoryview(values), memoryview(scales).cast("B")]
+
+
+# --------------------------------------------------------------------------------------------
+# the learner's sync path: an answer's codes and a received update, one pass each
+
+
+def _learner_kernel(name: str, codec: str) -> Any:
+    """The C kernel ``name`` for an int8/int4 ``codec``, or None (another codec, the torch
+    implementation, or an extension built before the learner's kernels were added to it)."""
+    if codec not in _LEVELS or _kernels is None:
+        return None
+    return getattr(_kernels, name, None)
+
+
+def encode_diff(a: torch.Tensor, b: torch.Tensor, codec: str) -> list[memoryview] | None:
+    """``encode(a - b, codec)``, the same frames, in one pass without a − b as a vector (int8/int4
+    with the C kernels); None where the kernels do not serve it (then the caller subtracts and
+    encodes). ``NonFiniteError`` if a − b holds NaN/inf."""
+    _check_codec(codec)
+    kernel = _learner_kernel("encode_diff", codec)
+    if kernel is None:
+        return None
+    for t in (a, b):
+        _check_input(t)
+    if a.numel() != b.numel():
+        raise CodecError(f"a has {a.numel()} values, b {b.numel()}")
+    values_nbytes, scales_nbytes = _frame_nbytes(a.numel(), codec)
+    values = np.empty(values_nbytes, dtype=np.uint8)
+    scales = np.empty(scales_nbytes // 2, dtype=np.int16)
+    if not kernel(a.detach().numpy(), b.detach().numpy(), _LEVELS[codec], values, scales):
+        raise NonFiniteError("non-finite values")
+    return [memoryview(values), memoryview(scales).cast("B")]
+
+
+def decode_add(frames: Sequence[Any], codec: str, numel: int, base: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``base + decode(frames, codec, numel)`` in fp32, the same values, in one pass without the
+    decoded vector (int8/int4 with the C kernels), written into ``out`` (None: a new tensor);
+    None where the kernels do not serve it. Raises as ``decode`` does (nothing written then)."""
+    _check_codec(codec)
+    _check_numel(numel)
+    kernel = _learner_kernel("decode_add", codec)
+    if kernel is None:
+        return None
+    _check_input(base)
+    out = torch.empty_like(base) if out is None else out
+    _check_input(out)
+    if base.numel() != numel or out.numel() != numel:
+        raise CodecError(f"base and out must hold {numel} values, got {base.numel()} and {out.numel()}")
+    views = [_as_bytes_view(f) for f in frames]
+    expected = _frame_nbytes(numel, codec)
+    if len(views) != len(expected) or any(v.nbytes != nb for v, nb in zip(views, expected)):
+        raise CodecError(f"codec {codec} frames for {numel} values must be {list(expected)} bytes, "
+                         f"got {[v.nbytes for v in views]}")
+    if not kernel(views[0], views[1], _LEVELS[codec], base.detach().numpy(), out.numpy()):
+        raise NonFiniteError("non-finite values")
+    return out
+
+
+STREAM_MIN_BYTES = 1 << 20
+"""Copies this large are written past the caches by the C kernel (``copy_into``)."""
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """dst ← src, the same values, with the C kernel's streaming stores (a learner's snapshot: a
+    fresh buffer read again later, whose old lines need not be read nor other data evicted); False
+    where it does not serve (the caller copies): not float32 contiguous CPU vectors of one length,
+    under ``STREAM_MIN_BYTES``, or no kernels."""
+    kernel = getattr(_kernels, "copy", None) if _kernels is not None else None
+    if kernel is None or not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                                 for t in (dst, src)):
+        return False
+    if dst.numel() != src.numel() or 4 * dst.numel() < STREAM_MIN_BYTES:
+        return False
+    kernel(dst.detach().numpy(), src.detach().numpy())
+    return True

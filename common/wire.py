@@ -123,26 +123,34 @@ class Message:
     def values(self) -> torch.Tensor:
         """Dequantize the payload to a flat fp32 tensor, every value finite (raises PayloadError,
         ``NonFinitePayload`` for NaN/inf); ``decoded`` when that is set (the same tensor, not a copy)."""
-        if self.decoded is not None:
-            return self.decoded
-        quant = _quant()
-        try:
-            return quant.decode(self.payload, self.codec, self.numel)
-        except quant.NonFiniteError as e:
-            raise NonFinitePayload(str(e)) from None
-        except quant.CodecError as e:
-            raise PayloadError(str(e)) from None
+        return self._checked("decode")
 
+    def values_added_to(self, base: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``base + values()`` in fp32 (a learner's base plus a broadcast update: the value the shard
+        computed, bit-identical), written into ``out`` (None: a new tensor); in one pass over the
+        payload where the C kernels decode it, without the decoded values as a vector. Raises as
+        ``values()`` does."""
+        if self.decoded is None:
+            fused = self._checked("decode_add", base, out)
+            if fused is not None:
+                return fused
+        import torch   # loaded with common.quant already
+        return torch.add(base, self.values(), out=out)
 
     def values_for_merge(self) -> Any:
         """The values as the shard's merge reads them: int8/int4 kept encoded and checked
         (``common.quant.EncodedVector``, decoded tile by tile in the merge) where the C kernels
         are built, else ``values()``. Raises as ``values()`` does."""
+        return self._checked("encoded")
+
+    def _checked(self, how: str, *args: Any) -> Any:
+        """``decoded``, else ``common.quant``'s ``how`` (decode, encoded, decode_add) of the payload
+        (``args`` after it), its errors as this module's."""
         if self.decoded is not None:
             return self.decoded
         quant = _quant()
         try:
-            return quant.encoded(self.payload, self.codec, self.numel)
+            return getattr(quant, how)(self.payload, self.codec, self.numel, *args)
         except quant.NonFiniteError as e:
             raise NonFinitePayload(str(e)) from None
         except quant.CodecError as e:

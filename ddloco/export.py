@@ -35,6 +35,7 @@ from common.fragments import Fragment, model_plan, scatter, state_tensors
 from common.keys import Keys
 from common.task import Task, TaskError, bind_task, build_model
 from common.running_stats import recalibrate
+from syncer.checkpoints import load_checkpoint_file
 
 FORMATS = ("safetensors", "pt", "hf")
 """``hf``: the task's own format (``Task.save``), a directory; the others: a state dict file."""
@@ -147,7 +148,7 @@ def from_checkpoints(checkpoint_dir: str | Path, run_id: str | None = None, *, t
     run: RunConfig | None = None
     for path in paths:
         try:
-            state = torch.load(path, weights_only=True)
+            state = load_checkpoint_file(path)     # its values checked against their digests
             this = run_config_from_dict(state["run_config"])
             fragments = state["fragments"]
         except Exception as e:  # a corrupt or foreign file: unpickling, missing keys, an older config

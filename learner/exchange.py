@@ -12,9 +12,11 @@ from typing import Any
 
 import torch
 
-from common.fragments import gather, scatter
+from common.fragments import Fragment, gather, scatter
+from common.merge import carry_local_steps_
 from learner.messages import (Answer, Fetch, FragmentArrived, Have, PeerStateArrived, PeerStateWanted, RoundOpened,
                               StateRequested)
+from learner.receipt import Carry
 
 
 class Exchange:
@@ -59,17 +61,27 @@ class Exchange:
         while item is not None:
             p = item.fragment
             value = rc.receive(item, now=time.monotonic(), local=self._local_values, joining=joining,
-                               to_device=self._staging.to_device if self._staging is not None else None)
+                               to_device=self._staging.to_device if self._staging is not None else None,
+                               carry_in_place=self._carries_in_place(p))
             self._send_fetches()
             if value is None:
                 return
-            if self._gathered is not None:    # a sharded group: the value reaches the shards after this
+            if isinstance(value, Carry):      # θ_p ← Θ_new + (θ_p − reference), on the tensors themselves
+                carry_into(self.tensors, self.plan[p], value)
+            elif self._gathered is not None:  # a sharded group: the value reaches the shards after this
                 self._gathered[p] = value
             else:
                 scatter(self.tensors, self.plan[p], value)
             if self.group is not None:
                 self._changed[p] = value
             item, joining = rc.replay(p), False
+
+    def _carries_in_place(self, p: int) -> bool:
+        """A carry of fragment p is made on the tensors themselves (``carry_into``): a learner of one
+        process on the host whose tensors of p are float32 and contiguous. Elsewhere it is computed
+        on a gathered copy and written back (``scatter``)."""
+        return (self._staging is None and self.group is None and self._gathered is None
+                and all(_takes_carry(self.tensors[q.name]) for q in self.plan[p].pieces))
 
     def _local_values(self, p: int) -> torch.Tensor:
         """This learner's current value of fragment p (flat float32, never written in place
@@ -105,3 +117,16 @@ class Exchange:
             s.last_contrib_fragment = p
             s.last_contrib_at = time.time()
         rc.forget_answered()
+
+
+def _takes_carry(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+
+
+def carry_into(tensors: dict[str, torch.Tensor], fragment: Fragment, carry: Carry) -> None:
+    """θ ← Θ_new + (θ − reference) on each piece of ``fragment`` in ``tensors``, in place (float32
+    contiguous host tensors): what ``scatter(tensors, fragment, carry_local_steps(carry.merged,
+    gather(tensors, fragment), carry.reference))`` writes, in one pass and no copy of the fragment."""
+    for piece, (start, stop, _) in zip(fragment.pieces, fragment.spans):
+        target = tensors[piece.name].detach().view(-1)[piece.start:piece.stop]
+        carry_local_steps_(target, carry.merged[start:stop], carry.reference[start:stop])

@@ -1,9 +1,11 @@
 """The learner's network thread: it owns every ZeroMQ socket of a learner (ALGORITHM §4, §6).
 
 It subscribes to the run's ``open`` and ``frag`` topics through the broker, publishes answers
-(delta against the base, finite check, quantisation: all off the training thread), and asks
-the owning shards for full fragments (join, version gaps). Everything it exchanges with the
-training thread is one of the typed messages of learner/messages.py, through two queues:
+(delta against the base and its quantisation, one pass over the fragment for int8/int4; the
+encoder refuses NaN/inf: all off the training thread), resolves a broadcast update on the
+published base as it decodes it (one pass), and asks the owning shards for full fragments
+(join, version gaps). Everything it exchanges with the training thread is one of the typed
+messages of learner/messages.py, through two queues:
 
     inbox  (network -> training):  FragmentArrived, RoundOpened, StateRequested,
                                    PeerStateWanted, PeerStateArrived
@@ -89,7 +91,8 @@ class NetworkThread(PeerLink):
         self.stop = stop
         self.malformed = 0
         self._delta: torch.Tensor | None = None
-        """The answers' δ buffer (the largest fragment answered so far)."""
+        """The answers' δ buffer (the largest fragment answered so far), where they are not
+        quantised as they are subtracted (``_encode_delta``)."""
         self._staged: list[Answer] = []
         """Answers taken from the outbox whose snapshot is still being copied to the host."""
 
@@ -223,24 +226,31 @@ class NetworkThread(PeerLink):
             self._send_answer(pub, self._staged.pop(0))
 
     def _send_answer(self, pub: zmq.Socket, a: Answer) -> None:
-        # δ_m = θ_{m,p} − Θ_p^{base_m}, in a buffer kept for the next answer (a fresh one costs
-        # its page faults); the codec's frames never alias it
-        if self._delta is None or self._delta.numel() < a.snapshot.numel():
-            self._delta = torch.empty(a.snapshot.numel(), dtype=torch.float32)
-        delta = torch.sub(a.snapshot, a.base_values, out=self._delta[:a.snapshot.numel()])
         try:
-            frames = wire.encode(kind=wire.UPDATE, run=self.endpoints.run_id, sender=self.id,
-                                 fragment=a.fragment, values=delta, codec=self.codec, epoch=a.epoch,
-                                 round=a.round, attempt=a.attempt, base=a.base, steps=a.steps, tokens=a.tokens,
-                                 final=a.final)
+            payload = self._encode_delta(a.snapshot, a.base_values)
         except quant.CodecError:                               # NaN/inf: every codec refuses them
             self.stats.nonfinite_answers += 1                  # diverged: never send NaN/inf
             return
+        frames = wire.encode(kind=wire.UPDATE, run=self.endpoints.run_id, sender=self.id, fragment=a.fragment,
+                             encoded=(payload, a.snapshot.numel()), codec=self.codec, epoch=a.epoch, round=a.round,
+                             attempt=a.attempt, base=a.base, steps=a.steps, tokens=a.tokens, final=a.final)
         try:
             pub.send_multipart(frames, zmq.NOBLOCK, copy=False)
             self.stats.bytes_up += wire.message_nbytes(frames)
         except zmq.Again:
             pass
+
+    def _encode_delta(self, snapshot: torch.Tensor, base: torch.Tensor) -> list[Any]:
+        """The codec's frames of δ_m = θ_{m,p} − Θ_p^{base_m}: int8/int4 quantised as they are
+        subtracted, in one pass (the C kernels); otherwise δ in a buffer kept for the next answer (a
+        fresh one costs its page faults), then encoded (the frames never alias it)."""
+        fused = quant.encode_diff(snapshot, base, self.codec)
+        if fused is not None:
+            return fused
+        n = snapshot.numel()
+        if self._delta is None or self._delta.numel() < n:
+            self._delta = torch.empty(n, dtype=torch.float32)
+        return quant.encode(torch.sub(snapshot, base, out=self._delta[:n]), self.codec)
 
     def receive_broadcasts(self, sub: zmq.Socket) -> None:
         """Up to 256 waiting ``open`` and ``frag`` messages."""
@@ -267,37 +277,39 @@ class NetworkThread(PeerLink):
                 self.inbox.put(StateRequested(msg.fragment))
 
     def on_fragment(self, msg: wire.Message, *, requested: bool) -> None:
-        """A merged fragment (broadcast or reply): decoded here, applied by the training thread."""
+        """A merged fragment (broadcast or reply): decoded here (an update on the published base
+        made the full value as it is decoded), applied by the training thread."""
         if msg.fragment >= len(self.numels) or msg.numel != self.numels[msg.fragment]:
             self.malformed += 1
             return
+        update_base = msg.base if msg.base >= 0 and not requested else -1
         try:
-            values = msg.values()
+            full = self._resolve(msg, update_base, alloc=self.pinned) if update_base >= 0 else None
+            values = full if full is not None else msg.values()
         except wire.WireError:
             self.malformed += 1
             return
+        if full is not None:
+            update_base = -1
         self.stats.bytes_down += msg.payload_nbytes
         if requested:   # full values fetched (join, repairs): counted apart from the broadcasts
             self.stats.bytes_fetched += msg.payload_nbytes
-        update_base = msg.base if msg.base >= 0 and not requested else -1
-        if update_base >= 0:
-            full = self._resolve(msg.fragment, msg.epoch, update_base, values, alloc=self.pinned)
-            if full is not None:
-                values, update_base = full, -1
         on_device = self.stage(values) if self.stage is not None and update_base < 0 and not requested else None
         self.inbox.put(FragmentArrived(msg.fragment, msg.epoch, msg.version, values, requested, update_base,
                                        on_device))
 
-    def _resolve(self, p: int, epoch: int, update_base: int, update: torch.Tensor, *,
+    def _resolve(self, msg: wire.Message, update_base: int, *,
                  alloc: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor | None:
         """Θ_v = Θ_base + deq(update) in fp32, as the shard computed it (bit-identical), when the
-        published base of fragment p is that base; None otherwise (the training thread decides:
-        learner/receipt.py ``_resolve_update``). ``alloc``: where to write it (pinned memory for a
-        CUDA learner), asked only once the value is known to resolve."""
+        published base of the update's fragment is ``update_base`` of its epoch; None otherwise (the
+        training thread decides: learner/receipt.py ``_resolve_update``). Computed as the payload is
+        decoded (one pass, ``Message.values_added_to``). ``alloc``: where to write it (pinned memory
+        for a CUDA learner), asked only once the value is known to resolve. Raises as ``values()``."""
         bases = self.bases() if self.bases is not None else None
         if bases is None:
             return None
+        p = msg.fragment
         base = bases.values[p]
-        if base is None or int(bases.epochs[p]) != epoch or int(bases.versions[p]) != update_base:
+        if base is None or int(bases.epochs[p]) != msg.epoch or int(bases.versions[p]) != update_base:
             return None
-        return torch.add(base, update, out=alloc(update)) if alloc is not None else base + update
+        return msg.values_added_to(base, out=alloc(base) if alloc is not None else None)

@@ -6,10 +6,10 @@ Per fragment p the learner holds ``base_values[p]`` (Θ_p at ``base_version[p]``
 received p, the round open for p (``pending_open``) and what it last answered (``contributed``).
 
 ``Receipt.receive`` takes one merged fragment and returns the value the learner's fragment takes
-(or None: nothing to apply); the learner installs it into its tensors, then asks ``replay`` for
-an update that was waiting for that value. Fragments to ask the shards for (a version gap, a
-restarted shard) are collected in ``fetches`` (``take_fetches``). ``rounds_to_answer`` and
-``contribute`` decide the answers.
+(or None: nothing to apply), or, when the learner asks for it, a ``Carry`` to apply to its tensors
+in place; the learner installs it, then asks ``replay`` for an update that was waiting for that
+value. Fragments to ask the shards for (a version gap, a restarted shard) are collected in
+``fetches`` (``take_fetches``). ``rounds_to_answer`` and ``contribute`` decide the answers.
 
 Ownership: a ``Receipt`` belongs to the learner's training thread; other threads see its bases
 only through ``Bases`` (``published``), a frozen copy the training thread replaces.
@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from common.merge import Contribution, receive_merged
+from common.merge import Contribution, carried, receive_merged
 from learner.messages import FragmentArrived, RoundOpened
 
 FETCH_RETRY_S = 1.0
@@ -43,6 +43,16 @@ class Bases:
     versions: np.ndarray
     epochs: np.ndarray
     values: tuple[torch.Tensor | None, ...]
+
+
+@dataclass(frozen=True)
+class Carry:
+    """The carry of ALGORITHM §6 for the learner to make on its own tensors, in place:
+    θ_p ← merged + (θ_p − reference) (``common.merge.carry_local_steps_``), so θ_p is never read
+    out as a vector nor the result written back from one."""
+
+    merged: torch.Tensor
+    reference: torch.Tensor
 
 
 @dataclass
@@ -150,11 +160,12 @@ class Receipt:
 
     # ------------------------------------------------------------------ receiving a merged fragment (§6)
     def receive(self, item: FragmentArrived, *, now: float, local: Callable[[int], torch.Tensor],
-                joining: bool = False, to_device: Callable[[torch.Tensor], torch.Tensor] | None = None
-                ) -> torch.Tensor | None:
+                joining: bool = False, to_device: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                carry_in_place: bool = False) -> torch.Tensor | Carry | None:
         """Apply the merged Θ_p (§6): carry the unmerged steps, or overwrite / α-mix and reset the
         counters. Returns the fragment's new value (``local(p)``: the learner's current one, read
-        only for carry and α-mix; ``to_device``: where the learner's value lives, None: here).
+        only for carry and α-mix; ``to_device``: where the learner's value lives, None: here), or
+        with ``carry_in_place`` (a host learner whose tensors take it) a carry as a ``Carry``.
 
         Epochs (lives of the owning shard) and versions only go up: a restarted shard continues
         from the freshest copy (ALGORITHM §8). A value from an older life is ignored; a new life
@@ -182,7 +193,7 @@ class Receipt:
         if joining or not known:                      # the first value: adopt it
             value, self.c_steps[p], self.c_tokens[p] = item.values, 0, 0
         else:  # carry the steps not merged yet (not across a move back), or overwrite / α-mix
-            value = self._merged_value(p, item, contributed, continuing, local, to_device)
+            value = self._merged_value(p, item, contributed, continuing, local, to_device, carry_in_place)
         self.base_values[p] = item.values
         self.base_version[p] = item.version
         self.base_epoch[p] = item.epoch
@@ -200,9 +211,13 @@ class Receipt:
                                  ours=int(self.base_version[p]), epoch=item.epoch)
 
     def _merged_value(self, p: int, item: FragmentArrived, contributed: Contribution | None, continuing: bool,
-                      local: Callable[[int], torch.Tensor],
-                      to_device: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+                      local: Callable[[int], torch.Tensor], to_device: Callable[[torch.Tensor], torch.Tensor] | None,
+                      carry_in_place: bool) -> torch.Tensor | Carry:
         carry = self.carry and continuing
+        if carry and carry_in_place and to_device is None:
+            ref, self.c_steps[p], self.c_tokens[p] = carried(self.base_values[p], contributed, int(self.c_steps[p]),
+                                                             int(self.c_tokens[p]))
+            return Carry(item.values, ref)
         mine = local(p) if carry or self.mix_alpha > 0 else None
         merged, base = item.values, self.base_values[p]
         if to_device is not None:    # on the GPU, where the local value and snapshot are

@@ -69,8 +69,8 @@ def cmd_syncer(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     stop = threading.Event()
     install_stop_handlers(stop)
     run, task = command.run_and_task(cfg, args, env, starts_run=not args.join)
-    from common.memory import keep_freed_memory
-    keep_freed_memory()   # each merge's fresh tensors reuse freed fragments' memory, without page faults
+    from common.lifecycle import tune_allocator
+    tune_allocator()   # each merge's fresh tensors reuse freed fragments' memory, without page faults
     return _serve(cfg, opts, run, task, stop)
 
 

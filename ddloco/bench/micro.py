@@ -120,11 +120,11 @@ def bench_merge(numel: int, repeats: int, learners: Sequence[int] = (2, 4, 8)) -
     step; its speed relative to a memcpy of its fp32 inputs (M deltas) measured in the same
     process; the whole path from the int4 answers as they arrive to the encoded broadcast
     (``path_ms``, ``path_vs_memcpy``: memcpy of the M fp32 inputs ÷ the path, median of three
-    runs, and their range; ``merge_path``); with the shard's allocator policy
-    (``common.memory.keep_freed_memory``, for the rest of the process); and the same merge without the robust rules (token weights, every answer folded as
+    runs, and their range; ``merge_path``); with the shard's allocator setting
+    (``common.lifecycle.tune_allocator``, for the rest of the process); and the same merge without the robust rules (token weights, every answer folded as
     sent: ``plain_ms``), so ``robust_cost`` = merge_ms / plain_ms − 1 is what the rules cost."""
-    from common.memory import keep_freed_memory
-    keep_freed_memory()                    # the shard daemon's allocator policy (syncer/cli.py)
+    from common.lifecycle import tune_allocator
+    tune_allocator()                       # the shard daemon's allocator setting (syncer/cli.py)
     per = numel // 24
     spans = tuple((i * per, (i + 1) * per, i == 0) for i in range(24))
     n = per * 24
@@ -234,8 +234,14 @@ def bench_adamw(numel: int, repeats: int) -> list[dict[str, Any]]:
     return out
 
 
+def bench_learner(numel: int, repeats: int) -> list[dict[str, Any]]:
+    """A learner's sync work on one fragment, its old passes vs one pass (ddloco/bench/learner_path.py)."""
+    from ddloco.bench.learner_path import bench_learner as learner_path
+    return learner_path(numel, repeats)
+
+
 BENCHES = {"codec": bench_codec, "wire": bench_wire, "merge": bench_merge, "broker": bench_broker,
-           "curve": bench_curve, "adamw": bench_adamw}
+           "curve": bench_curve, "adamw": bench_adamw, "learner": bench_learner}
 
 
 def _print_table(name: str, rows: list[dict[str, Any]]) -> None:
@@ -279,7 +285,9 @@ def main(argv: Sequence[str]) -> int:
                     "shard's whole path; broker: throughput to 2 live subscribers through the broker daemon, "
                     "the broker on a thread, zmq.proxy and a direct socket (vs_direct), and with one that never reads "
                     "(delivered counts, time from the first send to the last arrival); curve: the broker path with and without "
-                    "CurveZMQ; adamw: one inner AdamW step, PyTorch's default CPU loop vs foreach vs fused; all: every one")
+                    "CurveZMQ; adamw: one inner AdamW step, PyTorch's default CPU loop vs foreach vs fused; learner: a "
+                    "learner's sync work on one fragment (snapshot, answer, receive, apply), its old passes vs one "
+                    "pass, vs a memcpy of the bytes touched; all: every one")
     ap.add_argument("--numel", type=int, default=1 << 20, help="elements per fragment (default 1,048,576)")
     ap.add_argument("--repeats", type=int, default=20, help="timed repeats per figure of codec, wire and merge "
                     "(default 20; broker and curve take the median of 5 runs)")

@@ -193,6 +193,18 @@ def test_gather_rejects_missing_or_reshaped_parameters() -> None:
         gather({"w": torch.zeros(3, 2)}, frag)
 
 
+def test_gather_zeroes_the_alignment_gaps_of_fresh_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vector is allocated without zeroing it (one pass, not two); its gaps are zeroed."""
+    (frag,) = plan_fragments(_specs({"a": 70, "b": 5, "c": 130}), 1, align=64)
+    assert [s[:2] for s in frag.spans] == [(0, 70), (128, 133), (192, 322)]
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))   # memory as found
+    tensors = {n: torch.arange(float(k), dtype=torch.float32) + 1 for n, k in (("a", 70), ("b", 5), ("c", 130))}
+    flat = gather(tensors, frag)
+    assert torch.equal(flat[70:128], torch.zeros(58)) and torch.equal(flat[133:192], torch.zeros(59))
+    assert torch.equal(flat[128:133], tensors["b"]) and torch.equal(flat[192:], tensors["c"])
+
+
 @pytest.mark.parametrize("shards", [1, 2, 3, 5, 24, 30])
 def test_owned_fragments_partition_all_fragments(shards: int) -> None:
     n = 24

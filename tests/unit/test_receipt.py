@@ -210,23 +210,34 @@ def test_published_bases_are_read_only_copies() -> None:
         bases.versions[0] = 7
 
 
-def test_the_network_thread_resolves_an_update_on_the_published_base_bit_identically():
-    """An int4 broadcast update built on the base the training thread last published is made the
-    full value on the network thread (base + deq(update), as the shard computed it); an update on
-    any other base, epoch or an unknown fragment is left to the training thread."""
+def _update_message(update: torch.Tensor, codec: str, *, epoch: int, base: int):
+    from common import wire
+    return wire.decode(wire.encode(kind=wire.FRAG, run="r", sender="shard0", fragment=0, values=update, codec=codec,
+                                   epoch=epoch, version=base + 1, base=base))
+
+
+@pytest.mark.parametrize("codec", ["int4", "int8", "fp32"])
+def test_the_network_thread_resolves_an_update_on_the_published_base_bit_identically(codec):
+    """A broadcast update built on the base the training thread last published is made the full
+    value on the network thread (base + deq(update), as the shard computed it: the same bits as
+    adding the decoded update); an update on any other base, epoch or an unknown fragment is left
+    to the training thread."""
     import numpy as np
     from learner.network import NetworkThread
     from learner.receipt import Bases
     net = NetworkThread.__new__(NetworkThread)
     base, update = torch.randn(100), torch.randn(100)
+    msg = _update_message(update, codec, epoch=2, base=7)
+    expected = base + msg.values()
     net.bases = lambda: Bases(np.array([7, 3]), np.array([2, 2]), (base, None))
-    assert torch.equal(net._resolve(0, 2, 7, update), base + update)
+    assert torch.equal(net._resolve(msg, 7), expected)
     out = torch.empty(100)
-    assert net._resolve(0, 2, 7, update, alloc=lambda t: out) is out and torch.equal(out, base + update)
+    assert net._resolve(msg, 7, alloc=lambda t: out) is out and torch.equal(out, expected)
     asked = []
-    assert net._resolve(0, 2, 6, update, alloc=asked.append) is None and not asked   # nothing allocated
-    assert net._resolve(0, 2, 6, update) is None       # built on another version
-    assert net._resolve(0, 3, 7, update) is None       # another life of the shard
-    assert net._resolve(1, 2, 3, update) is None       # no value yet
+    assert net._resolve(msg, 6, alloc=asked.append) is None and not asked   # nothing allocated
+    assert net._resolve(msg, 6) is None                                      # built on another version
+    assert net._resolve(_update_message(update, codec, epoch=3, base=7), 7) is None   # another life of the shard
+    net.bases = lambda: Bases(np.array([7, 3]), np.array([2, 2]), (None, None))
+    assert net._resolve(msg, 7) is None                # no value yet
     net.bases = lambda: None
-    assert net._resolve(0, 2, 7, update) is None       # nothing published yet
+    assert net._resolve(msg, 7) is None                # nothing published yet
