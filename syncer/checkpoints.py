@@ -21,6 +21,11 @@ import torch
 from common import positions, tokens as run_count
 from common.files import atomic_path
 
+try:
+    from torch.utils.serialization import config as torch_save_config
+except ImportError:    # an older torch: its records always carry a CRC32
+    torch_save_config = None
+
 
 class LatestWriter:
     """One background thread that writes the newest submitted item; an item submitted while
@@ -86,6 +91,19 @@ def checkpoint_due(*, advanced: int, merges_since: int, since_last_s: float, eve
     return advanced >= every_merges or (merges_since > 0 and since_last_s >= interval_s)
 
 
+def save_state(state: dict[str, Any], path: Path) -> None:
+    """``torch.save`` without a CRC32 per zip record: ``torch.load`` does not check them (nor does
+    ``ddloco export``), so they protected nothing, and computing them was most of the writer
+    thread's CPU (a 200 MB state: 0.19 s with them, 0.05 s without, the least of 8 writes each).
+    Atomicity and durability are ``atomic_path``'s (fsync, rename). The setting is the calling
+    thread's only (torch's config patches are thread-local); ``unzip -t`` calls the records damaged."""
+    if torch_save_config is None:
+        torch.save(state, path)
+        return
+    with torch_save_config.patch({"save.compute_crc32": False}):
+        torch.save(state, path)
+
+
 class CheckpointMismatch(RuntimeError):
     """The checkpoint on disk belongs to another run config or shard layout."""
 
@@ -140,7 +158,7 @@ class Checkpointing:
         t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             with atomic_path(path, durable=True) as tmp:
-                torch.save(state, tmp)
+                save_state(state, tmp)
                 nbytes = Path(tmp).stat().st_size
         except (OSError, RuntimeError) as e:  # disk full, directory gone: keep merging, the old one stays intact
             self._ckpt_outcomes.put(CheckpointOutcome(False, time.thread_time() - cpu0, time.perf_counter() - t0))
