@@ -1,4 +1,4 @@
-"""What a shard's checkpoint file holds."""
+"""When a shard writes a checkpoint (a pure decision at fixed inputs), and what the file holds."""
 from __future__ import annotations
 
 import zipfile
@@ -6,7 +6,28 @@ import zipfile
 import torch
 
 from common.files import atomic_path
-from syncer.checkpoints import save_state
+from syncer.checkpoints import checkpoint_due, save_state
+
+
+def test_a_write_starts_one_version_before_the_recovery_bound_of_a_fragment_or_after_the_interval() -> None:
+    """Counted per fragment (a restarted shard takes a lone learner's copy up to its checkpoint's
+    version + every_merges): twelve fragments merging in turn write once per 19 versions of one,
+    not every 20 merges of the shard; the write starts at 19 so that one more merge of that
+    fragment before it lands stays within the bound. A slow run still writes after the interval."""
+    kw = dict(every_merges=20, interval_s=300.0)
+    assert checkpoint_due(advanced=18, merges_since=12 * 18, since_last_s=299.0, **kw) is None
+    assert checkpoint_due(advanced=19, merges_since=19, since_last_s=1.0, **kw) == "versions"
+    assert checkpoint_due(advanced=25, merges_since=25, since_last_s=1.0, **kw) == "versions"   # a write failed
+    assert checkpoint_due(advanced=1, merges_since=1, since_last_s=300.0, **kw) == "interval"
+    assert checkpoint_due(advanced=0, merges_since=0, since_last_s=1e6, **kw) is None
+
+
+def test_with_a_bound_of_one_or_two_versions_every_merge_or_every_other_one_writes() -> None:
+    kw = dict(merges_since=1, since_last_s=0.0, interval_s=300.0)
+    assert checkpoint_due(advanced=1, every_merges=1, **kw) == "versions"
+    assert checkpoint_due(advanced=1, every_merges=2, **kw) == "versions"
+    assert checkpoint_due(advanced=1, every_merges=3, **kw) is None
+    assert checkpoint_due(advanced=2, every_merges=3, **kw) == "versions"
 
 
 def test_a_checkpoint_file_has_no_crc32_records_and_loads_as_written(tmp_path) -> None:
