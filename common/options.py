@@ -128,9 +128,12 @@ class SyncerOptions:
     storage that follows the shard (a volume); a shard that starts without it recovers its
     fragments from the live learners (ALGORITHM §8)."""
     checkpoint_every_merges: int = 20
-    """Checkpoint once a fragment of this shard moved this many versions since the last checkpoint
-    (and always on SIGTERM): a restarted shard that lost Redis too adopts a copy one learner alone
-    holds up to its checkpoint's version + this (ALGORITHM §8), so no merge is lost beyond that."""
+    """No fragment of this shard gets more than this many versions (merges) ahead of its checkpoint
+    on disk: a write starts once one is this - 1 past the newest checkpoint (and always on
+    SIGTERM), which leaves it one merge while the write lands. A restarted shard that lost Redis
+    too adopts a copy one learner alone holds up to its checkpoint's version + this (ALGORITHM §8),
+    so no merge is lost beyond that (unless a write fails, or takes longer than two of a fragment's
+    merges)."""
     checkpoint_interval_s: float = 300.0
     """Also checkpoint when this many seconds passed since the last one with any merge since
     (a slow run's fragments rarely move ``checkpoint_every_merges`` versions)."""

@@ -2,17 +2,22 @@
 atomically off the loop (``common.files.atomic_path(durable=True)``: temp file, fsync, rename,
 fsync of the directory), and loaded at start.
 
-Ownership: ``Checkpointing`` runs on the shard's loop thread. The writer thread (``LatestWriter``)
-gets each checkpoint as a state dict (references to tensors no one writes in place) and reads
-nothing of the live shard; it reports each outcome as a message (``_ckpt_outcomes``) that the
-loop counts into ``stats.checkpoints`` / ``stats.checkpoint_errors`` (``_count_checkpoints``).
+When: ``checkpoint_due`` after each merge (a fragment ``checkpoint_every_merges`` - 1 versions
+past its checkpoint, or ``checkpoint_interval_s`` with any merge), and at stop.
+
+Ownership: ``Checkpointing`` runs on the shard's loop thread (``_ckpt_versions``: the newest
+snapshot's versions; ``_ckpt_saved_versions``: those of the file on disk). The writer thread
+(``LatestWriter``) gets each checkpoint as a state dict (references to tensors no one writes in
+place) and reads nothing of the live shard; it reports each outcome as a message
+(``_ckpt_outcomes``) that the loop counts into ``stats.checkpoints`` / ``stats.checkpoint_errors``
+and the cost counters (``_count_checkpoints``).
 """
 from __future__ import annotations
 
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,6 +26,11 @@ import torch
 
 from common import positions, tokens as run_count
 from common.files import atomic_path
+
+try:
+    from torch.utils.serialization import config as torch_save_config
+except ImportError:    # an older torch: its records always carry a CRC32
+    torch_save_config = None
 
 
 class LatestWriter:
@@ -75,16 +85,40 @@ class CheckpointOutcome:
     """The writer thread's CPU seconds for it (``time.thread_time``)."""
     wall_s: float = 0.0
     nbytes: int = 0
+    versions: dict[int, int] = field(default_factory=dict)
+    """The fragments' versions in it (on disk once ``written``)."""
 
 
 def checkpoint_due(*, advanced: int, merges_since: int, since_last_s: float, every_merges: int,
-                   interval_s: float) -> bool:
-    """Whether a merge that moved a fragment ``advanced`` versions past its checkpointed one calls
-    for a checkpoint: at ``every_merges`` versions (what a restarted shard that lost Redis too may
-    take back from one learner's copy: ``syncer.recovery``), or after ``interval_s`` seconds with
-    any merge since. Counted per fragment, not over the shard's fragments: a shard of 12 fragments
-    writes its whole state 12 × less often than after every 20 of its merges, for the same bound."""
-    return advanced >= every_merges or (merges_since > 0 and since_last_s >= interval_s)
+                   interval_s: float) -> str | None:
+    """Why a merge that left its fragment ``advanced`` versions past its version in the newest
+    checkpoint calls for another one (None: it does not).
+
+    "versions": ``advanced`` reached ``every_merges`` - 1. A restarted shard that lost Redis too
+    takes a copy one learner alone holds only up to its checkpoint's version + ``every_merges``
+    (``syncer.recovery``): a write started one version early leaves that fragment one more merge
+    before it lands and still within the bound (at ``every_merges`` = 1 every merge writes, with
+    no such margin). Counted per fragment, not over the shard's merges: a shard of 12 fragments
+    merging in turn writes its state about 12 × less often than after every 20 of its merges.
+    "interval": ``interval_s`` passed since the newest checkpoint with a merge since (a slow run)."""
+    if advanced >= max(1, every_merges - 1):
+        return "versions"
+    if merges_since > 0 and since_last_s >= interval_s:
+        return "interval"
+    return None
+
+
+def save_state(state: dict[str, Any], path: Path) -> None:
+    """``torch.save`` without a CRC32 per zip record: ``torch.load`` does not check them (nor does
+    ``ddloco export``), so they protected nothing, and computing them was most of the writer
+    thread's CPU (a 200 MB state: 0.19 s with them, 0.05 s without, the least of 8 writes each).
+    Atomicity and durability are ``atomic_path``'s (fsync, rename). The setting is the calling
+    thread's only (torch's config patches are thread-local); ``unzip -t`` calls the records damaged."""
+    if torch_save_config is None:
+        torch.save(state, path)
+        return
+    with torch_save_config.patch({"save.compute_crc32": False}):
+        torch.save(state, path)
 
 
 class CheckpointMismatch(RuntimeError):
@@ -111,21 +145,10 @@ def _digests(state: dict[str, Any]) -> dict[str, str]:
 
 def save_checkpoint_file(state: dict[str, Any], path: Path) -> int:
     """``state`` with its values' digests to ``path``, atomically and durably
-    (``common.files.atomic_path``), without torch.save's CRC (``values_digest``); its bytes."""
+    (``common.files.atomic_path``), by ``save_state`` (no zip CRC: ``values_digest`` instead); its bytes."""
     state = {**state, "digests": _digests(state)}
-    try:
-        from torch.utils.serialization import config   # torch >= 2.6
-    except ImportError:
-        config = None
-    crc = config.save.compute_crc32 if config is not None else None
     with atomic_path(path, durable=True) as tmp:
-        try:
-            if config is not None:
-                config.save.compute_crc32 = False
-            torch.save(state, tmp)
-        finally:
-            if config is not None:
-                config.save.compute_crc32 = crc
+        save_state(state, tmp)
         return Path(tmp).stat().st_size
 
 
@@ -151,13 +174,14 @@ class Checkpointing:
         name = f"{self.endpoints.run_id}-shard{self.options.shard}of{self.options.shards}.pt"
         return Path(self.options.checkpoint_dir).absolute() / name
 
-    def checkpoint(self, *, wait: bool = False) -> None:
+    def checkpoint(self, *, wait: bool = False, reason: str = "stop") -> None:
         """Snapshot {Θ, momentum, version, next_round} of every fragment (references to tensors no
         merge writes in place: no copy, no extra memory) and hand it to the writer thread, which
         writes it atomically (temp file, fsync, rename, fsync of the directory) off the loop. A
         snapshot taken while the previous one is still being written replaces any snapshot still
         waiting (the newest one wins).
-        ``wait``: write synchronously after the writer finished (the final checkpoint at stop)."""
+        ``wait``: write synchronously after the writer finished (the final checkpoint at stop).
+        ``reason``: why (``checkpoint_due``'s, or "stop"), logged with the write."""
         if self.checkpoint_path is None:
             return
         state = {
@@ -172,6 +196,7 @@ class Checkpointing:
                           for p, f in self.frags.items()},
             "merges": self.stats.merges, "saved_at": time.time(), "run_tokens": self.run_tokens,
             "token_shares": dict(self.token_shares), "data_positions": dict(self.data_positions),
+            "reason": reason,
         }
         self._merges_since_ckpt = 0
         self._ckpt_versions = {p: f.version for p, f in self.frags.items()}
@@ -195,14 +220,16 @@ class Checkpointing:
             self._ckpt_outcomes.put(CheckpointOutcome(False, time.thread_time() - cpu0, time.perf_counter() - t0))
             self.log.error("syncer.checkpoint_failed", path=str(path), error=str(e))
             return
-        outcome = CheckpointOutcome(True, time.thread_time() - cpu0, time.perf_counter() - t0, nbytes)
+        versions = {p: fs["version"] for p, fs in state["fragments"].items()}
+        outcome = CheckpointOutcome(True, time.thread_time() - cpu0, time.perf_counter() - t0, nbytes, versions)
         self._ckpt_outcomes.put(outcome)
-        self.log.info("syncer.checkpoint", path=str(path), write_s=round(outcome.wall_s, 4),
-                      cpu_s=round(outcome.cpu_s, 4), bytes=nbytes,
-                      versions={p: fs["version"] for p, fs in state["fragments"].items()})
+        self.log.info("syncer.checkpoint", path=str(path), reason=state.get("reason"), write_s=round(outcome.wall_s, 4),
+                      cpu_s=round(outcome.cpu_s, 4), bytes=nbytes, versions=versions)
 
     def _count_checkpoints(self) -> None:
-        """On the loop: count the writes the writer thread reported (written, failed)."""
+        """On the loop: count the writes the writer thread reported (written, failed). After a
+        failed one the fragments count from the file on disk again, so the next merge of one
+        that is ``checkpoint_every_merges`` - 1 past it writes again (not that many versions later)."""
         while True:
             try:
                 outcome = self._ckpt_outcomes.get_nowait()
@@ -213,8 +240,10 @@ class Checkpointing:
             if outcome.written:
                 self.stats.checkpoints += 1
                 self.stats.checkpoint_bytes += outcome.nbytes
+                self._ckpt_saved_versions.update(outcome.versions)
             else:
                 self.stats.checkpoint_errors += 1
+                self._ckpt_versions = dict(self._ckpt_saved_versions)
 
     def _checkpoint_epoch(self) -> int:
         """The epoch recorded in this shard's checkpoint (0: none, or unreadable)."""
@@ -239,7 +268,7 @@ class Checkpointing:
         for p, fs in state["fragments"].items():
             f = self.frags[int(p)]
             f.theta, f.momentum, f.version = fs["theta"], fs["momentum"], int(fs["version"])
-            self._ckpt_versions[int(p)] = f.version
+            self._ckpt_versions[int(p)] = self._ckpt_saved_versions[int(p)] = f.version
             f.master, f.reply = fs.get("master"), None
             f.history = {f.version: f.theta}  # answers on older bases are refused as stale
             f.next_round = int(fs["next_round"])

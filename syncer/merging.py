@@ -178,11 +178,12 @@ class Merging:
                       contributors=contributors, reason=job.reason, merge_s=round(res.seconds, 4))
         self._record_merge(f, rnd, answers, job.weights, waited, job.grace, job.reason)
         self._check_schedule(f, now)
-        if checkpoint_due(advanced=f.version - self._ckpt_versions.get(f.spec.index, 0),
-                          merges_since=self._merges_since_ckpt, since_last_s=now - self._ckpt_at,
-                          every_merges=self.options.checkpoint_every_merges,
-                          interval_s=self.options.checkpoint_interval_s):
-            self.checkpoint()
+        reason = checkpoint_due(advanced=f.version - self._ckpt_versions.get(f.spec.index, 0),
+                                merges_since=self._merges_since_ckpt, since_last_s=now - self._ckpt_at,
+                                every_merges=self.options.checkpoint_every_merges,
+                                interval_s=self.options.checkpoint_interval_s)
+        if reason:
+            self.checkpoint(reason=reason)
 
     def _merge_dropped(self, job: MergeJob) -> None:
         """A merge that produced nothing: every answer clipped away, or a value not finite."""

@@ -90,7 +90,9 @@ class Shard(SetUp, ControlPlane, Intake, Merging, Recovering, Checkpointing, Ser
         self._redis_ok = True
         self._merges_since_ckpt = 0
         self._ckpt_versions: dict[int, int] = {}
-        """Each fragment's version in the last checkpoint (loaded or written; none: nothing on disk)."""
+        """Each fragment's version in the newest checkpoint (loaded, or handed to the writer; none: nothing on disk)."""
+        self._ckpt_saved_versions: dict[int, int] = {}
+        """Each fragment's version in the checkpoint on disk (loaded, or reported written)."""
         self._ckpt_at = clock()
         self._lease_lost = False
         self._ckpt_writer = LatestWriter(self._write_checkpoint, name=f"{self.id}-checkpoint")

@@ -174,9 +174,9 @@ def test_a_checkpoint_references_the_fragments_and_stays_at_its_versions_while_m
     release = threading.Event()
     snapshot, write = Shard.checkpoint, Shard._write_checkpoint
 
-    def recording(self, *, wait=False):   # on the loop: no merge is applied between the two
+    def recording(self, *, wait=False, **kw):   # on the loop: no merge is applied between the two
         copies = {p: (f.version, f.theta, f.theta.clone()) for p, f in self.frags.items()}
-        snapshot(self, wait=wait)
+        snapshot(self, wait=wait, **kw)
         taken.append(copies)
 
     def held_back(self, state):
@@ -361,7 +361,7 @@ def _crash_shard_after_unsaved_merges(cluster, shard) -> dict[int, int]:
     calls = [0]
     real_checkpoint = shard.checkpoint
 
-    def two_checkpoints_then_none(wait: bool = False) -> None:  # decided on the shard's own thread: no race
+    def two_checkpoints_then_none(wait: bool = False, **_) -> None:  # decided on the shard's own thread: no race
         if calls[0] < 2:
             real_checkpoint(wait=True)  # on disk before the "crash" (no write left in flight)
             calls[0] += 1

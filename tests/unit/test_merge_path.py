@@ -220,18 +220,6 @@ def test_the_outer_step_without_momentum_takes_one_pass_and_the_values_of_clone_
         assert torch.equal(new.view(torch.int32), ref.view(torch.int32)) and new.data_ptr() != theta.data_ptr()
 
 
-def test_a_checkpoint_is_due_per_fragment_version_or_after_the_interval() -> None:
-    """Counted per fragment (the bound a restarted shard takes a lone learner's copy up to), not
-    per merge of the shard: twelve fragments merging in turn write the state once per 20 versions
-    of a fragment, not every 20 merges; a slow run still writes after the interval."""
-    from syncer.checkpoints import checkpoint_due
-    kw = dict(every_merges=20, interval_s=300.0)
-    assert not checkpoint_due(advanced=19, merges_since=12 * 19, since_last_s=299.0, **kw)
-    assert checkpoint_due(advanced=20, merges_since=20, since_last_s=1.0, **kw)
-    assert checkpoint_due(advanced=1, merges_since=1, since_last_s=300.0, **kw)
-    assert not checkpoint_due(advanced=0, merges_since=0, since_last_s=1e6, **kw)
-
-
 def test_a_checkpoint_file_is_checked_against_its_values_digests(tmp_path) -> None:
     """Written without torch.save's zip CRC (which torch.load never checks: a flipped byte loaded
     silently before), with a digest of each fragment's values that loading checks: one changed
