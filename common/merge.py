@@ -23,6 +23,9 @@ import torch
 
 from common import quant
 from common.config import MERGE_RULES, AlgoConfig
+# re-exported: their home before the split (the learner's receipt; the outer step and downlink)
+from common.carry import Contribution, carried, carry_local_steps, carry_local_steps_, receive_merged  # noqa: F401
+from common.outer import _span_kind, outer_lr_at, outer_nesterov_step, outer_step, quantized_update  # noqa: F401
 
 
 def _check_matrix(vectors: torch.Tensor, weights: torch.Tensor) -> None:
@@ -92,12 +95,6 @@ def radial_directional_average(
         return weighted_average(vectors, weights)
     radius = (weights * norms).sum()
     return direction * (radius / direction_norm)
-
-
-def _span_kind(kind: str | bool) -> str:
-    if isinstance(kind, bool):  # (start, stop, embedding) spans of whole-tensor plans
-        return "embedding" if kind else "param"
-    return kind
 
 
 @dataclass(frozen=True)
@@ -432,121 +429,6 @@ def merge_outer_gradients(
     return merged
 
 
-def outer_nesterov_step(
-    theta: torch.Tensor,
-    momentum: torch.Tensor,
-    grad: torch.Tensor,
-    *,
-    lr: float,
-    momentum_coef: float,
-    nesterov: bool = True,
-    check_only: bool = False,
-) -> None:
-    """One outer SGD step with (Nesterov) momentum, in place on ``theta`` and ``momentum``.
-
-    Bit-identical to ``torch.optim.SGD([theta], lr=lr, momentum=momentum_coef,
-    nesterov=nesterov)`` when ``momentum`` starts at zeros: same op sequence as torch's
-    single-tensor SGD.
-    """
-    if theta.shape != grad.shape or theta.shape != momentum.shape:
-        raise ValueError(
-            f"shape mismatch: theta {tuple(theta.shape)}, momentum {tuple(momentum.shape)}, "
-            f"grad {tuple(grad.shape)}"
-        )
-    if not (math.isfinite(lr) and lr > 0):
-        raise ValueError(f"lr must be finite and > 0, got {lr}")
-    if not 0.0 <= momentum_coef < 1.0:
-        raise ValueError(f"momentum_coef must be in [0, 1), got {momentum_coef}")
-    if check_only:   # the arguments' checks only (outer_step takes the μ = 0 step itself)
-        return
-    with torch.no_grad():
-        if momentum_coef == 0:
-            theta.add_(grad, alpha=-lr)
-            return
-        momentum.mul_(momentum_coef).add_(grad)                         # b ← μ·b + Δ
-        if not nesterov:
-            theta.add_(momentum, alpha=-lr)                             # Θ ← Θ − η·b
-            return
-        step = grad.add(momentum, alpha=momentum_coef)                  # Δ + μ·b
-        theta.add_(step, alpha=-lr)                                     # Θ ← Θ − η·(Δ + μ·b)
-
-
-def outer_lr_at(lr: float, merges_done: int, warmup_merges: int) -> float:
-    """Outer learning rate of a fragment's next merge: linear warm-up over its first
-    ``warmup_merges`` merges ((k+1)/N · η for merge k), then η."""
-    if warmup_merges <= 0:
-        return lr
-    return lr * min(1.0, (merges_done + 1) / warmup_merges)
-
-
-def quantized_update(replica: torch.Tensor, master: torch.Tensor, codec: str) -> tuple[torch.Tensor, list[Any]]:
-    """The quantized-update downlink (ALGORITHM §7): (the new replica, the broadcast's codec
-    frames). The frames carry q(master − replica); the new replica is replica + deq(frames), the
-    same fp32 addition every learner holding ``replica`` makes, so all copies stay bit-identical."""
-    fused = quant.encode_update(master, replica, codec)
-    if fused is not None:   # one pass: the same bytes and values as the two lines below
-        return fused
-    frames = quant.encode(master - replica, codec)
-    return replica + quant.decode(frames, codec, master.numel()), frames
-
-
-def carry_local_steps(merged: torch.Tensor, local: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """A learner's new value of a fragment when it keeps its uncontributed steps:
-    Θ_new + (θ_local − reference), where ``reference`` is the value it last answered with (or
-    its previous base). With one learner, η = 1 and μ = 0 this is exactly plain training."""
-    return merged + (local - reference)
-
-
-def carry_local_steps_(local: torch.Tensor, merged: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """``carry_local_steps`` written into ``local`` (a view of the learner's tensor; all three 1-D
-    float32 of one length): local ← merged + (local − reference), the same values, with no
-    temporary vector: one pass with the C kernels, else two in-place torch passes. Returns ``local``."""
-    kernel = getattr(quant._kernels, "carry", None) if quant._kernels is not None else None
-    with torch.no_grad():
-        if kernel is not None and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-                                      for t in (local, merged, reference)):
-            kernel(local.detach().numpy(), merged.detach().numpy(), reference.detach().numpy())
-            return local
-        return local.sub_(reference).add_(merged)   # (θ − ref) + Θ_new: the sum of the same two terms
-
-
-@dataclass(frozen=True)
-class Contribution:
-    """What a learner last answered fragment p with since its base: the snapshot and its counters."""
-
-    snapshot: torch.Tensor
-    steps: int
-    tokens: int
-
-
-def carried(base: torch.Tensor, contributed: Contribution | None, c_steps: int, c_tokens: int
-            ) -> tuple[torch.Tensor, int, int]:
-    """What a carry keeps (ALGORITHM §6): (the reference the local steps are counted from: the
-    answered snapshot, else the old base; the counters less the answered steps and tokens)."""
-    if contributed is None:
-        return base, c_steps, c_tokens
-    return contributed.snapshot, c_steps - contributed.steps, c_tokens - contributed.tokens
-
-
-def receive_merged(merged: torch.Tensor, local: torch.Tensor | None, base: torch.Tensor,
-                   contributed: Contribution | None, c_steps: int, c_tokens: int, *, carry: bool,
-                   mix_alpha: float = 0.0) -> tuple[torch.Tensor, int, int]:
-    """A learner's fragment value and counters after the merged value arrives (ALGORITHM §6).
-
-    carry: Θ_new + (θ − the answered snapshot, else the old base); the answered steps and tokens
-    leave the counters. Otherwise the paper's overwrite (α-mixed when ``mix_alpha`` > 0) and the
-    counters restart at 0. ``local`` (the learner's current value) is only read by carry and
-    α-mix; a plain overwrite may pass None. Returns (new value, c_steps, c_tokens)."""
-    if (carry or mix_alpha > 0) and local is None:
-        raise ValueError("carry and alpha-mixing need the learner's current value")
-    if carry:
-        ref, steps, tokens = carried(base, contributed, c_steps, c_tokens)
-        return carry_local_steps(merged, local, ref), steps, tokens
-    if mix_alpha > 0:
-        return mix_alpha * local + (1 - mix_alpha) * merged, 0, 0
-    return merged, 0, 0
-
-
 def outer_update(theta: torch.Tensor, momentum: torch.Tensor, outer_grads: torch.Tensor, weights: torch.Tensor,
                  spans: Sequence[tuple[int, int, str | bool]], algo: AlgoConfig, *, merges_done: int = 0,
                  rule: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -556,26 +438,3 @@ def outer_update(theta: torch.Tensor, momentum: torch.Tensor, outer_grads: torch
     (Θ_new, b_new); the inputs are left unchanged so a caller can still drop the result."""
     grad = merge_outer_gradients(outer_grads, weights, spans, rule or algo.merge_rule)    # [numel]
     return outer_step(theta, momentum, grad, spans, algo, merges_done=merges_done)
-
-
-def outer_step(theta: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor,
-               spans: Sequence[tuple[int, int, str | bool]], algo: AlgoConfig, *, merges_done: int = 0
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The run's outer step with the merged outer gradient ``grad``, on copies (see
-    ``outer_update``); buffers take the learners' merged value, without the outer optimizer.
-    With μ = 0 the momentum is returned as given (unchanged, not copied)."""
-    moving = algo.outer_momentum != 0
-    lr = outer_lr_at(algo.outer_lr, merges_done, algo.outer_warmup_merges)
-    if moving:   # with μ = 0 the momentum is never read nor written: no copy of it per merge
-        new_theta, momentum = theta.clone(), momentum.clone()
-        outer_nesterov_step(new_theta, momentum, grad, lr=lr, momentum_coef=algo.outer_momentum,
-                            nesterov=algo.outer_nesterov)
-    else:        # Θ − η·Δ into a new tensor in one pass (the same kernel and values as clone + add_)
-        outer_nesterov_step(theta, momentum, grad, lr=lr, momentum_coef=0.0, check_only=True)
-        new_theta = torch.add(theta, grad, alpha=-lr)
-    for start, stop, kind in spans:  # buffers: the learners' merged value, no outer optimizer
-        if _span_kind(kind) in ("buffer", "int_buffer"):
-            new_theta[start:stop] = theta[start:stop] - grad[start:stop]
-            if moving:
-                momentum[start:stop] = 0.0
-    return new_theta, momentum

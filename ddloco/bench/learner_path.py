@@ -34,7 +34,7 @@ from common import quant, wire
 from common.fragments import TensorSpec, gather, plan_fragments, scatter
 from common.lifecycle import tune_allocator
 from common.merge import Contribution, receive_merged
-from ddloco.bench.micro import _median_ms, memcpy_ms
+from ddloco.bench.timing import _median_ms, memcpy_ms
 from learner.exchange import carry_into
 from learner.receipt import Carry
 

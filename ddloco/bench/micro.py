@@ -18,23 +18,7 @@ from common.config import AlgoConfig
 from common.merge import OuterAccumulator, contribution_weights, outer_step
 from common.robust import NormClipper, fair_weights, fold_round
 from ddloco.bench.broker import bench_broker, bench_curve
-
-
-def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000.0
-
-
-def memcpy_ms(numel: int, repeats: int) -> float:
-    """A copy of ``numel`` fp32 values into a buffer allocated once: the baseline the codec and
-    merge figures are divided by (``*_vs_memcpy`` = memcpy time ÷ their time, 1 = as fast)."""
-    src, dst = torch.randn(numel), torch.empty(numel)
-    return _median_ms(lambda: dst.copy_(src), repeats)
+from ddloco.bench.timing import _median_ms, memcpy_ms
 
 
 @contextlib.contextmanager
