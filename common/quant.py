@@ -363,24 +363,29 @@ def encoded(frames: Sequence[Any], codec: str, numel: int) -> "EncodedVector | t
     return EncodedVector(codec, numel, views[0], views[1])
 
 
+def _encode_pair(kernel: Any, a: torch.Tensor, b: torch.Tensor, codec: str, *out: Any) -> list[memoryview]:
+    """The frames of ``kernel(a, b, levels, values, scales, *out)``: one of the C kernels that
+    encode a − b in one pass (fp32 CPU vectors of one size); ``NonFiniteError`` if a − b holds NaN/inf."""
+    for t in (a, b):
+        _check_input(t)
+    if a.numel() != b.numel():
+        raise CodecError(f"the two vectors hold {a.numel()} and {b.numel()} values")
+    values_nbytes, scales_nbytes = _frame_nbytes(a.numel(), codec)
+    values = np.empty(values_nbytes, dtype=np.uint8)
+    scales = np.empty(scales_nbytes // 2, dtype=np.int16)
+    if not kernel(a.detach().numpy(), b.detach().numpy(), _LEVELS[codec], values, scales, *out):
+        raise NonFiniteError("non-finite values")
+    return [memoryview(values), memoryview(scales).cast("B")]
+
+
 def encode_update(master: torch.Tensor, replica: torch.Tensor, codec: str) -> tuple[torch.Tensor, list[memoryview]] | None:
     """(replica + decode(encode(master − replica)), those frames) in one pass with the C kernels
     (int8/int4, fp32 CPU vectors): the bytes and values of the unfused expression. None where the
     kernels do not serve it; ``NonFiniteError`` if master − replica holds NaN/inf."""
     if codec not in ("int8", "int4") or _kernels is None:
         return None
-    for t in (master, replica):
-        _check_input(t)
-    if master.numel() != replica.numel():
-        raise CodecError(f"master has {master.numel()} values, replica {replica.numel()}")
-    values_nbytes, scales_nbytes = _frame_nbytes(master.numel(), codec)
-    values = np.empty(values_nbytes, dtype=np.uint8)
-    scales = np.empty(scales_nbytes // 2, dtype=np.int16)
     out = torch.empty_like(master)
-    if not _kernels.encode_update(master.detach().numpy(), replica.detach().numpy(), _LEVELS[codec], values,
-                                  scales, out.numpy()):
-        raise NonFiniteError("non-finite values")
-    return out, [memoryview(values), memoryview(scales).cast("B")]
+    return out, _encode_pair(_kernels.encode_update, master, replica, codec, out.numpy())
 
 
 # --------------------------------------------------------------------------------------------
@@ -403,16 +408,7 @@ def encode_diff(a: torch.Tensor, b: torch.Tensor, codec: str) -> list[memoryview
     kernel = _learner_kernel("encode_diff", codec)
     if kernel is None:
         return None
-    for t in (a, b):
-        _check_input(t)
-    if a.numel() != b.numel():
-        raise CodecError(f"a has {a.numel()} values, b {b.numel()}")
-    values_nbytes, scales_nbytes = _frame_nbytes(a.numel(), codec)
-    values = np.empty(values_nbytes, dtype=np.uint8)
-    scales = np.empty(scales_nbytes // 2, dtype=np.int16)
-    if not kernel(a.detach().numpy(), b.detach().numpy(), _LEVELS[codec], values, scales):
-        raise NonFiniteError("non-finite values")
-    return [memoryview(values), memoryview(scales).cast("B")]
+    return _encode_pair(kernel, a, b, codec)
 
 
 def decode_add(frames: Sequence[Any], codec: str, numel: int, base: torch.Tensor,
