@@ -10,7 +10,6 @@ import statistics
 import time
 from typing import Any
 
-
 from common import wire
 from common.robust import STEP_TIME_FLOOR_OF_MEDIAN, STEP_TIME_UNKNOWN_S, bound_claims, claims_reference, \
     max_steps_claim, steps_in_time
