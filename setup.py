@@ -4,4 +4,4 @@ skips it (``optional=True``) and common.quant uses its torch implementation of t
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("common._qkernels", ["common/_qkernels.c"],
-                             extra_compile_args=["-O3"], libraries=["m"], optional=True)])
+                             extra_compile_args=["-O3", "-ffp-contract=off"], libraries=["m"], optional=True)])

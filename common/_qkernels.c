@@ -26,7 +26,7 @@
 #define ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: v + M - M rounds v half-to-even for |v| < 2^22 */
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__)
-#define MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#define MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define MULTIVERSION
 #endif
@@ -172,22 +172,21 @@ static inline float outer_at(const float *th, const float *ba, const float *de, 
 }
 
 /* Sum of squares over [a, b) of theta - (base + delta), in double (1e30-sized values must not
- * overflow, as they do in an fp32 norm): four 4-lane double accumulators (GCC/Clang vector
- * types, SIMD on any target). */
-typedef float v4f __attribute__((vector_size(16)));
+ * overflow, as they do in an fp32 norm): sixteen double lanes, summed at the end as four 4-lane
+ * vectors (a plain loop of fixed width the compiler keeps in SIMD registers on any target; a
+ * vector type's float-to-double conversion compiled to half-width steps, 1.5x slower). */
 typedef double v4d __attribute__((vector_size(32)));
 
-static inline v4f load4(const float *p) { v4f v; memcpy(&v, p, sizeof v); return v; }
-
 static inline double sq_sum(const float *th, const float *ba, const float *de, Py_ssize_t a, Py_ssize_t b) {
-    v4d s[4] = {{0}, {0}, {0}, {0}};
+    double acc[16] = {0};   /* lane l: the squares of values i + l (a loop the compiler vectorises) */
     Py_ssize_t i = a;
     for (; i + 16 <= b; i += 16)
-        for (int j = 0; j < 4; j++) {
-            Py_ssize_t k = i + 4 * j;
-            v4d v = __builtin_convertvector(load4(th + k) - (load4(ba + k) + load4(de + k)), v4d);
-            s[j] += v * v;
+        for (int l = 0; l < 16; l++) {
+            double v = (double)(th[i + l] - (ba[i + l] + de[i + l]));
+            acc[l] += v * v;
         }
+    v4d s[4];
+    memcpy(s, acc, sizeof s);
     double ss = 0.0;
     for (; i < b; i++) {
         double v = (double)outer_at(th, ba, de, i);
@@ -532,12 +531,14 @@ typedef struct { v4d s[4]; double tail; } sq_state;   /* 32-byte aligned (its ve
 static inline __attribute__((always_inline)) void sq_continue(const float *th, const float *ba, const float *d, Py_ssize_t x, Py_ssize_t y,
                                sq_state *st) {
     Py_ssize_t i = x;
+    double acc[16];                 /* lane 4 * j + l is st->s[j][l]: value i + 4 * j + l's square */
+    memcpy(acc, st->s, sizeof acc);  /* (in registers for the tile: a plain loop the compiler vectorises) */
     for (; i + 16 <= y; i += 16)
-        for (int j = 0; j < 4; j++) {
-            Py_ssize_t k = i + 4 * j;
-            v4d v = __builtin_convertvector(load4(th + k) - (load4(ba + k) + load4(d + (k - x))), v4d);
-            st->s[j] += v * v;
+        for (int l = 0; l < 16; l++) {
+            double v = (double)(th[i + l] - (ba[i + l] + d[i + l - x]));
+            acc[l] += v * v;
         }
+    memcpy(st->s, acc, sizeof acc);
     for (; i < y; i++) {
         float t = ba[i] + d[i - x];
         double v = (double)(th[i] - t);

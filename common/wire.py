@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import math
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import msgpack
+
+try:   # zlib-ng's CRC32 (SIMD folding): the same checksum as zlib's, ~15x faster (pyproject.toml)
+    from zlib_ng.zlib_ng import crc32
+except ImportError:   # pragma: no cover - the dependency is declared; a bare environment still works
+    from zlib import crc32
 
 if TYPE_CHECKING:
     import torch
@@ -184,7 +188,7 @@ def topic_fragment(topic: bytes) -> int | None:
 def _crc(frames: Sequence[Any]) -> int:
     c = 0
     for f in frames:
-        c = zlib.crc32(f, c)
+        c = crc32(f, c)
     return c
 
 
@@ -369,7 +373,7 @@ def encode_peer_state(skeleton: Any, sizes: Sequence[int], pieces: int) -> list[
 
 def encode_peer_chunk(index: int, offset: int, piece: Any) -> list[Any]:
     """A piece of tensor ``index`` at byte ``offset``; ``piece`` (a buffer) is sent as its own frame."""
-    return _peer(PEER_CHUNK, {"i": index, "off": offset, "crc": zlib.crc32(piece)}, piece)
+    return _peer(PEER_CHUNK, {"i": index, "off": offset, "crc": crc32(piece)}, piece)
 
 
 def decode_peer(frames: Sequence[Any]) -> PeerMessage:
@@ -394,6 +398,6 @@ def decode_peer(frames: Sequence[Any]) -> PeerMessage:
         raise HeaderError(f"peer {verb.decode()}: missing {missing}")
     head.pop("v")
     piece = frames[2] if verb == PEER_CHUNK else None
-    if piece is not None and zlib.crc32(piece) != head["crc"]:
+    if piece is not None and crc32(piece) != head["crc"]:
         raise PayloadError("peer chunk checksum mismatch")
     return PeerMessage(verb, head, piece)
