@@ -1,7 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   -> venv, torch 2.13.0 (CPU) first, the rest, redis-server (>= 7.0: Debian's via
 #                  apt-get when root and none is on PATH), then `ddloco up`
-#   make test   -> the same set-up, plus the optional extras the tests cover (hf, wandb,
+#   make test   -> the same set-up, plus the optional extras the tests cover (hf, wandb, chromium,
 #                  tensorboard: ~2 s from a local index; 55 MB for tensorboard), then the whole test suite
 PY ?= python3
 # Extra pip flags for the torch pin. On this project's machines the pin resolves to a local CPU
@@ -34,6 +34,13 @@ $(STAMP): pyproject.toml setup.py common/_qkernels.c
 # the extras only the tests need (make demo needs none); torch named at its pin so none of them moves it
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet -e '.[test,hf,wandb,tensorboard]' torch==2.13.0
+	@# the dashboard's browser test drives Debian's chromium (no browser download); skipped without it
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null \
+	  || { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	         echo "installing chromium and chromium-driver (apt-get) for the dashboard's browser test"; \
+	         { RUNLEVEL=1 apt-get install -y -qq chromium chromium-driver || { apt-get update -qq && RUNLEVEL=1 apt-get install -y -qq chromium chromium-driver; }; } >/dev/null 2>&1 \
+	           || echo "apt-get install chromium failed: the dashboard's browser test will be skipped"; \
+	       else echo "no chromium and no apt-get as root: the dashboard's browser test will be skipped"; fi; }
 	touch $(TEST_STAMP)
 
 setup: $(STAMP)

@@ -149,6 +149,7 @@ class OuterAccumulator:
         self.radius = [0.0] * len(self.pieces)
         self._robust_radius = robust_radius
         self._piece_norms: list[tuple[float, list[float]]] = []
+        self.alignment: float | None = None   # set by result(): _mean_cosine
         """(ŵ_m, the norms of its RDA pieces as folded) of every answer (``robust_radius``)."""
         self.weight_sum = 0.0
         self.count = 0
@@ -372,14 +373,38 @@ class OuterAccumulator:
             for i, length in zip([i for i, on in enumerate(self.rda) if on and self.pieces[i][1] > self.pieces[i][0]],
                                  lengths.tolist()):
                 self.radius[i] = length * self.weight_sum
+        self.alignment = None
+        aligned: list[tuple[float, float]] = []   # (piece length, its answers' weighted mean pairwise cosine)
         for i, (start, stop, _) in enumerate(self.pieces):
             if not self.rda[i]:
                 continue
             direction = self.direction[start:stop]
             direction_norm = float(torch.linalg.vector_norm(direction))
+            cosine = self._mean_cosine(direction_norm, len(aligned))
+            if cosine is not None:
+                aligned.append((float(stop - start), cosine))
             if direction_norm >= eps * self.weight_sum and direction_norm > 0:
                 torch.mul(direction, self.radius[i] / direction_norm, out=merged[start:stop])
+        if aligned:
+            self.alignment = sum(n * c for n, c in aligned) / sum(n for n, _ in aligned)
         return merged
+
+    def _mean_cosine(self, direction_norm: float, k: int) -> float | None:
+        """The weighted mean pairwise cosine of the answers' outer gradients on RDA piece ``k``
+        (of those with a norm there), read off the direction accumulator d = Σ w_m u_m (unit
+        vectors u_m): ‖d‖² = Σ w_m² + Σ_{m≠n} w_m w_n cos_mn. None with fewer than two answers or
+        without ``robust_radius`` (no per-answer norms kept): a figure for the dashboard, no pass."""
+        if not self._robust_radius or len(self._piece_norms) < 2:
+            return None
+        ws = [w for w, norms in self._piece_norms if k < len(norms) and norms[k] > 0]
+        w1, w2 = sum(ws), sum(w * w for w in ws)
+        if len(ws) < 2 or w1 * w1 - w2 <= 0:
+            return None
+        return max(-1.0, min(1.0, (direction_norm ** 2 - w2) / (w1 * w1 - w2)))
+
+    def answer_norms(self) -> list[float]:
+        """Each folded answer's outer-gradient norm over the RDA pieces, after its clip (in order)."""
+        return [math.sqrt(sum(n * n for n in norms)) for _, norms in self._piece_norms]
 
 
 def weighted_median_rows(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

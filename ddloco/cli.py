@@ -163,7 +163,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 step_time_floor_ms=args.step_time_floor_ms, slowdowns=slow, quiet=args.quiet, resume=resume,
                 chaos=chaos, extra=extra, insecure=command.insecure(args, os.environ), tensorboard=args.tensorboard,
                 broker_pub=args.broker_pub or "", broker_sub=args.broker_sub or "",
-                wandb=args.wandb, wandb_name=os.environ.get("WANDB_NAME"))
+                wandb=args.wandb, wandb_name=os.environ.get("WANDB_NAME"), dashboard=_up_dashboard(args))
     # Everything is written and every child and Redis stopped. Rarely (after `--chaos`, on a loaded
     # machine) the interpreter's own shutdown aborted in native code ("terminate called without an
     # active exception", exit -6) after all of that; leave without it so the exit code is the run's.
@@ -183,6 +183,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.watch is None:   # --watch shows a Redis that fails in its view and asks again
         command.check_redis_answers(cfg.endpoints.redis_url, command.redis_url_source(args, os.environ))
     return run_status(cfg.endpoints, as_json=args.json, watch_s=args.watch, count=args.count)
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from ddloco.dashboard.cli import read_env_file, run_dashboard
+    if args.access and not args.redis_url:   # the access file's Redis URL (the operator's) unless one is given
+        args.redis_url = read_env_file(args.access).get("DDLOCO_REDIS_URL") or None
+    cfg = resolve(args)
+    command.check_redis_answers(cfg.endpoints.redis_url, command.redis_url_source(args, os.environ))
+    return run_dashboard(cfg.endpoints, host=args.host, port=args.port, actions=args.actions, access=args.access)
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
@@ -275,7 +284,22 @@ def _add_up(sub: Any) -> None:
     p.add_argument("--wandb", metavar="PROJECT", help="also log the run to Weights & Biases project PROJECT as it "
                    "goes (eval/loss, merges, goodput, step times vs tokens); needs the wandb package; "
                    "WANDB_ENTITY, WANDB_NAME, WANDB_MODE=offline ... as usual")
+    p.add_argument("--dashboard", type=int, nargs="?", const=8470, metavar="PORT", help="serve the run's live page "
+                   "on 127.0.0.1:PORT (default 8470; 0: a free port), printed at the start (ddloco dashboard --help)")
+    p.add_argument("--dashboard-actions", action="store_true", help="with --dashboard: its operator buttons (stall, "
+                   "kill, add learners, checkpoint, stop), which need the token up prints and writes to access.env")
     p.set_defaults(func=cmd_up)
+
+
+def _up_dashboard(args: argparse.Namespace) -> Any:
+    if args.dashboard is None:
+        if args.dashboard_actions:
+            raise ConfigError("--dashboard-actions needs --dashboard")
+        return None
+    if not 0 <= args.dashboard <= 65535:
+        raise ConfigError(f"--dashboard PORT must be 0-65535, got {args.dashboard}")
+    from ddloco.up_dashboard import UpDashboard
+    return UpDashboard(args.dashboard, actions=args.dashboard_actions)
 
 
 def _add_status(sub: Any) -> None:
@@ -289,6 +313,23 @@ def _add_status(sub: Any) -> None:
     p.add_argument("--count", type=int, default=0, metavar="N", help="with --watch: leave after N refreshes "
                    "(exit 0 if the last one read the run)")
     p.set_defaults(func=cmd_status)
+
+
+def _add_dashboard(sub: Any) -> None:
+    p = sub.add_parser("dashboard", help="the run's live web page: merges, membership, fragments, learners",
+                       description="Serves the run's live page (reads Redis about once a second, whatever the "
+                                   "number of pages): eval loss, throughput and goodput, each learner's lane, a "
+                                   "fragment x time heatmap, every merge's quorum, grace, contributors, weights, "
+                                   "staleness and alignment. Operator actions (stall or kill a learner, checkpoint) "
+                                   "only with --actions and the run's operator token. `ddloco up --dashboard` "
+                                   "starts the same inside up (with adding learners and stopping the run).")
+    add_common(p, "dashboard")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8470, help="port (default 8470)")
+    p.add_argument("--actions", action="store_true", help="allow operator actions (needs the operator token)")
+    p.add_argument("--access", metavar="FILE", help="the run's access file (runs/<run>/access.env, written by up): "
+                   "its operator token and Redis URL (default: DDLOCO_OPERATOR_TOKEN, the usual Redis URL)")
+    p.set_defaults(func=cmd_dashboard)
 
 
 def _add_keys(sub: Any) -> None:
@@ -339,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
                             help="`ddloco COMMAND --help` lists its flags")
     _add_up(sub)
     _add_status(sub)
+    _add_dashboard(sub)
     _add_keys(sub)
     for daemon in (broker_cli, syncer_cli, learner_cli):
         daemon.add_arguments(sub.add_parser(daemon.PROG.split()[-1], help=daemon.HELP, description=daemon.DESCRIPTION))

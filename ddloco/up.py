@@ -43,6 +43,7 @@ from ddloco.resume import (STATE_FILE, adopt_freshest_model, check_resume, final
 from ddloco.resume import new_run_id, resolve_resume  # noqa: F401 (`ddloco up`'s command line imports them here)
 from ddloco.supervisor import Supervisor
 from ddloco.up_plan import UpPlan, forks_learners, plan_up
+from ddloco.up_dashboard import SCAVENGERS, page_snapshot, step_extra, write_report_html
 from ddloco.up_tracking import Trackers
 
 EXIT_DID_NOT_TRAIN = exits.DID_NOT_TRAIN
@@ -81,7 +82,8 @@ class _UpRun:
     def __init__(self, cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float | None,
                  slowdowns: list[float] | None, quiet: bool, resume: Path | None, chaos: Any,
                  extra: tuple[int, float, float] | None, insecure: bool, tensorboard: str | None,
-                 broker_pub: str, broker_sub: str, wandb: str | None = None, wandb_name: str | None = None) -> None:
+                 broker_pub: str, broker_sub: str, wandb: str | None = None, wandb_name: str | None = None,
+                 dashboard: Any = None) -> None:
         from common.fragments import model_plan
         from common.task import bind_task, build_model, check_task
         self.up = up = cfg.up
@@ -103,7 +105,7 @@ class _UpRun:
                                                "syncers": up.syncers, **self.cfg.run.to_dict()})
         self.external_redis, self.step_time_floor_ms, self.slowdowns = external_redis, step_time_floor_ms, slowdowns
         self.quiet, self.resume, self.chaos, self.extra = quiet, resume, chaos, extra
-        self.insecure = insecure
+        self.insecure, self.dashboard = insecure, dashboard   # dashboard: an up_dashboard.UpDashboard or None
         self.redis_srv: Any = None
         self.sup: Supervisor | None = None
         self.extras: list[Child] = []
@@ -140,8 +142,11 @@ class _UpRun:
         self._write_access()
         self._start_processes()
         self._start_monitor()
+        if self.dashboard is not None:   # the page (and the operator's actions, carried out in _supervise)
+            self.dashboard.start_in(self)
         ending = self._supervise()
         learners, daemons, bad = self._stop_learners()
+        self.page_snapshot = page_snapshot(self)   # report.html's views, read while Redis still runs
         self._final_model(ending, daemons)
         report = self._report(ending, learners)
         self._save(report)
@@ -202,7 +207,7 @@ class _UpRun:
         self.plan: UpPlan = plan_up(
             learners=self.up.learners, syncers=self.up.syncers, steps=self.up.steps,
             config_path=str(self.cfg_path), insecure=self.insecure, port=free_port, cpu_count=os.cpu_count() or 1,
-            slowdowns=self.slowdowns, extra_learners=self.extra[0] if self.extra else 0,
+            slowdowns=self.slowdowns, extra_learners=(self.extra[0] if self.extra else 0) + (SCAVENGERS if self.dashboard else 0),
             step_time_floor_ms=self.step_time_floor_ms)
 
     def _secure(self) -> None:
@@ -232,7 +237,7 @@ class _UpRun:
         keys_dir = self.cfg.endpoints.keys_dir
         with open(os.open(access, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
             fh.write(f"DDLOCO_REDIS_URL={self.redis_url}\n" + (f"DDLOCO_KEYS={keys_dir}\n" if keys_dir
-                                                              else "DDLOCO_INSECURE=1\n"))
+                     else "DDLOCO_INSECURE=1\n") + (self.dashboard.access_line() if self.dashboard else ""))
         self.say(f"access     {access} (mode 0600): `set -a; . {access}; set +a`, then e.g. "
                  f"`ddloco status --config {self.cfg_path}`")
 
@@ -312,21 +317,9 @@ class _UpRun:
         runner.start()
         return runner
 
-    def _step_extra(self, now: float) -> None:
-        """--extra N,AT,FOR: N temporary learners from AT s after the start, for FOR s."""
-        extra = self.extra
-        if self.extra_state == "waiting" and now - self.t_start >= extra[1]:
-            for j, lid in enumerate(self.plan.extra_ids):
-                self.extras.append(Child(lid, self.plan.learner_argv(lid, self.up.learners + j), self._log(lid)))
-                self.monitor.add_learner(lid)
-            self.extra_state = "running"
-            self.monitor.mark("extra_start", f"{extra[0]} learners")
-            self.say(f"extra      {extra[0]} temporary learner(s) started for {extra[2]:g}s")
-        elif self.extra_state == "running" and now - self.t_start >= extra[1] + extra[2]:
-            stop_children(self.extras)
-            self.extra_state = "done"
-            self.monitor.mark("extra_stop", f"{extra[0]} learners")
-            self.say("extra      temporary learner(s) stopped")
+    def _start_extra(self, lid: str, index: int) -> Child:
+        self.monitor.add_learner(lid)
+        return Child(lid, self.plan.learner_argv(lid, index), self._log(lid))
 
     def _supervise(self) -> _Ending:
         """`up`'s loop, once a second: progress, the chaos harness once every learner trains,
@@ -345,14 +338,17 @@ class _UpRun:
                     all(monitor.learners.get(lid, {}).get("status") == "training" for lid in learner_ids)
                     or now - self.t_start > 120):
                 self.chaos_runner = self._start_chaos()
-            self._step_extra(now)
+            step_extra(self, now)
+            if self.dashboard is not None:
+                self.dashboard.tick(now, self.say)
             dead, learners = sup.check(self.say)
             if dead:
                 return _Ending(failure=f"{dead[0].name} exited with {dead[0].proc.returncode}:\n{dead[0].log_tail()}")
             if all(not c.alive() for c in learners):
                 return _Ending()
-            if now >= self.deadline:
-                self.say(f"time cap of {self.up.minutes} min reached: stopping learners")
+            if now >= self.deadline or (self.dashboard is not None and self.dashboard.stop_asked.is_set()):
+                self.say(f"time cap of {self.up.minutes} min reached: stopping learners" if now >= self.deadline
+                         else "stop asked from the dashboard: stopping learners (as at the time cap)")
                 return _Ending(timed_out=True)
 
     def _stop_learners(self) -> tuple[list[Child], list[Child], list[Child]]:
@@ -364,6 +360,8 @@ class _UpRun:
         if self.chaos_runner is not None:
             self.chaos_runner.halt()  # no more faults; its thread lives on until everything stopped
         stop_children(self.extras)
+        if self.dashboard is not None:
+            self.dashboard.close()
         with sup.lock:
             learners = sup.learners()
             spares, sup.spares, sup.spares_wanted = sup.spares, [], 0
@@ -439,7 +437,8 @@ class _UpRun:
         if self.up.report_dir:
             report_dir = Path(self.up.report_dir)
             write_report(report_dir, report, monitor)
-            say(f"report     {report_dir / 'report.json'} (+ eval_loss.png, merges.png, timeline.png)")
+            write_report_html(report_dir / "report.html", self, report)
+            say(f"report     {report_dir / 'report.json'} (+ report.html, eval_loss.png, merges.png, timeline.png)")
             if monitor.final_versions is not None:
                 from ddloco.export import save_state
                 path = save_state(monitor.model, report_dir / "model.safetensors")
@@ -488,7 +487,7 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
            slowdowns: list[float] | None = None, quiet: bool = False, resume: Path | None = None,
            chaos: Any = None, extra: tuple[int, float, float] | None = None, insecure: bool = False,
            tensorboard: str | None = None, broker_pub: str = "", broker_sub: str = "", wandb: str | None = None,
-           wandb_name: str | None = None) -> int:
+           wandb_name: str | None = None, dashboard: Any = None) -> int:
     """A whole cluster until the learners' step budget or the time cap; ``resume`` is the work
     directory of a stopped run to continue (same run id, shard checkpoints, learner positions);
     ``tensorboard`` a directory for the eval loss's TensorBoard event files; ``wandb`` a wandb
@@ -496,4 +495,4 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
     ``broker_sub`` the broker's endpoints (empty: free ports on 127.0.0.1)."""
     return _UpRun(cfg, external_redis=external_redis, step_time_floor_ms=step_time_floor_ms, slowdowns=slowdowns,
                   quiet=quiet, resume=resume, chaos=chaos, extra=extra, insecure=insecure, tensorboard=tensorboard,
-                  broker_pub=broker_pub, broker_sub=broker_sub, wandb=wandb, wandb_name=wandb_name).run()
+                  broker_pub=broker_pub, broker_sub=broker_sub, wandb=wandb, wandb_name=wandb_name, dashboard=dashboard).run()

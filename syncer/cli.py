@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
 from typing import Mapping, Sequence
@@ -66,16 +67,20 @@ def cmd_syncer(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     command.setup_logging(args)
     command.security_check(cfg.endpoints, args, env, "syncer", f"shard{opts.shard}")
     command.check_redis_answers(cfg.endpoints.redis_url, command.redis_url_source(args, env))
-    stop = threading.Event()
+    stop, checkpoint_now = threading.Event(), threading.Event()
     install_stop_handlers(stop)
+    # SIGUSR1: write a checkpoint now (the dashboard's and an operator's `kill -USR1`), off the loop
+    signal.signal(signal.SIGUSR1, lambda *_: checkpoint_now.set())
     run, task = command.run_and_task(cfg, args, env, starts_run=not args.join)
     from common.lifecycle import tune_allocator
     tune_allocator()   # each merge's fresh tensors reuse freed fragments' memory, without page faults
-    return _serve(cfg, opts, run, task, stop)
+    return _serve(cfg, opts, run, task, stop, checkpoint_now)
 
 
-def _serve(cfg: command.ConfigFile, opts: SyncerOptions, run: object, task: object, stop: threading.Event) -> int:
-    """The shard's loop until stopped; a refusal or a lost Redis is one line and its exit code."""
+def _serve(cfg: command.ConfigFile, opts: SyncerOptions, run: object, task: object, stop: threading.Event,
+           checkpoint_now: threading.Event | None = None) -> int:
+    """The shard's loop until stopped (``checkpoint_now``: set, a checkpoint is written and it is
+    cleared); a refusal or a lost Redis is one line and its exit code."""
     import redis
     from common.control import ConfigMismatch, LeaseHeld, RunConfigMissing, redact
     from syncer.shard import CheckpointMismatch, Shard
@@ -83,6 +88,9 @@ def _serve(cfg: command.ConfigFile, opts: SyncerOptions, run: object, task: obje
         with Shard(endpoints=cfg.endpoints, options=opts, run=run, task=task) as shard:
             while not stop.is_set():
                 shard.poll_once(20)
+                if checkpoint_now is not None and checkpoint_now.is_set():
+                    checkpoint_now.clear()
+                    shard.checkpoint(reason="requested")
     except (ConfigMismatch, CheckpointMismatch, LeaseHeld) as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return REFUSED

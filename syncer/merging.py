@@ -66,7 +66,8 @@ def compute_merge(job: MergeInput) -> MergeResult:
         replica, master, frames = broadcast_merged(job, theta)
     except quant.NonFiniteError:   # a diverged learner must not poison Θ
         return MergeResult(None, None, None, [], clipped, time.perf_counter() - t0)
-    return MergeResult(replica, master, momentum, frames, clipped, time.perf_counter() - t0)
+    return MergeResult(replica, master, momentum, frames, clipped, time.perf_counter() - t0,
+                       alignment=acc.alignment, norms=tuple(acc.answer_norms()))
 
 
 def broadcast_merged(job: MergeInput, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, list[Any]]:
@@ -176,7 +177,7 @@ class Merging:
         waited = 0.0 if rnd.quorum_at is None else job.closed_at - rnd.quorum_at
         self.log.info("syncer.merge", fragment=f.spec.index, version=f.version, round=rnd.round_id,
                       contributors=contributors, reason=job.reason, merge_s=round(res.seconds, 4))
-        self._record_merge(f, rnd, answers, job.weights, waited, job.grace, job.reason)
+        self._record_merge(f, rnd, answers, job.weights, waited, job.grace, job.reason, res)
         self._check_schedule(f, now)
         reason = checkpoint_due(advanced=f.version - self._ckpt_versions.get(f.spec.index, 0),
                                 merges_since=self._merges_since_ckpt, since_last_s=now - self._ckpt_at,
@@ -227,7 +228,7 @@ class Merging:
                                  count=self.stats.rounds_behind)
 
     def _record_merge(self, f: FragmentState, rnd: OpenRound, answers: list[Answer], weights: torch.Tensor,
-                      waited: float, grace: float, reason: str) -> None:
+                      waited: float, grace: float, reason: str, res: MergeResult | None = None) -> None:
         try:
             pipe = self.redis.pipeline(transaction=False)
             t = time.time()
@@ -243,7 +244,11 @@ class Merging:
                               contributors=[a.sender for a in answers],
                               weights=[round(float(w), 4) for w in weights],
                               grace_waited_s=round(waited, 4), grace_s=round(grace, 4), reason=reason,
-                              dropped=self.stats.dropped)
+                              dropped=self.stats.dropped, late=self.stats.late_answers,
+                              staleness=[f.version - 1 - a.base for a in answers],
+                              clipped=list(res.clipped) if res is not None else [],
+                              norms=[round(n, 6) for n in res.norms] if res is not None else [],
+                              alignment="" if res is None or res.alignment is None else round(res.alignment, 4))
             pipe.execute()
             self._redis_ok = True
         except redis.RedisError as e:

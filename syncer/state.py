@@ -128,6 +128,10 @@ class MergeResult:
     clipped: list[str]
     seconds: float
     every_answer_dropped: bool = False
+    alignment: float | None = None
+    """The answers' weighted mean pairwise cosine (``OuterAccumulator._mean_cosine``)."""
+    norms: tuple[float, ...] = ()
+    """Each merged answer's outer-gradient norm after its clip, in the order of the answers kept."""
 
 
 @dataclass(frozen=True, kw_only=True)
