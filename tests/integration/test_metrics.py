@@ -82,9 +82,30 @@ def test_broker_shard_and_learner_serve_their_counters_at_metrics(make_cluster):
     assert value(broker_m, "ddloco_broker_messages_total", kind="frag") > 0    # the shard's merges
     assert value(broker_m, "ddloco_broker_bytes_total", kind="upd") > 0
     assert value(broker_m, "ddloco_broker_subscriptions_total") > 0
+    _grafana_queries_exist([broker_url, shard_url, learner_url])
 
     cluster.close()   # each daemon's stop shuts its endpoint down and frees the port
     assert not cluster.errors, cluster.errors
     for url in (broker_url, shard_url, learner_url):
         with pytest.raises(urllib.error.URLError):
             scrape(url)
+
+
+def _grafana_queries_exist(urls: list[str]) -> None:
+    """Every metric the Grafana dashboard (docker/grafana/ddloco.json) queries is one a live daemon
+    declares at its /metrics (a sample, or a labelled counter's family with no sample yet)."""
+    import json
+    import re
+    from pathlib import Path
+    from prometheus_client.parser import text_string_to_metric_families
+    served: set[str] = set()
+    for url in urls:
+        for fam in text_string_to_metric_families(urllib.request.urlopen(url, timeout=5).read().decode()):
+            served |= {fam.name, f"{fam.name}_total" if fam.type == "counter" else fam.name}
+            served |= {x.name for x in fam.samples}
+    dash = json.loads((Path(__file__).resolve().parents[2] / "docker/grafana/ddloco.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert len(exprs) >= 12
+    queried = {m for e in exprs for m in re.findall(r"\b(ddloco_[a-z_]+)\b", e)}
+    missing = sorted(m for m in queried if m not in served)
+    assert not missing, f"the Grafana dashboard queries metrics no daemon serves: {missing}"
