@@ -138,6 +138,10 @@ class ChaosRunner(threading.Thread):
         rec = {"t": round(t - self.t0, 3), "kind": kind, "target": target, **extra}
         with self.lock:
             self.injected.append(rec)
+        try:   # in the run's events too: the dashboard marks each fault on its learner's lane
+            control.add_event(self.r, self.keys, "chaos", action=kind, target=target, reason="injected by the chaos harness")
+        except (redis.RedisError, AttributeError):   # Redis restarting (a fault of its own), or not connected yet
+            pass
         return rec
 
     def _inject(self, fault: Fault, now: float) -> None:

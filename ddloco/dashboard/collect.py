@@ -22,7 +22,7 @@ MERGES_KEPT = 50           # the merge table's rows
 HEAT_KEPT = 20_000         # the fragment heatmap's merges (t, fragment)
 POINTS_KEPT = 3_600        # loss and throughput points (an hour at one a second)
 MARKS_KEPT = 500
-MARK_KINDS = ("join", "leave", "refuse", "shard_start", "shard_stop", "recover", "action", "bootstrap")
+MARK_KINDS = ("join", "leave", "refuse", "shard_start", "shard_stop", "recover", "action", "chaos")
 
 
 def _num(v: Any, default: float = 0.0) -> float:
@@ -73,6 +73,7 @@ class RunView:
         self._last_ids: dict[str, str] = {}
         self._prev: tuple[float, float, int] | None = None   # (t, tokens, merges) at the last poll
         self._merge_count = 0
+        self._bootstraps: dict[str, tuple[str, str]] = {}   # learner -> (incarnation, where its state came from)
         self.error = ""
 
     def poll(self, now: float | None = None) -> dict[str, Any]:
@@ -121,7 +122,14 @@ class RunView:
                         "updated_at": _num(h.get("updated_at")),
                         "last_contribution_age_s": round(now - last, 1) if last else None}
             self._lane(lid, status, now)
+            self._bootstrap_mark(lid, h.get("incarnation", ""), h.get("bootstrap", ""), now)
         return out
+
+    def _bootstrap_mark(self, lid: str, incarnation: str, source: str, now: float) -> None:
+        """A life's state source (``peer <id>`` or ``shards``), marked once per incarnation."""
+        if source and self._bootstraps.get(lid) != (incarnation, source):
+            self._bootstraps[lid] = (incarnation, source)
+            self.marks.append({"t": now, "kind": "bootstrap", "learner": lid, "shard": "", "text": source})
 
     def _lane(self, lid: str, status: str, now: float) -> None:
         """Extend the learner's timeline lane with its state now (a new segment when it changed)."""
@@ -154,11 +162,11 @@ class RunView:
             self.heat.append((round(row["t"], 2), row["fragment"]))
             self._merge_count += 1
         elif kind in MARK_KINDS:
-            text = f"{e.get('action')}: {e.get('reason', '')}" if kind == "action" else e.get("reason", "")
+            text = f"{e.get('action')}: {e.get('reason', '')}" if kind in ("action", "chaos") else e.get("reason", "")
             if kind == "leave" and e.get("learner"):   # a life ended (however fast the next one joined)
                 t = _num(e.get("t"))
                 self.lanes.setdefault(e["learner"], []).append([t, t, "gone"])
-            self.marks.append({"t": _num(e.get("t")), "kind": kind, "learner": e.get("learner", ""),
+            self.marks.append({"t": _num(e.get("t")), "kind": kind, "learner": e.get("learner", "") or e.get("target", ""),
                                "shard": e.get("shard", ""), "text": text})
 
     def _read_fragments(self) -> dict[str, dict[str, Any]]:

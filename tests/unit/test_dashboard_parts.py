@@ -62,3 +62,28 @@ def test_a_merge_event_becomes_a_row_and_a_malformed_one_does_not_break_it():
     assert row["quorum"] == 2 and row["staleness"] == [0, 1] and row["alignment"] == 0.8
     bad = merge_row({"kind": "merge", "contributors": "not json", "weights": "{", "alignment": ""})
     assert bad["quorum"] == 0 and bad["alignment"] is None and math.isfinite(bad["t"])
+
+
+def test_the_view_marks_chaos_faults_bootstraps_and_leaves_on_their_learners(redis_server):
+    import redis as redis_lib
+    from common import control
+    from common.config import RunConfig
+    from common.keys import Keys
+    from ddloco.dashboard.collect import RunView
+    r = redis_lib.Redis.from_url(redis_server.url, decode_responses=True)
+    keys = Keys("dash")
+    control.publish_run_config(r, keys, RunConfig())
+    view = RunView(r, keys)
+    r.hset(keys.learner("l0"), mapping={"incarnation": "a", "status": "training", "bootstrap": "peer l1", "tokens": 10})
+    control.add_event(r, keys, "chaos", action="learner_kill", target="l0", reason="injected by the chaos harness")
+    control.add_event(r, keys, "merge", fragment=0, version=1, shard=0, contributors=["l0"], weights=[1.0])
+    control.add_learner_event(r, keys, "l0", "leave", incarnation="a")
+    snap = view.poll(now=100.0)
+    kinds = {(m["kind"], m["learner"]) for m in snap["marks"]}
+    assert {("chaos", "l0"), ("bootstrap", "l0"), ("leave", "l0")} <= kinds, snap["marks"]
+    assert snap["merges_seen"] == 1 and snap["heat"][0][1] == 0
+    assert any(state == "gone" for _, _, state in snap["lanes"]["l0"])
+    again = view.poll(now=101.0)   # the streams are read from where the last poll stopped
+    assert again["merges_seen"] == 1 and len(again["marks"]) == len(snap["marks"])
+    r.hset(keys.learner("l0"), mapping={"incarnation": "b", "bootstrap": "shards"})
+    assert [m["text"] for m in view.poll(now=102.0)["marks"] if m["kind"] == "bootstrap"] == ["peer l1", "shards"]
