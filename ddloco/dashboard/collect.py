@@ -85,7 +85,7 @@ class RunView:
             learners = self._read_learners(now)
             self._read_events()
             shards = {str(k): {"status": h.get("status", "?"), "merges": int(_num(h.get("merges"))),
-                               "dropped": int(_num(h.get("dropped")))}
+                               "dropped": int(_num(h.get("dropped"))), "checkpoints": int(_num(h.get("checkpoints")))}
                       for k, h in control.shard_table(self.r, self.keys).items()}
             ev = entries.parse_eval_entry(self.r.hgetall(self.keys.eval))
             fragments = self._read_fragments()

@@ -116,6 +116,15 @@ def test_the_page_shows_the_run_live_and_its_kill_button_kills_a_learner_that_re
         leaves = lambda: int(browser.find_element("id", "lanes").get_attribute("data-leaves") or 0)  # noqa: E731
         wait_until(lambda: leaves() >= 1, 10, what="the page marking the leave")
 
+        # the other buttons' requests: every shard writes a checkpoint; a temporary learner joins and trains
+        written = _state(url)["shards"]["0"]["checkpoints"]
+        assert _post(url, {"action": "checkpoint"}, token)[0] == 200
+        wait_until(lambda: _state(url)["shards"]["0"]["checkpoints"] > written, 60, what="the asked checkpoint")
+        assert _post(url, {"action": "add", "n": 1, "seconds": 60}, token)[0] == 200
+        wait_until(lambda: _state(url)["learners"].get("extra-0", {}).get("status") == "training", 120,
+                   what="the added learner training")
+        assert _post(url, {"action": "stall", "learner": "learner-1", "seconds": 0}, token)[0] == 400   # checked first
+
         status, body = _post(url, {"action": "stop"}, token)
         assert status == 200, body
         assert proc.wait(timeout=120) == 0, "".join(lines)[-3000:]
