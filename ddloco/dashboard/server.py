@@ -91,14 +91,17 @@ class Dashboard:
         try:
             while True:
                 if seen == self.version:
-                    async with self._changed:
-                        await asyncio.wait_for(self._changed.wait(), timeout=15)
+                    try:
+                        async with self._changed:
+                            await asyncio.wait_for(self._changed.wait(), timeout=15)
+                    except asyncio.TimeoutError:   # the poller is stuck (a hung Redis): keep the stream open
+                        pass
                 if seen != self.version:
                     seen = self.version
                     await resp.write(f"data: {self.payload}\n\n".encode())
                 else:
                     await resp.write(b": keep-alive\n\n")
-        except (ConnectionResetError, asyncio.CancelledError, asyncio.TimeoutError):
+        except ConnectionResetError:   # the page went away
             pass
         return resp
 
