@@ -66,9 +66,17 @@ def feed(fifo: Path, text: str, out: Path, after: int) -> threading.Thread:
     return t
 
 
+def _ctrl_c_as_at_a_terminal() -> None:
+    """The child takes SIGINT by default even where the suite itself was started with it ignored
+    (a non-interactive shell's background job, `cmd &`: inherited, Python then installs no
+    KeyboardInterrupt handler and the test's Ctrl-C would do nothing)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def prepare_process(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "ddloco", "data", "prepare", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_ctrl_c_as_at_a_terminal)
 
 
 def test_a_killed_prepare_run_again_finishes_byte_identical(tmp_path, tokenizer_dir):
@@ -105,7 +113,7 @@ def test_ctrl_c_is_one_line_exit_130_and_the_same_command_goes_on(tmp_path, toke
     proc = prepare_process(*args)
     wait_until(lambda: done_inputs(tmp_path / "out") == 3, what="3 of 4 inputs finished")
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)   # 10 s ran out once under the loaded suite (0.4 s alone)
+    _, stderr = proc.communicate(timeout=10)
     assert proc.returncode == 130 and stderr.strip().splitlines()[-1] == (
         "ddloco data prepare: interrupted; run the same command again to go on where it stopped"), stderr
     assert not (tmp_path / "out" / "index.json").exists()
