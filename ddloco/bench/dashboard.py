@@ -113,20 +113,36 @@ def responsiveness(learners: int, syncers: int, floor_ms: float, minutes: float,
             "lag_samples": len(lags)}
 
 
-def demo_run(with_page: bool, cwd: Path, report: Path) -> dict[str, Any]:
+def _read_stream(url: str) -> None:
+    """Hold the page's event stream open and read it, as a page does, without rendering."""
+    import http.client
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url + "api/stream", timeout=30) as resp:
+            while resp.read(65536):
+                pass
+    except (OSError, http.client.HTTPException):   # the run ended: its server went away
+        pass
+
+
+def demo_run(with_page: bool, cwd: Path, report: Path, client: str = "browser") -> dict[str, Any]:
+    """``client``: "browser" (headless chromium renders the page) or "stream" (the server's side
+    only: its event stream read, nothing rendered)."""
     args = ["--report", str(report)] + (["--dashboard", "0"] if with_page else [])
     up = Up(args, cwd)
     page = None
     try:
-        if with_page:
+        if with_page and client == "browser":
             page = browser()
             page.get(up.url())
+        elif with_page:
+            threading.Thread(target=_read_stream, args=(up.url(),), daemon=True).start()
         rc = up.wait(900)
     finally:
         if page is not None:
             page.quit()
     rep = json.loads((report / "report.json").read_text())
-    return {"dashboard": with_page, "rc": rc, "wall_s": rep["wall_s"], "steps": rep["steps_total"],
+    return {"dashboard": with_page, "client": client if with_page else "", "rc": rc, "wall_s": rep["wall_s"], "steps": rep["steps_total"],
             "merges": rep["merges"], "steps_per_s": rep["steps_total"] / rep["wall_s"],
             "merges_per_s": rep["merges"] / rep["wall_s"]}
 
@@ -141,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--watch-s", type=float, default=30.0, help="seconds the page's lag is sampled")
     ap.add_argument("--pairs", type=int, default=2, help="make demo runs without / with the page (0: none)")
     ap.add_argument("--skip-responsiveness", action="store_true")
+    ap.add_argument("--client", choices=("browser", "stream"), default="browser", help="with the page: chromium "
+                    "renders it (default), or only its event stream is read (the server's cost alone)")
     ap.add_argument("--json", metavar="FILE", help="also write the figures here")
     ap.add_argument("--screenshot", metavar="PNG", help="the page at the end of the responsiveness run")
     args = ap.parse_args(argv)
@@ -155,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = []
         for i in range(args.pairs):
             for with_page in (False, True):
-                runs.append(demo_run(with_page, cwd, cwd / f"demo-{i}-{int(with_page)}"))
+                runs.append(demo_run(with_page, cwd, cwd / f"demo-{i}-{int(with_page)}", args.client))
                 print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
         if runs:
             out["demo"] = runs
