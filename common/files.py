@@ -49,3 +49,15 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, *, durable: bo
     with atomic_path(path, durable=durable) as tmp:
         tmp.write_bytes(data.encode() if isinstance(data, str) else data)
     return Path(path)
+
+
+def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
+    """KEY=VALUE lines (``runs/<run>/access.env``, a ``*.redis.env``); blank lines and ``#``
+    comments skipped."""
+    out = {}
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            k, v = line.split("=", 1)
+            out[k.strip()] = v.strip()
+    return out

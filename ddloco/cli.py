@@ -186,7 +186,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    from ddloco.dashboard.cli import read_env_file, run_dashboard
+    from common.files import read_env_file
+    from ddloco.dashboard.cli import run_dashboard
     if args.access and not args.redis_url:   # the access file's Redis URL (the operator's) unless one is given
         args.redis_url = read_env_file(args.access).get("DDLOCO_REDIS_URL") or None
     cfg = resolve(args)

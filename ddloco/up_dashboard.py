@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from common import control
 from common.keys import Keys
+from ddloco.cluster import stop_children
 
 SCAVENGERS = 4
 """Temporary learners the dashboard may add at once (their ids and keys are made at the start)."""
@@ -94,14 +95,12 @@ class UpDashboard:
             self.operator.drain(say)
         due = [c for t, c in self.scavengers if t <= now]
         if due:
-            from ddloco.cluster import stop_children
             stop_children(due)
             self.scavengers = [(t, c) for t, c in self.scavengers if c not in due]
             say(f"dashboard  temporary learner(s) stopped: {', '.join(c.name for c in due)}")
 
     def close(self) -> None:
         if self.scavengers:
-            from ddloco.cluster import stop_children
             stop_children([c for _, c in self.scavengers], timeout_s=5.0)
             self.scavengers = []
 
@@ -116,7 +115,6 @@ def step_extra(run: Any, now: float) -> None:
         run.monitor.mark("extra_start", f"{extra[0]} learners")
         run.say(f"extra      {extra[0]} temporary learner(s) started for {extra[2]:g}s")
     elif run.extra_state == "running" and now - run.t_start >= extra[1] + extra[2]:
-        from ddloco.cluster import stop_children
         stop_children(run.extras)
         run.extra_state = "done"
         run.monitor.mark("extra_stop", f"{extra[0]} learners")

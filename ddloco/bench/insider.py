@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from common.files import read_env_file
 from common.lifecycle import stop_processes
 from ddloco.bench.equal_tokens import loss_at
 
@@ -36,10 +37,6 @@ def up_argv(run_id: str, seed: int, args: argparse.Namespace, report: Path) -> l
     return _ddloco("up", "--task", args.task, "--learners", str(args.learners), "--syncers", "2",
                    "--minutes", str(args.minutes), "--step-time-floor-ms", str(args.step_time_floor_ms),
                    "--seed", str(seed), "--run-id", run_id, "--report", str(report), "--quiet")
-
-
-def _env_file(path: Path) -> dict[str, str]:
-    return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
 
 
 def learner_redis_url(admin_url: str, run_id: str, learners: int, deadline: float) -> str:
@@ -77,7 +74,7 @@ def attacked_run(attack: str, seed: int, args: argparse.Namespace, out: Path) ->
                           stdout=open(out / f"{attack}-s{seed}-up.log", "w"), stderr=subprocess.STDOUT)
     try:
         workdir = _workdir(cwd, run_id, t0 + 120)
-        access = _env_file(workdir / "access.env")
+        access = read_env_file(workdir / "access.env")
         url = learner_redis_url(access["DDLOCO_REDIS_URL"], run_id, args.learners, t0 + 180)
         seconds = max(5.0, args.minutes * 60 - (time.time() - t0) - 3)
         env = {**os.environ, "DDLOCO_REDIS_URL": url, "DDLOCO_KEYS": access.get("DDLOCO_KEYS", ""),

@@ -19,6 +19,7 @@ import queue
 import signal
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import redis
@@ -98,7 +99,7 @@ class ProcessOperator:
     def __init__(self, r: redis.Redis, keys: Keys) -> None:
         from ddloco.chaos import ProcessTargets
         self.r, self.keys = r, keys
-        self.targets = ProcessTargets(r, keys, redis_url="", broker_pub="", log_dir=os.path.join("runs", "dashboard"))
+        self.targets = ProcessTargets(r, keys, redis_url="", broker_pub="", log_dir=Path("runs") / "dashboard")
 
     def submit(self, action: Action) -> str:
         if action.kind in ("add", "stop"):

@@ -4,26 +4,15 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Mapping
 
 from common import control, exits
+from common.files import read_env_file
 from common.config import ConfigError, Endpoints
 from common.keys import Keys
 
 DEFAULT_PORT = 8470
 TOKEN_ENV = "DDLOCO_OPERATOR_TOKEN"
-
-
-def read_env_file(path: str | Path) -> dict[str, str]:
-    """KEY=VALUE lines (``runs/<run>/access.env``); comments and blank lines skipped."""
-    out = {}
-    for line in Path(path).read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#") and "=" in line:
-            k, v = line.split("=", 1)
-            out[k.strip()] = v.strip()
-    return out
 
 
 def operator_token(access: str | None, env: Mapping[str, str]) -> str:
