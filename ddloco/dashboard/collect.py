@@ -20,6 +20,7 @@ from common.keys import Keys
 
 MERGES_KEPT = 50           # the merge table's rows
 HEAT_KEPT = 20_000         # the fragment heatmap's merges (t, fragment)
+HEAT_SPAN_S = 300.0        # what the page's heatmap shows (and so what a snapshot carries)
 POINTS_KEPT = 3_600        # loss and throughput points (an hour at one a second)
 MARKS_KEPT = 500
 MARK_KINDS = ("join", "leave", "refuse", "shard_start", "shard_stop", "recover", "action", "chaos")
@@ -98,7 +99,7 @@ class RunView:
         overview = self._overview(now, learners, ev)
         return {"run_id": self.keys.run_id, "t": now, "error": "", "config": self.config, "overview": overview,
                 "learners": learners, "shards": shards, "fragments": fragments,
-                "loss": list(self.loss), "rates": list(self.rates)[-600:], "merges": list(self.merges), "heat": list(self.heat), "merges_seen": self._merge_count,
+                "loss": list(self.loss), "rates": list(self.rates)[-600:], "merges": list(self.merges), "heat": [h for h in self.heat if h[0] >= now - HEAT_SPAN_S], "merges_seen": self._merge_count,
                 "marks": list(self.marks), "lanes": self.lanes}
 
     def _read_config(self) -> dict[str, Any]:
