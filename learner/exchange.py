@@ -17,6 +17,7 @@ from common.merge import carry_local_steps_
 from learner.messages import (Answer, Fetch, FragmentArrived, Have, PeerStateArrived, PeerStateWanted, RoundOpened,
                               StateRequested)
 from learner.receipt import Carry
+from learner.stats import mark_boot
 
 
 class Exchange:
@@ -112,7 +113,7 @@ class Exchange:
                                     steps=c.steps, tokens=c.tokens, ready=ready, final=self.status == "flushing"))
             s.answers += 1
             if s.answers == 1:
-                s.boot_phases["first_answer"] = round(time.time() - self._process_started_at, 3)
+                mark_boot(s.boot_phases, "first_answer", self._process_started_at)
                 s.first_answer = f"{p}:{o.round}:{time.time():.3f}"   # fragment:round:when
             s.last_contrib_fragment = p
             s.last_contrib_at = time.time()

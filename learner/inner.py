@@ -19,6 +19,7 @@ from typing import Callable, Iterable
 import torch
 
 from common.config import AlgoConfig
+from learner.compiler_deferral import defer_compiler_import
 
 
 def schedule_factor(algo: AlgoConfig, tokens: float) -> float:
@@ -67,7 +68,9 @@ def make_inner_optimizer(params: Iterable[torch.nn.Parameter], algo: AlgoConfig,
     """AdamW (``inner_beta1``, ``inner_beta2``, ``inner_weight_decay``) whose learning rate
     follows ``lr_at`` with ``tokens()`` as the global token count (None: 0, i.e. the schedule's
     start; only the per-life ramp then moves the learning rate). The fused kernel where the
-    parameters allow it (``fused_supported``), else PyTorch's default."""
+    parameters allow it (``fused_supported``), else PyTorch's default. Torch's compiler stack is
+    not imported for it (``defer_compiler_import``: seconds off a cold learner)."""
+    defer_compiler_import()
     params = list(params)
     opt = torch.optim.AdamW(params, lr=algo.inner_lr, betas=(algo.inner_beta1, algo.inner_beta2),
                             weight_decay=algo.inner_weight_decay, fused=fused_supported(params) or None)

@@ -29,6 +29,7 @@ from learner.inner import apply_step, make_inner_optimizer
 from learner.messages import Fetch, FragmentArrived, RoundOpened
 from learner.receipt import Receipt
 from learner.staging import HostStaging, staging_for
+from learner.stats import mark_boot
 
 REDIS_JOIN_PATIENCE_S = 30.0
 """How long a joining learner waits for an unreachable Redis (restarting) before it exits."""
@@ -90,7 +91,7 @@ class Joining:
         self._staging: HostStaging | None = staging_for(self.device, grouped=self.group is not None)
         self.stream = data_stream(self.options, self.id)
         check_task(self.task, self.model, seed=self.run_cfg.task.seed, stream=self.stream)
-        self._stats.boot_phases["prepared"] = round(time.time() - self._process_started_at, 3)
+        mark_boot(self._stats.boot_phases, "prepared", self._process_started_at)
 
     def _build_model(self) -> torch.nn.Module:
         """The task's model on this learner's device. On a GPU it is built there (its values come
@@ -149,8 +150,8 @@ class Joining:
 
     # ------------------------------------------------------------------ a standby process
     def warm_up(self) -> None:
-        """A standby process: pay the lazy first-use costs now (the first AdamW construction
-        imports torch's compiler stack: seconds), not after a failure. (Not done by every learner
+        """A standby process: pay the lazy first-use costs now (the first AdamW step and its
+        allocations, the metrics endpoint's imports), not after a failure. (Not done by every learner
         before it joins: in 5 `make demo` runs that way the final eval loss was 2.31-2.43 against
         2.25-2.33 without; the cause is not understood.)"""
         w = torch.nn.Parameter(torch.zeros(1))   # no random init: the run's RNG streams stay as they were

@@ -71,7 +71,7 @@ def standby(cfg: ConfigFile, opts: LearnerOptions, task: Any, run: Any, stop: th
     learner = Learner(endpoints=cfg.endpoints, options=override(opts, learner_id=opts.learner_id or "standby"),
                       task=task, run=run, stop=stop)
     learner.prepare()
-    learner.warm_up()   # the first AdamW construction imports torch's compiler stack: seconds
+    learner.warm_up()   # the first AdamW step, the metrics endpoint's imports
     print(json.dumps({"event": "learner.standby_ready", "pid": os.getpid()}), flush=True)
     forks: dict[int, str] = {}   # pid -> where its exit status goes
     line = _next_order(stop, forks)

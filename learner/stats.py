@@ -9,11 +9,20 @@ at every step boundary and change of status, combined with the network thread's 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from common import counters, entries, metrics
 from common.counters import declare
+
+def mark_boot(phases: dict[str, float], phase: str, process_started_at: float) -> None:
+    """A boot phase reached: seconds from the process start (``phase``) and the process's CPU
+    seconds so far, every thread (``phase + "_cpu"``): on a busy host the two differ by the share
+    of the cores the booting process gets (``python -m ddloco.bench.rejoin``)."""
+    phases[phase] = round(time.time() - process_started_at, 3)
+    phases[f"{phase}_cpu"] = round(time.process_time(), 3)
+
 
 STEP_TIME_WARMUP = 10
 """Steps averaged plainly before the step-time estimate becomes an EMA (0.9)."""
@@ -86,7 +95,8 @@ class LearnerStats:
                                      "``cpu_s`` minus this is training's.", redis="cpu_s_at_joined", digits=3)
     boot_phases: dict[str, float] = declare(dict, doc="Seconds from the process start to: init (interpreter, "
                                             "imports), prepared (run config, task, model, checks), joined "
-                                            "(every fragment fetched), first_answer.", redis="boot_phases")
+                                            "(every fragment fetched), first_answer; each also as PHASE_cpu, the process's "
+                                            "CPU seconds then.", redis="boot_phases")
     step_ema_s: float = declare(0.0, doc="Inner step time (EMA, 0.9).", metric="learner_step_seconds",
                                 kind="gauge", redis="step_ema_s", digits=6)
     loss_ema: float = declare(0.0, doc="Training loss (EMA, 0.95).", metric="learner_loss", kind="gauge",

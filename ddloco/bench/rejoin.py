@@ -7,8 +7,10 @@ the same id, and time each phase until its first merged contribution.
 Real processes (embedded Redis, broker, syncers, learners: `ddloco` daemons) on the built-in gpt
 task with the run's defaults. Phases are read from the restarted learner's own counters
 (seconds from its process start): ``init`` (interpreter and imports), ``prepared`` (run config,
-task, model, dry run), ``joined`` (every fragment fetched from the shards), ``first_answer``; and
-``first_merge`` from the shards' record of its first merged contribution. With ``--standby`` the
+task, model, dry run), ``joined`` (every fragment fetched from a peer or the shards),
+``first_answer``; and ``first_merge`` from the shards' record of its first merged contribution
+(the first merge event naming it after that answer). ``PHASE_cpu`` is the process's CPU seconds
+at each phase: on a busy host wall time is CPU time over the share of the cores it gets. With ``--standby`` the
 killed learner is replaced by a hot spare (``ddloco learner --standby``: imports, run config and
 model done ahead) as ``ddloco up --chaos`` does; the next kill waits until a new spare is ready.
 """
@@ -94,6 +96,19 @@ class _Cluster:
         self.start(f"l{i}", "learner", *self.net, "--learner-id", f"l{i}", "--data-shard", str(i),
                    "--step-time-floor-ms", str(self.args.step_time_floor_ms))
 
+    def _new_life_field(self, lid: str, old_incarnation: str | None, field: str) -> str | None:
+        h = self.r.hmget(self.keys.learner(lid), ["incarnation", field])
+        return h[1] if h[0] not in (None, old_incarnation) and h[1] else None
+
+    def _merged_since(self, lid: str, since: float) -> float | None:
+        """When the shards first merged a contribution of ``lid`` at or after ``since`` (the run's
+        merge events name their contributors), None before."""
+        for _id, e in self.r.xrange(self.keys.events, min=f"{int((since - 1.0) * 1000)}-0"):
+            if e.get("kind") == "merge" and lid in json.loads(e.get("contributors") or "[]") \
+                    and float(e["t"]) >= since:
+                return float(e["t"])
+        return None
+
     def start_all(self) -> None:
         """Broker, shards, learners (and a spare); returns once every learner contributed."""
         args, r, keys = self.args, self.r, self.keys
@@ -122,18 +137,22 @@ class _Cluster:
         t_restart = time.time()
         self.learner(i)
         _wait(lambda: r.hget(keys.learner(lid), "incarnation") not in (None, old), 120, "new incarnation")
-        merged_at = _wait(lambda: (lambda v: v if v and float(v) > t_restart else None)(
-            r.hget(keys.learner(lid), "last_merged_at")), 120, "first merged contribution")
+        # this life's first answer (fragment:round:when, in its counters at the next heartbeat), then
+        # the first merge naming it at or after that moment: an answer of the killed life still in
+        # flight may be merged after the restart, never after the new life answered
+        first = _wait(lambda: self._new_life_field(lid, old, "first_answer"), 120, "the first answer")
+        answered_at = float(first.split(":")[2])
+        merged_at = _wait(lambda: self._merged_since(lid, answered_at), 120, "first merged contribution")
         if self.args.standby:
             time.sleep(2.0)   # the serving peer's next 20 steps, undisturbed by a booting spare
             self.start_spare()
-        _wait(lambda: "first_answer" in json.loads(r.hget(keys.learner(lid), "boot_phases") or "{}"), 10,
-              "the first answer in the counters (next heartbeat)")
         h = r.hgetall(keys.learner(lid))
         phases = json.loads(h.get("boot_phases") or "{}")
         start_gap = float(h["started_at"]) - t_restart   # Popen -> process start
         row = {k: round(start_gap + phases.get(k, float("nan")), 3) for k in PHASES[:-1]}
-        row["first_merge"] = round(float(merged_at) - t_restart, 3)
+        row["first_merge"] = round(merged_at - t_restart, 3)
+        for k in PHASES[:-1] if not self.args.standby else ():   # CPU seconds at each phase (every thread)
+            row[f"{k}_cpu"] = phases.get(f"{k}_cpu", float("nan"))
         return row
 
 
@@ -149,8 +168,19 @@ def _peer_costs(work: Path) -> list[float]:
     return costs
 
 
+def _compile_sources() -> None:
+    """Byte-code for this project's modules, as ``pip install`` writes it for an installed package
+    (an editable checkout run with PYTHONDONTWRITEBYTECODE=1, as on this project's machines, would
+    otherwise compile ~70 modules at every start: 0.1 s of CPU)."""
+    import compileall
+    root = Path(__file__).resolve().parents[2]
+    for package in ("common", "learner", "syncer", "broker", "ddloco"):
+        compileall.compile_dir(str(root / package), quiet=1)
+
+
 def main(argv: Sequence[str]) -> int:
     args = _parse(argv)
+    _compile_sources()
     work = Path(tempfile.mkdtemp(prefix="ddloco-rejoin-"))
     rows: list[dict[str, float]] = []
     with EmbeddedRedis(log_dir=str(work)) as redis_srv:
@@ -163,7 +193,7 @@ def main(argv: Sequence[str]) -> int:
                 print(f"restart {n + 1}: " + ", ".join(f"{k} {v:.2f}s" for k, v in row.items()), flush=True)
         finally:
             stop_processes(cluster.procs.values())
-    medians = {k: round(statistics.median(row[k] for row in rows), 3) for k in PHASES}
+    medians = {k: round(statistics.median(row[k] for row in rows), 3) for k in rows[0]}
     costs = _peer_costs(work)
     if costs:
         medians["peer_slowdown"] = round(statistics.median(costs), 4)
