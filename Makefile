@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test-extras
 DEMO_FLAGS ?= --report reports/demo
 
-.PHONY: demo test setup setup-test clean compose-check multihost gpu-wheels gpu-check gpu-quality
+.PHONY: demo test setup setup-test clean compose-check slurm-check multihost gpu-wheels gpu-check gpu-quality
 
 $(STAMP): pyproject.toml setup.py common/_qkernels.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,6 +44,13 @@ $(TEST_STAMP): $(STAMP)
 	         { RUNLEVEL=1 apt-get install -y -qq chromium chromium-driver || { apt-get update -qq && RUNLEVEL=1 apt-get install -y -qq chromium chromium-driver; }; } >/dev/null 2>&1 \
 	           || echo "apt-get install chromium failed: the dashboard's browser test will be skipped"; \
 	       else echo "no chromium and no apt-get as root: the dashboard's browser test will be skipped"; fi; }
+	@# the live Slurm test (tests/integration/test_slurm.py) runs Debian's slurm-wlm and munge; skipped without them
+	@command -v slurmctld >/dev/null && command -v munged >/dev/null \
+	  || { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	         echo "installing slurm-wlm and munge (apt-get) for the live Slurm test"; \
+	         { RUNLEVEL=1 apt-get install -y -qq slurm-wlm munge || { apt-get update -qq && RUNLEVEL=1 apt-get install -y -qq slurm-wlm munge; }; } >/dev/null 2>&1 \
+	           || echo "apt-get install slurm-wlm munge failed: the live Slurm test will be skipped"; \
+	       else echo "no Slurm and no apt-get as root: the live Slurm test will be skipped"; fi; }
 	touch $(TEST_STAMP)
 
 setup: $(STAMP)
@@ -62,9 +69,16 @@ test: $(TEST_STAMP)
 
 # Not part of `make test` (needs a container engine or root, and minutes): see the README.
 #   make compose-check -> builds the image, runs compose.yaml, trains, scales 2 -> 4 -> 1, stops
+#   make slurm-check   -> a live one-node Slurm: scancel, requeue, preemption (also in `make test`, 25 s)
 #   make multihost     -> learners in network namespaces behind rate-limited links (root)
 compose-check: $(STAMP)
 	$(BIN)/python docker/compose_check.py
+
+# A live one-node Slurm (Debian's slurm-wlm and munge, installed here as root when missing):
+# `ddloco slurm` submits services and a learner array, a learner is scancelled, one requeued, a
+# scavenger array added and preempted by another job; training goes on; the report shows each event
+slurm-check: $(TEST_STAMP)
+	$(BIN)/python -m ddloco.slurm.check
 
 multihost: $(STAMP)
 	$(BIN)/python -m ddloco.bench.multihost --json reports/multihost.json

@@ -12,6 +12,7 @@
     ddloco export   the global model of a live or stopped run as a safetensors / torch file
     ddloco chaos    seeded failures injected into a running cluster, and what they cost
     ddloco fuzz     seeded random and mutated frames thrown at a running cluster's endpoints
+    ddloco slurm    a run on a Slurm cluster: services job, learner and scavenger job arrays
 
 The daemons own their entry points (they never import ddloco); `ddloco broker|syncer|learner`
 hands its arguments to them, and so do the tools with their own parsers. Flags that set a config
@@ -62,7 +63,7 @@ _FLAG_OF_FIELD = flag_table((*ENDPOINT_FLAGS, *ALGO_FLAGS, *UP_FLAGS, *UP_LEARNE
 _DELEGATED = {"learner": "learner.cli:main", "syncer": "syncer.cli:main", "broker": "broker.cli:main",
               "sim": "ddloco.sim.cli:main", "bench": "ddloco.bench.micro:main", "compare": "ddloco.compare.runner:cli_main",
               "export": "ddloco.export:main", "fuzz": "ddloco.fuzz:main", "chaos": "ddloco.chaos:main",
-              "data": "ddloco.data.cli:main"}
+              "data": "ddloco.data.cli:main", "slurm": "ddloco.slurm.cli:main"}
 """Commands with their own parser: `ddloco COMMAND ARGS` is COMMAND's main(ARGS), imported on use."""
 
 
@@ -366,6 +367,8 @@ _HELP_ONLY = {
     "compare": "quality at equal tokens: DDP, one learner, sync DiLoCo, our cluster (ddloco compare --help)",
     "fuzz": "seeded random and mutated frames thrown at a running cluster's endpoints (ddloco fuzz --help)",
     "data": "data prepare: tokenize text/json/parquet files into a corpus read in place (ddloco data --help)",
+    "slurm": "a run on a Slurm cluster: submit services, learner and scavenger arrays; add; report; stop "
+             "(ddloco slurm --help)",
 }
 """Commands whose flags their own parser lists (``_DELEGATED``)."""
 
