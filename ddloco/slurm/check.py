@@ -162,7 +162,12 @@ def _requeue_and_scavenge(c: Check, array: str) -> dict[str, Any]:
     _wait("scav-0 preempted", lambda: c.left("scav-0", t), 120)
     c.say(f"another user's job {other} preempted scav-0 (requeued by Slurm)")
     c.merges_go_on("the preemption")
-    state = c.slurm_cmd("squeue", "-h", "-j", c.plan()["job_ids"]["scavengers"][0], "-o", "%T")
+    scavengers = c.plan()["job_ids"]["scavengers"][0]
+    try:   # requeued: pending again once its processes ended (it leaves first, then COMPLETING)
+        state = _wait("scav-0 requeued (pending)", lambda: (lambda s: s if "PENDING" in s else None)(
+            c.slurm_cmd("squeue", "-h", "-j", scavengers, "-o", "%T")), 90)
+    except TimeoutError:
+        state = c.slurm_cmd("squeue", "-h", "-j", scavengers, "-o", "%T")
     c.slurm_cmd("scancel", other)
     _services_crashes(c)
     return {"scavenger_state_after_preemption": state}

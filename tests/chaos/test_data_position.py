@@ -13,12 +13,14 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 
 import pytest
 
 from common import control
 from common.keys import Keys
 from common.security import create_keys
+from learner.peer_link import PEER_SERVE_INTERVAL_S
 from tests.chaos.test_learner_faults import Daemons, _log_events
 from tests.conftest import wait_until
 
@@ -93,6 +95,13 @@ def test_streams_continue_at_their_exact_position_across_restarts_kills_and_peer
         d.start("b2", "learner", *d.net, "--config", str(d.cfg), "--learner-id", "b", "--data-shard", "1",
                 "--batch-log", str(logs["b2"]))
         wait_until(lambda: trained("b2") >= 12, 60, interval_s=0.05, what="the restarted b training")
+        # a peer serves one joiner per PEER_SERVE_INTERVAL_S: b's spare must not ask while a's
+        # serve of b2 still counts (12 steps can take less than that)
+        served = _log_events(tmp_path / "a.log", "learner.bootstrap_served")
+        assert served, "b2 joined from a: a logged its serve"
+        served_at = datetime.fromisoformat(served[-1]["timestamp"].replace("Z", "+00:00")).timestamp()
+        wait_until(lambda: time.time() - served_at > PEER_SERVE_INTERVAL_S, 10, interval_s=0.05,
+                   what="a's serve interval since it served b2")
 
         # SIGKILL: what the killed life's last heartbeat recorded is where its successor starts
         d.procs["b2"].kill()
