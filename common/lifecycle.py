@@ -11,12 +11,26 @@ from typing import Any, Iterable
 PR_SET_PDEATHSIG = 1
 
 
-def install_stop_handlers(stop: threading.Event) -> None:
-    """First SIGTERM/SIGINT: graceful stop (``stop`` is set); a second one exits at once."""
+DUPLICATE_SIGNAL_S = 2.0
+"""A second stop signal this soon after the first is the same request delivered twice, not a
+user's "now": a batch scheduler signals every process of a job while a supervisor (the Slurm
+services job, torchrun for its ranks) passes the signal on too (a second SIGTERM a millisecond
+later used to drop a shard's final checkpoint)."""
+
+
+def install_stop_handlers(stop: threading.Event, *, now: Any = None) -> None:
+    """First SIGTERM/SIGINT: graceful stop (``stop`` is set); another one at least
+    ``DUPLICATE_SIGNAL_S`` later exits at once (one sooner is a duplicate: ignored)."""
+    import time
+    clock = now or time.monotonic
+    first: list[float] = []
 
     def handler(signum, _frame):
         if stop.is_set():
+            if first and clock() - first[0] < DUPLICATE_SIGNAL_S:
+                return
             os._exit(128 + signum)
+        first.append(clock())
         stop.set()
 
     signal.signal(signal.SIGTERM, handler)

@@ -10,8 +10,8 @@ partition and, once it contributes, submits another user's job on the learners' 
 needs the scavenger's CPUs (Slurm preempts and requeues it); then SIGKILLs a shard and Redis inside
 the services job. Checked: merges go on through every event, learner-1 comes back under its id
 (restart 1) and contributes again, the services job starts the killed daemons again and the
-learners merge and write to Redis after each, and the report (``ddloco slurm stop`` writes it)
-shows each event. Exit 0 when all holds; a missing Slurm is
+learners merge and write to Redis after each, the report (``ddloco slurm stop`` writes it)
+shows each event, and each shard wrote its final checkpoint at the stop. Exit 0 when all holds; a missing Slurm is
 one line and exit 2 (skipped by the tests).
 """
 from __future__ import annotations
@@ -227,6 +227,10 @@ def _verify(c: Check, rep: dict[str, Any], extra: dict[str, Any]) -> list[str]:
         for a in lr[lid]["absences"]:
             if a["merges_meanwhile"] == 0 and a["back"] is not None:
                 problems.append(f"{lid}: no merge while it was away ({a})")
+    for shard in sorted((c.run_dir / "logs").glob("shard*.log")):   # the stop's final checkpoint
+        lines = [x for x in shard.read_text(errors="replace").splitlines() if '"syncer.checkpoint"' in x]
+        if not any('"reason": "stop"' in x for x in lines):
+            problems.append(f"{shard.name}: no final checkpoint at the stop")
     if "PENDING" not in extra["scavenger_state_after_preemption"]:
         problems.append(f"scav-0 not requeued after preemption: {extra['scavenger_state_after_preemption']!r}")
     return problems

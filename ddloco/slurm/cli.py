@@ -69,7 +69,11 @@ def _write(path: Path, text: str) -> Path:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     root = Path(args.run_dir).resolve()
-    if (root / "plan.json").exists():
+    if any(c in str(root) for c in " %\t\n'\"$`\\"):
+        print(f"error: --run-dir {str(root)!r}: use a path without spaces, quotes, %, $ or backslashes "
+              "(it goes into #SBATCH lines)", file=sys.stderr)
+        return USAGE
+    if (root / "plan.json").exists() and SlurmPlan.load(root).job_ids:
         print(f"error: {root} holds a run already (plan.json): `ddloco slurm add` adds learners to it, "
               "or choose another --run-dir", file=sys.stderr)
         return USAGE
@@ -79,7 +83,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                      learner_partition=args.learner_partition, scavenge_partition=args.scavenge_partition,
                      scavenge_qos=args.scavenge_qos, services_cpus=args.services_cpus, learner_cpus=args.learner_cpus,
                      gpus_per_learner=args.gpus_per_learner, time_limit=args.time, account=args.account,
-                     python=args.python or sys.executable, setup=args.setup, redis_port=args.redis_port,
+                     python=args.python or ("" if args.setup else sys.executable), setup=args.setup, redis_port=args.redis_port,
                      broker_port=args.broker_port, shard_port=args.shard_port, peer_port=args.peer_port,
                      learner_flags=args.learner_flag or [])
     root.mkdir(parents=True, exist_ok=True)
@@ -94,6 +98,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return OK
     sid = _sbatch(services)
     plan.job_ids["services"] = [sid]
+    plan.save()   # `stop` finds the services job even if a later sbatch fails
     after = f"--dependency=after:{sid}"
     if learners is not None:
         plan.job_ids["learners"] = [_sbatch(learners, after)]
@@ -143,7 +148,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     plan = SlurmPlan.load(args.run_dir)
     members = plan.job_ids.get("learners", []) + plan.job_ids.get("scavengers", [])
     if members:
-        _slurm("scancel", *members)
+        _scancel(members)
         _wait_gone(members, args.timeout_s)
     from ddloco.slurm.report import write_report
     try:
@@ -151,24 +156,46 @@ def cmd_stop(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001  (the services may be gone already: the report says so)
         print(f"report     not written: {e}", file=sys.stderr)
     if plan.job_ids.get("services"):
-        _slurm("scancel", *plan.job_ids["services"])
+        _scancel(plan.job_ids["services"])
         _wait_gone(plan.job_ids["services"], args.timeout_s)
     print(f"stopped    {plan.run_id}")
     return OK
 
 
+def _scancel(job_ids: list[str]) -> None:
+    try:
+        _slurm("scancel", *job_ids)
+    except SlurmError as e:   # a job Slurm no longer knows has ended: nothing to cancel
+        if "Invalid job id" not in str(e):
+            raise
+
+
 def _wait_gone(job_ids: list[str], timeout_s: float) -> None:
+    """Until no job of ``job_ids`` is in squeue (one Slurm has purged counts as gone); on timeout a
+    warning, and the stop goes on."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not _slurm("squeue", "-h", "-j", ",".join(job_ids), "-o", "%i"):
+        left = []
+        for job in job_ids:
+            try:
+                left += _slurm("squeue", "-h", "-j", job, "-o", "%i").split()
+            except SlurmError as e:
+                if "Invalid job id" not in str(e):
+                    raise
+        if not left:
             return
         time.sleep(0.5)
-    raise SlurmError(f"jobs {', '.join(job_ids)} still in squeue after {timeout_s:.0f} s")
+    print(f"warning: jobs {', '.join(job_ids)} still in squeue after {timeout_s:.0f} s; going on", file=sys.stderr)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from ddloco.slurm.report import write_report
     plan = SlurmPlan.load(args.run_dir)
+    if not (plan.root / "endpoints.env").exists():
+        print(f"error: the services job of {plan.run_id} is not running (no {plan.root / 'endpoints.env'}): the run's "
+              f"events live in its Redis; the last report written, by `ddloco slurm stop`, is "
+              f"{plan.root / 'report.json'}", file=sys.stderr)
+        return FAILURE
     rep = write_report(plan)
     if args.json:
         print(json.dumps(rep, indent=2))
@@ -192,12 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--scavenge-partition", default="", help="low-priority partition whose jobs others preempt")
     s.add_argument("--scavenge-qos", default="", help="QOS of the scavenger array (QOS-based preemption)")
     s.add_argument("--services-cpus", type=int, default=2)
-    s.add_argument("--learner-cpus", type=int, default=2, help="CPUs per learner (and torch threads)")
+    s.add_argument("--learner-cpus", type=int, default=2, help="CPUs per learner task (torch threads: these over its ranks)")
     s.add_argument("--gpus-per-learner", type=int, default=0,
                    help="GPUs per learner (--gres=gpu:N); over 1, each learner is a torchrun group of N ranks")
     s.add_argument("--time", default="", help="every job's time limit (sbatch --time)")
     s.add_argument("--account", default="")
-    s.add_argument("--python", default="", help="the interpreter jobs run (default: this one, by absolute path)")
+    s.add_argument("--python", default="", help="the interpreter jobs run (default: this one, by absolute path; "
+                   "with --setup: the python3 on PATH after it)")
     s.add_argument("--setup", default="", help="shell lines each job runs first (module load ...; source ...)")
     s.add_argument("--redis-port", type=int, default=6379)
     s.add_argument("--broker-port", type=int, default=5555, help="publishers; subscribers on the next port")

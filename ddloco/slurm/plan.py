@@ -7,14 +7,15 @@ command. The run directory lives on storage every node sees (a shared home or sc
     RUN_DIR/keys/              CurveZMQ keys and Redis passwords (0700; secrets 0600): DDLOCO_KEYS
     RUN_DIR/redis/             the services job's Redis: its config (0600) and append-only file
     RUN_DIR/checkpoints/       the shards' checkpoints (a requeued services job continues from them)
-    RUN_DIR/endpoints.env      written by the services job once Redis, broker and shards listen
+    RUN_DIR/endpoints.env      written by the services job once it started Redis, broker and shards
     RUN_DIR/slurm-events.jsonl each learner job's start and end (job, array task, restart count)
     RUN_DIR/logs/              every job's and daemon's log
     RUN_DIR/jobs/*.sbatch      the scripts below
 
 Jobs: **services** (Redis, broker, syncers: one job on a CPU partition, ``ddloco.slurm.services``
 supervising them), **learners** (a job array: task i is learner ``learner-i`` with data shard i,
-``--requeue``: a preempted or failed task comes back under the same id), **scavengers** (an
+``--requeue``: a preempted task, or one on a failed node, comes back under the same id; one whose
+learner fails (exit 1) requeues itself, at most ``FAILED_REQUEUES_MAX`` times), **scavengers** (an
 array on a low-priority partition that others' jobs preempt; ids ``scav-i``).
 """
 from __future__ import annotations
@@ -97,8 +98,11 @@ def _sbatch_header(plan: SlurmPlan, *, name: str, partition: str, cpus: int, log
     if plan.account:
         lines.append(f"#SBATCH --account={plan.account}")
     lines += [f"#SBATCH {x}" for x in extra]
-    lines += ["set -uo pipefail", "umask 077", plan.setup or ":",
-              f"RUN_DIR={shlex.quote(str(plan.root))}", f"PY={shlex.quote(plan.python or 'python3')}",
+    lines.append("umask 077")
+    if plan.setup:   # before `set -u` (module systems and conda activate read unset variables)
+        lines += ["{", plan.setup, "} || { echo \"--setup failed\" >&2; exit 1; }"]
+    lines += ["set -uo pipefail", f"RUN_DIR={shlex.quote(str(plan.root))}",
+              f"PY={shlex.quote(plan.python) if plan.python else '$(command -v python3)'}",
               "export DDLOCO_KEYS=\"$RUN_DIR/keys\" OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1} PYTHONUNBUFFERED=1"]
     return lines
 
@@ -113,8 +117,14 @@ def services_script(plan: SlurmPlan) -> str:
     return "\n".join(lines) + "\n"
 
 
+FAILED_REQUEUES_MAX = 3
+"""A learner task that fails (exit 1: a runtime failure, not a refusal or bad flags) is requeued by
+its own script at most this many times (Slurm's --requeue covers preemption and node failure)."""
+
+
 def _learner_body(plan: SlurmPlan, *, prefix: str, shard_base: int, port_base: int) -> list[str]:
-    nproc = ["--nproc", str(plan.gpus_per_learner)] if plan.gpus_per_learner > 1 else []
+    ranks = max(1, plan.gpus_per_learner)
+    nproc = ["--nproc", str(ranks)] if ranks > 1 else []
     device = ["--device", "cuda"] if plan.gpus_per_learner >= 1 else []
     flags = " ".join(shlex.quote(x) for x in [*nproc, *device, *plan.learner_flags])
     task = " ".join(shlex.quote(x) for x in ["--task", plan.task, *sum((["--task-arg", a] for a in plan.task_args), [])])
@@ -126,28 +136,36 @@ def _learner_body(plan: SlurmPlan, *, prefix: str, shard_base: int, port_base: i
         "\"host\": \"%s\", \"rc\": %s}\\n' \"$(date +%s.%N)\" \"$1\" \"$LID\" \"${SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}\" "
         "\"$IDX\" \"${SLURM_RESTART_COUNT:-0}\" \"$(hostname)\" \"${2:-null}\" >> \"$RUN_DIR/slurm-events.jsonl\"",
         "}",
-        "# the services job writes endpoints.env once Redis, the broker and the shards listen, and this",
+        "# the services job writes endpoints.env once it started Redis, the broker and the shards, and this",
         "# learner's own Redis user (it writes only its own keys) to keys/secret/$LID.redis.env",
         "for _ in $(seq 1200); do [ -s \"$RUN_DIR/endpoints.env\" ] && [ -s \"$DDLOCO_KEYS/secret/$LID.redis.env\" ] && break; sleep 0.5; done",
         "[ -s \"$DDLOCO_KEYS/secret/$LID.redis.env\" ] || { echo \"no $DDLOCO_KEYS/secret/$LID.redis.env after 10 min: "
         "is the services job running?\" >&2; exit 1; }",
         "set -a; . \"$RUN_DIR/endpoints.env\"; . \"$DDLOCO_KEYS/secret/$LID.redis.env\"; set +a",
         "event start",
-        "trap 'event signalled' TERM",
+        "SIGNALLED=0",
+        "trap 'SIGNALLED=1; event signalled' TERM",
         f"\"$PY\" -m ddloco learner --learner-id \"$LID\" --data-shard $(( {shard_base} + IDX )) --run-id \"$DDLOCO_RUN_ID\" "
         "--broker-pub \"$DDLOCO_BROKER_PUB\" --broker-sub \"$DDLOCO_BROKER_SUB\" "
         f"--peer-bind \"tcp://0.0.0.0:$(( {port_base} + IDX ))\" --advertise-host \"$(hostname)\" --log-format json "
+        f"--threads $(( ${{SLURM_CPUS_PER_TASK:-{ranks}}} / {ranks} > 0 ? ${{SLURM_CPUS_PER_TASK:-{ranks}}} / {ranks} : 1 )) "
         f"{task} {flags} &",
         "PID=$!",
         "wait $PID; RC=$?",
         "while kill -0 $PID 2>/dev/null; do wait $PID; RC=$?; done   # a signal interrupted the first wait",
+        "wait $PID 2>/dev/null; W=$?; [ $W -ne 127 ] && RC=$W        # its own status, once it has ended",
         "event end $RC",
+        f"if [ \"$RC\" = 1 ] && [ $SIGNALLED = 0 ] && [ \"${{SLURM_RESTART_COUNT:-0}}\" -lt {FAILED_REQUEUES_MAX} ]; then",
+        "  event requeue-after-failure $RC",
+        "  scontrol requeue \"${SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}_${IDX}\" 2>/dev/null || scontrol requeue \"$SLURM_JOB_ID\"",
+        "fi",
         "exit $RC",
     ]
 
 
 def learners_script(plan: SlurmPlan, *, count: int | None = None, start: int = 0) -> str:
-    """The learner array: task i is ``learner-i`` (data shard i), requeued when preempted or failed."""
+    """The learner array: task i is ``learner-i`` (data shard i), requeued when preempted (and by
+    its own script after a runtime failure)."""
     n = plan.learners if count is None else count
     gres = [f"--gres=gpu:{plan.gpus_per_learner}"] if plan.gpus_per_learner else []
     lines = _sbatch_header(plan, name="learners", partition=plan.learner_partition, cpus=plan.learner_cpus,

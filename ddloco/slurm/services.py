@@ -5,11 +5,13 @@
 Steps: Redis (password and append-only file under RUN_DIR/redis, config 0600: no secret on a
 command line), a Redis user per learner id that has a key (its URL in keys/secret/<id>.redis.env,
 0600, read only by that learner's job), the broker, S shards (checkpoints in RUN_DIR/checkpoints),
-then RUN_DIR/endpoints.env, which learner jobs wait for. It then supervises: a daemon that exits
+then RUN_DIR/endpoints.env (once all are started), which learner jobs wait for. It then supervises: a daemon that exits
 non-zero is started again (at most ``RESTARTS_MAX`` times a minute); a learner key added later
 (`ddloco slurm add`) gets its Redis user within ``USERS_EVERY_S``. SIGTERM (scancel, preemption,
-the end of the time limit) stops the shards first (they checkpoint), then the broker and Redis;
-a requeued services job continues from the append-only file and the checkpoints.
+the end of the time limit) stops the shards first (they checkpoint), then the broker and Redis
+(Slurm signals every process of the job at once; a daemon ignores the same signal passed on again
+within ``common.lifecycle.DUPLICATE_SIGNAL_S``); a requeued services job continues from the
+append-only file and the checkpoints.
 """
 from __future__ import annotations
 
@@ -148,6 +150,8 @@ class Services:
                 rc = proc.poll()
                 if rc is None:
                     continue
+                if stop.wait(0.5):   # Slurm signalled the whole job: this daemon went first
+                    return 0
                 recent = [t for t in self.restarts.get(name, []) if t > time.monotonic() - 60]
                 if rc in (0, 2) or len(recent) >= RESTARTS_MAX:
                     _log(f"{name} exited {rc}: the services job ends (see logs/{name}.log)")
@@ -158,6 +162,7 @@ class Services:
                 if name == "redis":   # its ACL users are not in the append-only file: made again
                     self._wait_redis()
                     self.users_made.clear()
+                    self.make_learner_users()
             if time.monotonic() >= next_users:
                 try:
                     self.make_learner_users()

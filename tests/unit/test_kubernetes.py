@@ -26,7 +26,7 @@ def render() -> list[dict]:
     kustomization's labels (metadata only, as `labels:` without includeSelectors) and image tag."""
     kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     labels = {k: v for entry in kust.get("labels", []) for k, v in entry["pairs"].items()}
-    images = {i["name"]: f"{i['name']}:{i['newTag']}" for i in kust.get("images", [])}
+    images = {i["name"]: f"{i.get('newName', i['name'])}:{i['newTag']}" for i in kust.get("images", [])}
     out = []
     for name in kust["resources"]:
         for doc in yaml.safe_load_all((K8S / name).read_text()):
@@ -99,6 +99,10 @@ def test_shard_count_and_run_id_agree_across_the_manifests():
     assert f"--shards {shards}" in syncer["spec"]["template"]["spec"]["containers"][0]["args"][0]
     learner_args = by(objs, "StatefulSet", "ddloco-learner")["spec"]["template"]["spec"]["containers"][0]["args"][0]
     assert "--run-id k8s" in learner_args and broker[broker.index("--run-id") + 1] == "k8s"
+    for o in objs:   # a daemon given a run id checks the run's Redis at start: it needs a URL
+        for c in o.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            if "--run-id" in " ".join(c.get("args", [])) and "learner" not in c["name"]:
+                assert "DDLOCO_REDIS_URL" in {e["name"] for e in c.get("env", [])}, o["metadata"]["name"]
 
 
 def test_a_pod_unpacks_its_own_secret_key_and_no_other(tmp_path):

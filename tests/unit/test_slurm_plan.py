@@ -24,6 +24,9 @@ def test_learner_array_is_requeued_with_stable_ids_and_gpu_groups(tmp_path):
     assert "LID=learner-$IDX" in s and "--data-shard $(( 0 + IDX ))" in s
     assert "--nproc 8 --device cuda" in s           # a torchrun group of 8 ranks per learner
     assert "module load cuda" in s and "umask 077" in s
+    assert s.index("module load cuda") < s.index("set -uo pipefail")      # setup runs before `set -u`
+    assert "--threads $(( ${SLURM_CPUS_PER_TASK:-8} / 8" in s            # the task's CPUs over its ranks
+    assert 'if [ "$RC" = 1 ] && [ $SIGNALLED = 0 ]' in s and "scontrol requeue" in s   # a failure requeues
     one_gpu = learners_script(SlurmPlan(run_dir=str(tmp_path), run_id="r1", gpus_per_learner=1))
     assert "--nproc" not in one_gpu and "--device cuda" in one_gpu
     assert "--gres" not in _directives(learners_script(SlurmPlan(run_dir=str(tmp_path), run_id="r1")))
@@ -60,9 +63,18 @@ def test_submit_dry_run_keeps_keys_private_and_names_every_job(tmp_path):
     assert sorted(x.name for x in (run / "jobs").iterdir()) == ["learners.sbatch", "scavengers.sbatch",
                                                                  "services.sbatch"]
     assert {f.stem for f in (run / "keys" / "public" / "learner").iterdir()} == {"learner-0", "learner-1", "scav-0"}
-    again = subprocess.run([sys.executable, "-m", "ddloco", "slurm", "submit", "--run-dir", str(run), "--dry-run"],
-                           capture_output=True, text=True, timeout=120)
+    def submit_again() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ddloco", "slurm", "submit", "--run-dir", str(run), "--dry-run"],
+                              capture_output=True, text=True, timeout=120)
+    assert submit_again().returncode == 0          # a dry run submitted nothing: DIR may be used
+    plan = SlurmPlan.load(run)
+    plan.job_ids = {"services": ["7"]}
+    plan.save()
+    again = submit_again()
     assert again.returncode == 2 and "holds a run already" in again.stderr
+    odd = subprocess.run([sys.executable, "-m", "ddloco", "slurm", "submit", "--run-dir", str(tmp_path / "a b"),
+                          "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert odd.returncode == 2 and "without spaces" in odd.stderr
 
 
 def test_submit_without_slurm_says_so(tmp_path):
