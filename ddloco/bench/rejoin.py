@@ -10,7 +10,9 @@ task with the run's defaults. Phases are read from the restarted learner's own c
 task, model, dry run), ``joined`` (every fragment fetched from a peer or the shards),
 ``first_answer``; and ``first_merge`` from the shards' record of its first merged contribution
 (the first merge event naming it after that answer). ``PHASE_cpu`` is the process's CPU seconds
-at each phase: on a busy host wall time is CPU time over the share of the cores it gets. With ``--standby`` the
+at each phase: on a busy host wall time is CPU time over the share of the cores it gets. The
+baseline, measured first on the idle machine: a bare ``python -c "import torch"``
+(``import_torch_idle``); ``first_merge_over_import_torch`` is the median first merge over it. With ``--standby`` the
 killed learner is replaced by a hot spare (``ddloco learner --standby``: imports, run config and
 model done ahead) as ``ddloco up --chaos`` does; the next kill waits until a new spare is ready.
 """
@@ -178,9 +180,24 @@ def _compile_sources() -> None:
         compileall.compile_dir(str(root / package), quiet=1)
 
 
+def _import_torch_s(repeats: int = 5) -> float:
+    """The physical baseline: median wall seconds from exec to the end of a bare `import torch` on
+    this machine, idle, just before the cluster starts (host speed moves every figure here alike)."""
+    times = []
+    for _ in range(repeats):   # exec to the line printed after the import (not the interpreter's exit)
+        t0 = time.perf_counter()
+        p = subprocess.Popen([sys.executable, "-c", "import torch; print('imported', flush=True)"],
+                             stdout=subprocess.PIPE, text=True)
+        assert p.stdout is not None and p.stdout.readline().strip() == "imported"
+        times.append(time.perf_counter() - t0)
+        p.wait()
+    return round(statistics.median(times), 3)
+
+
 def main(argv: Sequence[str]) -> int:
     args = _parse(argv)
     _compile_sources()
+    baseline = _import_torch_s()
     work = Path(tempfile.mkdtemp(prefix="ddloco-rejoin-"))
     rows: list[dict[str, float]] = []
     with EmbeddedRedis(log_dir=str(work)) as redis_srv:
@@ -194,6 +211,8 @@ def main(argv: Sequence[str]) -> int:
         finally:
             stop_processes(cluster.procs.values())
     medians = {k: round(statistics.median(row[k] for row in rows), 3) for k in rows[0]}
+    medians["import_torch_idle"] = baseline
+    medians["first_merge_over_import_torch"] = round(medians["first_merge"] / baseline, 2)
     costs = _peer_costs(work)
     if costs:
         medians["peer_slowdown"] = round(statistics.median(costs), 4)
