@@ -45,6 +45,7 @@ from common.exits import FAILURE, OK, USAGE
 from common.keys import Keys
 from common.lifecycle import stop_processes
 from common.redis_server import EmbeddedRedis, free_port
+from ddloco.waiting import wait_for
 
 BRIDGE, SUBNET = "ddlbr0", "10.77.0"
 HOST_IP = f"{SUBNET}.1"
@@ -183,16 +184,6 @@ class DelayRelay:
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
-
-
-def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(every_s)
-    raise TimeoutError(f"{what}: not within {timeout_s:.0f} s")
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:

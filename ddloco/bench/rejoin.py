@@ -35,18 +35,9 @@ from common.exits import OK
 from common.keys import Keys
 from common.lifecycle import stop_processes
 from common.redis_server import EmbeddedRedis, free_port
+from ddloco.waiting import wait_for
 
 PHASES = ("init", "prepared", "joined", "first_answer", "first_merge")
-
-
-def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -124,7 +115,7 @@ class _Cluster:
                        "--step-time-floor-ms", str(args.step_time_floor_ms))
         if args.standby:
             self.start_spare()
-        _wait(lambda: all(int(r.hget(keys.learner(f"l{i}"), "merged_contributions") or 0) > 0
+        wait_for(lambda: all(int(r.hget(keys.learner(f"l{i}"), "merged_contributions") or 0) > 0
                           for i in range(args.learners)), 300, "every learner contributing")
 
     def restart(self, i: int) -> dict[str, float]:
@@ -132,19 +123,19 @@ class _Cluster:
         r, keys, lid = self.r, self.keys, f"l{i}"
         if self.args.standby:
             log = self.work / f"spare{self.spares}.log"
-            _wait(lambda: "learner.standby_ready" in log.read_text(errors="replace"), 120, "spare ready")
+            wait_for(lambda: "learner.standby_ready" in log.read_text(errors="replace"), 120, "spare ready")
         self.procs[lid].send_signal(signal.SIGKILL)
         self.procs[lid].wait()
         old = r.hget(keys.learner(lid), "incarnation")
         t_restart = time.time()
         self.learner(i)
-        _wait(lambda: r.hget(keys.learner(lid), "incarnation") not in (None, old), 120, "new incarnation")
+        wait_for(lambda: r.hget(keys.learner(lid), "incarnation") not in (None, old), 120, "new incarnation")
         # this life's first answer (fragment:round:when, in its counters at the next heartbeat), then
         # the first merge naming it at or after that moment: an answer of the killed life still in
         # flight may be merged after the restart, never after the new life answered
-        first = _wait(lambda: self._new_life_field(lid, old, "first_answer"), 120, "the first answer")
+        first = wait_for(lambda: self._new_life_field(lid, old, "first_answer"), 120, "the first answer")
         answered_at = float(first.split(":")[2])
-        merged_at = _wait(lambda: self._merged_since(lid, answered_at), 120, "first merged contribution")
+        merged_at = wait_for(lambda: self._merged_since(lid, answered_at), 120, "first merged contribution")
         if self.args.standby:
             time.sleep(2.0)   # the serving peer's next 20 steps, undisturbed by a booting spare
             self.start_spare()

@@ -27,18 +27,13 @@ from typing import Any, Callable, Sequence
 
 from common.exits import FAILURE, OK, USAGE
 from ddloco.slurm.local import LocalSlurm, missing
+from ddloco.waiting import wait_for
 
 LEARNER_FLAGS = ["--learner-flag=--step-time-floor-ms=100"]
 
 
 def _wait(what: str, predicate: Callable[[], Any], timeout_s: float = 180.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+    return wait_for(predicate, timeout_s, what, every_s=0.25)
 
 
 class Check:
