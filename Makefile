@@ -70,7 +70,7 @@ test: $(TEST_STAMP)
 # Not part of `make test` (needs a container engine or root, and minutes): see the README.
 #   make compose-check -> builds the image, runs compose.yaml, trains, scales 2 -> 4 -> 1, stops
 #   make multihost     -> learners in network namespaces behind rate-limited links (root)
-# Also run by `make test` (~30 s; skipped without Slurm or root):
+# Also run by `make test` (25-50 s; skipped without Slurm or root):
 #   make slurm-check   -> a live one-node Slurm: scancel, requeue, preemption, services daemons killed
 compose-check: $(STAMP)
 	$(BIN)/python docker/compose_check.py

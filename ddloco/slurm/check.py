@@ -3,16 +3,16 @@
     python -m ddloco.slurm.check [--work DIR] [--json]
 
 Starts a local Slurm (local.py), then with `ddloco slurm`: submits the services job and a
-3-learner array (gpt task, 100 ms emulated steps); once every learner's answers are merged,
-``scancel``s learner-2's array task, requeues learner-1's (``scontrol requeue``; its hold is
-lifted at once, where Slurm would wait ~2 min), adds a 1-task scavenger array on the preemptible
-partition and, once it contributes, submits another user's job on the learners' partition that
-needs the scavenger's CPUs (Slurm preempts and requeues it); then SIGKILLs a shard and Redis inside
-the services job. Checked: merges go on through every event, learner-1 comes back under its id
-(restart 1) and contributes again, the services job starts the killed daemons again and the
-learners merge and write to Redis after each, the report (``ddloco slurm stop`` writes it)
-shows each event, and each shard wrote its final checkpoint at the stop. Exit 0 when all holds; a missing Slurm is
-one line and exit 2 (skipped by the tests).
+3-learner array (gpt task, 100 ms emulated steps); once every learner's answers are merged, at
+once ``scancel``s learner-2's array task, requeues learner-1's (``scontrol requeue``; its hold is
+lifted at once, where Slurm would wait ~2 min) and adds a 1-task scavenger array on the
+preemptible partition; once the scavenger contributes, submits another user's job on the
+learners' partition that needs its CPUs (Slurm preempts and requeues it); then SIGKILLs a shard
+and Redis inside the services job. Checked: merges go on through every event, learner-1 comes
+back under its id (restart 1) and contributes again, the services job starts the killed daemons
+again and the learners merge and write to Redis after each, the report (``ddloco slurm stop``
+writes it) shows each event, and each shard wrote its final checkpoint at the stop. Exit 0 when
+all holds; a missing Slurm is one line and exit 2 (skipped by the tests).
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ class Check:
         return any(e.get("learner") == lid and float(e["t"]) > after
                    for e in control.read_events(self.redis(), Keys(self.plan()["run_id"]), kind="leave"))
 
-    def merges_go_on(self, what: str, n: int = 20) -> None:
+    def merges_go_on(self, what: str, n: int = 8) -> None:
         before = self.merges()
         _wait(f"{n} more merges after {what}", lambda: self.merges() >= before + n, 120)
         self.say(f"merges go on after {what}: {self.merges() - before} more")
@@ -128,29 +128,30 @@ def _scenario(c: Check) -> dict[str, Any]:
     for lid in ("learner-0", "learner-1", "learner-2"):
         _wait(f"{lid}'s answers merged", lambda lid=lid: c.merged_by(lid) > 0, 180)
     c.say("every learner's answers are merged")
+    # at once: learner-2 scancelled, learner-1 requeued, a scavenger array added (their boots overlap)
     array = c.plan()["job_ids"]["learners"][0]
     t = time.time()
+    incarnation = c.learner("learner-1").get("incarnation")
     c.slurm_cmd("scancel", f"{array}_2")
+    c.slurm_cmd("scontrol", "requeue", f"{array}_1")
+    c.ddloco("add", "--run-dir", str(c.run_dir), "--scavengers", "1")
     _wait("learner-2 leaves", lambda: c.left("learner-2", t), 90)
     c.say("learner-2 cancelled (scancel): it left the run")
-    c.merges_go_on("the scancel")
-    return _requeue_and_scavenge(c, array)
-
-
-def _requeue_and_scavenge(c: Check, array: str) -> dict[str, Any]:
-    t = time.time()
-    incarnation = c.learner("learner-1").get("incarnation")
-    c.slurm_cmd("scontrol", "requeue", f"{array}_1")
     _wait("learner-1 leaves", lambda: c.left("learner-1", t), 90)
     _wait("learner-1 pending", lambda: "PENDING" in c.slurm_cmd("squeue", "-h", "-j", f"{array}_1", "-o", "%T"), 60)
     c.slurm_cmd("scontrol", "update", f"JobId={array}_1", "StartTime=now")   # Slurm's requeue hold, lifted
+    c.merges_go_on("the scancel and the requeue")
     _wait("learner-1 back (a new life)", lambda: c.learner("learner-1").get("incarnation") not in (None, incarnation))
-    merged = c.merged_by("learner-1")
-    _wait("learner-1's answers merged again", lambda: c.merged_by("learner-1") > merged, 180)
+    back = time.time()   # the old life ended long before: a merge from now on is the new life's
+    _wait("learner-1's answers merged again", lambda: float(c.learner("learner-1").get("last_merged_at") or 0) > back,
+          180)
     c.say("learner-1 requeued: it came back under its id and contributes")
-    c.ddloco("add", "--run-dir", str(c.run_dir), "--scavengers", "1")
     _wait("scav-0's answers merged", lambda: c.merged_by("scav-0") > 0, 180)
     c.say("scavenger scav-0 contributes")
+    return _preempt(c)
+
+
+def _preempt(c: Check) -> dict[str, Any]:
     t = time.time()
     other = c.slurm_cmd("sbatch", "--parsable", "-p", "learners", "-c", str(c.slurm.cpus - 2 - 2 * 2),
                         "-o", "/dev/null", "--wrap", "sleep 600").split(";")[0]
