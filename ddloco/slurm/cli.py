@@ -80,6 +80,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     plan = SlurmPlan(run_dir=str(root), run_id=args.run_id or f"slurm-{secrets.token_hex(3)}",
                      learners=args.learners, scavengers=args.scavengers, shards=args.shards, task=args.task,
                      task_args=args.task_arg or [], services_partition=args.services_partition,
+                     services_nodelist=args.services_nodelist,
                      learner_partition=args.learner_partition, scavenge_partition=args.scavenge_partition,
                      scavenge_qos=args.scavenge_qos, services_cpus=args.services_cpus, learner_cpus=args.learner_cpus,
                      gpus_per_learner=args.gpus_per_learner, time_limit=args.time, account=args.account,
@@ -215,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--task", default="gpt", help="built-in task or MODULE:ATTR importable on every node (default gpt)")
     s.add_argument("--task-arg", action="append", metavar="KEY=VALUE", help="the task's keyword argument, repeatable")
     s.add_argument("--services-partition", default="", help="CPU partition of the services job (default: Slurm's)")
+    s.add_argument("--services-nodelist", default="",
+                   help="pin the services job to these nodes (a requeued one comes back where learners look)")
     s.add_argument("--learner-partition", default="", help="partition of the learner array (default: Slurm's)")
     s.add_argument("--scavenge-partition", default="", help="low-priority partition whose jobs others preempt")
     s.add_argument("--scavenge-qos", default="", help="QOS of the scavenger array (QOS-based preemption)")

@@ -43,6 +43,9 @@ class SlurmPlan:
     task: str = "gpt"
     task_args: list[str] = field(default_factory=list)
     services_partition: str = ""
+    services_nodelist: str = ""
+    """Pins the services job to these nodes: a requeued services job comes back where the
+    learners' URLs point."""
     learner_partition: str = ""
     scavenge_partition: str = ""
     scavenge_qos: str = ""
@@ -111,8 +114,9 @@ def services_script(plan: SlurmPlan) -> str:
     """Redis, the broker and the shards as one job, supervised by ``ddloco.slurm.services``
     (restarts a crashed daemon; on SIGTERM the shards checkpoint). Requeued, it continues from
     the append-only Redis file and the shards' checkpoints."""
+    pin = [f"--nodelist={plan.services_nodelist}"] if plan.services_nodelist else []
     lines = _sbatch_header(plan, name="services", partition=plan.services_partition, cpus=plan.services_cpus,
-                           log=f"{plan.root}/logs/services-%j.log", extra=["--requeue"])
+                           log=f"{plan.root}/logs/services-%j.log", extra=["--requeue", *pin])
     lines.append('exec "$PY" -m ddloco.slurm.services --run-dir "$RUN_DIR"')
     return "\n".join(lines) + "\n"
 

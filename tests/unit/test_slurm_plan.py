@@ -44,9 +44,10 @@ def test_scavengers_take_their_own_ids_streams_ports_and_qos(tmp_path):
 
 
 def test_services_job_is_one_requeueable_job_and_scripts_parse(tmp_path):
-    plan = SlurmPlan(run_dir=str(tmp_path), run_id="r1", services_partition="cpu", services_cpus=4)
+    plan = SlurmPlan(run_dir=str(tmp_path), run_id="r1", services_partition="cpu", services_cpus=4,
+                     services_nodelist="cpu-01")
     s = services_script(plan)
-    assert {"--partition=cpu", "--cpus-per-task=4", "--requeue"} <= set(_directives(s))
+    assert {"--partition=cpu", "--cpus-per-task=4", "--requeue", "--nodelist=cpu-01"} <= set(_directives(s))
     assert "-m ddloco.slurm.services" in s
     for text in (s, learners_script(plan), scavengers_script(plan, count=1)):
         p = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
