@@ -8,10 +8,11 @@ from __future__ import annotations
 import base64
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import wait_until
 
 yaml = pytest.importorskip("yaml")
 kv = pytest.importorskip("kubernetes_validate")
@@ -141,14 +142,13 @@ def test_the_acl_file_confines_each_learner_in_a_real_redis(tmp_path):
         def url(u: str) -> str:
             return u.strip().split("=", 1)[-1].replace("ddloco-redis:6379", f"127.0.0.1:{port}")
         admin = redis_py.Redis.from_url(url(red["admin-url"]))
-        deadline = time.monotonic() + 10
-        while True:
+
+        def answers() -> bool:
             try:
-                admin.ping()
-                break
+                return bool(admin.ping())
             except redis_py.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
+                return False
+        wait_until(answers, 10, what="redis-server with the generated ACL file")
         l1 = redis_py.Redis.from_url(url(keys["secret--learner-1.redis.env"]))
         keys_of = Keys("k8s")
         l1.hset(keys_of.learner("learner-1"), "steps", 1)          # its own key
