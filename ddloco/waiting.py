@@ -12,5 +12,5 @@ def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, every_s: floa
     """``pred()``'s first truthy value, polled every ``every_s`` for up to ``timeout_s`` seconds."""
     value = retry.until(lambda: pred() or None, retry.Deadline.after(timeout_s), interval_s=every_s)
     if value is None:
-        raise TimeoutError(f"{what}: not within {timeout_s:.0f} s")
+        raise TimeoutError(f"{what}: not within {timeout_s:g} s")
     return value
