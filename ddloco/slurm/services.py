@@ -162,7 +162,7 @@ class Services:
                 if name == "redis":   # its ACL users are not in the append-only file: made again
                     self._wait_redis()
                     self.users_made.clear()
-                    self.make_learner_users()
+                    next_users = 0.0      # below, at once
             if time.monotonic() >= next_users:
                 try:
                     self.make_learner_users()
