@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from common.files import read_env_file
 from ddloco.slurm.plan import SlurmPlan
 
 
@@ -29,7 +30,7 @@ def slurm_events(root: Path) -> list[dict[str, Any]]:
 
 
 def _admin_url(plan: SlurmPlan) -> str:
-    env = dict(line.split("=", 1) for line in (plan.root / "endpoints.env").read_text().splitlines() if "=" in line)
+    env = read_env_file(plan.root / "endpoints.env")
     password = (plan.root / "keys" / "secret" / "redis.password").read_text().strip()
     return f"redis://:{password}@{env['DDLOCO_SERVICES_HOST']}:{plan.redis_port}/0"
 

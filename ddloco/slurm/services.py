@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from common.files import read_env_file
 from ddloco.slurm.plan import SlurmPlan
 
 RESTARTS_MAX = 5
@@ -40,8 +41,8 @@ def _log(msg: str) -> None:
 def _password_in(env: Path) -> str:
     """The password of the Redis URL in a learner's .redis.env ("" if none)."""
     try:
-        url = env.read_text().strip().split("=", 1)[1]
-    except (OSError, IndexError):
+        url = read_env_file(env).get("DDLOCO_REDIS_URL", "")
+    except OSError:
         return ""
     creds = url.split("://", 1)[-1].split("@", 1)
     return creds[0].split(":", 1)[1] if len(creds) == 2 and ":" in creds[0] else ""
