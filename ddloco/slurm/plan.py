@@ -25,6 +25,8 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from common.files import write_atomic
+
 LEARNER_PREFIX = "learner-"
 SCAVENGER_PREFIX = "scav-"
 SCAVENGER_DATA_SHARD_BASE = 1000
@@ -73,9 +75,7 @@ class SlurmPlan:
         return Path(self.run_dir)
 
     def save(self) -> None:
-        tmp = self.root / "plan.json.tmp"
-        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
-        tmp.replace(self.root / "plan.json")
+        write_atomic(self.root / "plan.json", json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
     def load(cls, run_dir: str | Path) -> "SlurmPlan":

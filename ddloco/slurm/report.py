@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from common.files import read_env_file
+from common.files import read_env_file, write_atomic
 from ddloco.slurm.plan import SlurmPlan
 
 
@@ -82,7 +82,7 @@ def _absences(run: list[dict[str, Any]], merges: list[float]) -> list[dict[str, 
 
 def write_report(plan: SlurmPlan, say: Any = print) -> dict[str, Any]:
     rep = {"run_id": plan.run_id, "job_ids": plan.job_ids, **summarize(slurm_events(plan.root), run_events(plan))}
-    (plan.root / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
+    write_atomic(plan.root / "report.json", json.dumps(rep, indent=2) + "\n")
     say(f"report     {plan.root / 'report.json'}: {rep['merges']} merges, longest pause between merges "
         f"{rep['longest_merge_pause_s']} s")
     for lid, rec in rep["learners"].items():

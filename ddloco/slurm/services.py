@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from common.files import read_env_file
+from common.files import atomic_path, read_env_file
 from ddloco.slurm.plan import SlurmPlan
 
 RESTARTS_MAX = 5
@@ -49,10 +49,10 @@ def _password_in(env: Path) -> str:
 
 
 def _write_private(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
-        fh.write(text)
-    tmp.replace(path)
+    """``text`` to ``path`` atomically, readable by this user only (0600 from the start)."""
+    with atomic_path(path) as tmp:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
+            fh.write(text)
 
 
 class Services:
