@@ -48,9 +48,13 @@ class LearnerOptions:
     max_steps: int = 0
     """Stop after this many inner steps (0 = run until stopped)."""
     slowdown: float = 1.0
-    """Emulate a slower chip: every step takes this factor longer."""
+    """Emulate a slower chip: every step takes this factor longer (its compute, and the emulated
+    accelerator step time ``step_time_floor_ms``)."""
     step_time_floor_ms: float = 0.0
     """Emulated accelerator step time: a step never takes less than this."""
+    step_noise: float = 0.0
+    """Relative noise of the emulated step time: each step's target is multiplied by
+    max(0.2, 1 + step_noise · N(0, 1)) (0: none)."""
     threads: int = 1
     """torch intra-op threads of the `ddloco learner` daemon (share the cores between co-located
     learners); the Python API leaves torch's setting to the caller."""
@@ -103,6 +107,7 @@ class LearnerOptions:
         _check(-1 <= self.metrics_port <= 65535, "learner.metrics_port must be -1 (none), 0 (any) or a port")
         _check(self.slowdown >= 1.0, "learner.slowdown must be >= 1")
         _check(self.step_time_floor_ms >= 0.0, "learner.step_time_floor_ms must be >= 0")
+        _check(0.0 <= self.step_noise <= 1.0, "learner.step_noise must be in [0, 1]")
         _check(self.threads >= 1, "learner.threads must be >= 1")
         _check(bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device)),
                f"learner.device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")

@@ -29,7 +29,8 @@ from common.security import Security
 from common.task import Task, TaskError, build_model, evaluate
 from common.running_stats import recalibrate
 from ddloco.run_figures import as_float as _f
-from ddloco.run_figures import global_downtime, learner_processes, learner_time, problems, summary_line
+from ddloco.run_figures import (global_downtime, learner_processes, learner_time, life_spans, merged_steps, problems,
+                                summary_line)
 
 
 class Monitor:
@@ -478,6 +479,8 @@ class Monitor:
             "failure": failure,
             "config": self.cfg.run.to_dict(),
             "merge_timeline": [(round(float(e["t"]) - self.t0, 3), int(e["fragment"])) for e in merges],
+            "merged_steps": merged_steps(merges, len(self.plan)),
+            "lives": life_spans(self._all_lives().items(), self.t0),
         }
 
     problems = staticmethod(problems)

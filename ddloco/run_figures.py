@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Iterable
 
@@ -39,6 +40,36 @@ def learner_time(slots: Iterable[list[dict[str, str]]], t0: float,
         useful += sum(_f(h, "train_s") for h in mine)
         flushing += sum(_f(h, "flush_s") for h in mine)
     return provisioned, useful, flushing
+
+
+def merged_steps(merges: list[dict[str, Any]], fragments: int) -> dict[str, float]:
+    """Per learner: the inner steps its merged answers carried, averaged over the fragments (a
+    step reaches the global model once per fragment; steps of answers that were never merged,
+    such as a killed process's last ones, are absent). From the merge events' ``steps``."""
+    out: dict[str, float] = {}
+    for e in merges:
+        try:
+            steps = json.loads(e.get("steps", "[]")) if isinstance(e.get("steps"), str) else e.get("steps", [])
+            pairs = list(zip(e["contributors"], (int(x) for x in steps)))
+        except (TypeError, ValueError):
+            continue
+        for lid, n in pairs:
+            out[lid] = out.get(lid, 0.0) + n / max(1, fragments)
+    return {lid: round(v, 2) for lid, v in sorted(out.items())}
+
+
+def life_spans(lives: Iterable[tuple[tuple[str, str], dict[str, str]]], t0: float) -> list[dict[str, Any]]:
+    """Every learner process ((id, incarnation) → its counters): id, incarnation, started (process
+    start), trains_from (its first step), ended (its stop, else its last heartbeat), steps;
+    seconds after ``t0``."""
+    out = []
+    for (lid, inc), h in lives:
+        start = _f(h, "started_at", t0)
+        out.append({"learner": lid, "incarnation": inc,
+                    "started": round(start - t0, 3), "trains_from": round(start + _f(h, "boot_s") - t0, 3),
+                    "ended": round((_f(h, "stopped_at", 0.0) or _f(h, "updated_at", t0)) - t0, 3),
+                    "steps": int(_f(h, "steps"))})
+    return sorted(out, key=lambda x: (x["learner"], x["started"]))
 
 
 def global_downtime(merge_times: list[float], learners: list[dict[str, str]], t0: float, *,

@@ -32,6 +32,7 @@ OWN_FLAGS = (
     Flag("--steps", LearnerOptions, "max_steps"),
     Flag("--slowdown", LearnerOptions, "slowdown"),
     Flag("--step-time-floor-ms", LearnerOptions, "step_time_floor_ms"),
+    Flag("--step-noise", LearnerOptions, "step_noise"),
     Flag("--threads", LearnerOptions, "threads"),
     Flag("--group-sharding", LearnerOptions, "group_sharding", choices=("auto", "ddp", "fsdp")),
     Flag("--device", LearnerOptions, "device"),

@@ -9,6 +9,7 @@ times, loss_ema, schedule_tokens, schedule_regressions).
 """
 from __future__ import annotations
 
+import random
 import time
 from typing import Any
 
@@ -33,6 +34,8 @@ class StepPace:
         self.algo = algo
         self.log = log
         self.stop = stop
+        self._noise = random.Random()
+        """Draws of ``step_noise`` (this process's own sequence)."""
         self._timed_steps = 0
         """Inner steps of this life seen by the step-time estimate (``step_time_estimate``)."""
         self._schedule_dip: tuple[int, float] | None = None
@@ -48,7 +51,10 @@ class StepPace:
         iteration's seconds."""
         stats = self.stats
         compute_s = time.perf_counter() - t_step
-        target_s = max(compute_s * self.options.slowdown, self.options.step_time_floor_ms / 1000.0)
+        opts = self.options
+        target_s = max(compute_s, opts.step_time_floor_ms / 1000.0) * opts.slowdown
+        if opts.step_noise > 0:
+            target_s *= max(0.2, 1.0 + opts.step_noise * self._noise.gauss(0.0, 1.0))
         if target_s > compute_s:
             self.stop.wait(target_s - compute_s)
         ema = stats.step_ema_s

@@ -242,6 +242,7 @@ class Merging:
             control.add_event(pipe, self.keys, "merge", fragment=f.spec.index, version=f.version,
                               shard=self.options.shard, round=rnd.round_id,
                               contributors=[a.sender for a in answers],
+                              steps=[int(a.steps) for a in answers],
                               weights=[round(float(w), 4) for w in weights],
                               grace_waited_s=round(waited, 4), grace_s=round(grace, 4), reason=reason,
                               dropped=self.stats.dropped, late=self.stats.late_answers,

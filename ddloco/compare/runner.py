@@ -205,8 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "system (default 1,638,400 = 4 learners x 400 steps x 1,024 tokens)")
     ap.add_argument("--seeds", type=int, default=3, help="seeds 0..S-1 (model init and data; default 3)")
     ap.add_argument("--seed-list", default=None, help="explicit comma list of seeds instead of --seeds")
-    ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                    help=f"comma list from {', '.join(ALL_SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)})")
+    ap.add_argument("--systems", default=None,
+                    help=f"comma list from {', '.join(ALL_SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)}; with "
+                         f"--chaos/--hetero see below)")
     ap.add_argument("--report", metavar="DIR", required=True, help="write compare.json, compare.md, compare.png here")
     ap.add_argument("--config", metavar="FILE.toml", help="TOML config (task, algo, up sections) for every system")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -223,6 +224,24 @@ def build_parser() -> argparse.ArgumentParser:
                          "cuda, cuda:N (decoupled_emulated and the shards always on the CPU)")
     ap.add_argument("--insecure", action="store_true",
                     help="the cluster systems run without CURVE keys on their sockets (`ddloco up --insecure`)")
+    side = ap.add_argument_group("failures and mixed hardware side by side (ddloco.compare.failures)")
+    side.add_argument("--chaos", metavar="SPEC", help="run the systems side by side through the same seeded "
+                      "failures, e.g. seed=1,learner_mtbf_s=60 (kills of learner/rank i as a Poisson process; "
+                      "stalls=N,stall_s=S for SIGSTOPs); systems then from dp_elastic, diloco_sync_elastic, "
+                      "torchft, decoupled, decoupled_lockstep, decoupled_k1")
+    side.add_argument("--hetero", metavar="SPEC", help="mixed hardware, e.g. slow=2,factor=1.2,noise=0.1: the last "
+                      "`slow` learners (default half) that much slower, every step time x (1 + noise N(0,1))")
+    side.add_argument("--step-time-floor-ms", type=float, default=None,
+                      help="with --chaos/--hetero: the emulated accelerator step time of every system (default 200)")
+    side.add_argument("--checkpoint-every", type=int, default=50, metavar="STEPS",
+                      help="the elastic baselines' checkpoint interval (default 50 steps)")
+    side.add_argument("--wall-cap", type=float, default=3.0, metavar="X",
+                      help="stop a system still short of the budget X failure-free durations after its first step; "
+                           "its figures cover what it did until then (default 3)")
+    side.add_argument("--target-loss", type=float, default=None,
+                      help="wall_s_to_target's loss (default: DP's loss without failures at half the budget, per seed)")
+    side.add_argument("--eval-every-s", type=float, default=10.0,
+                      help="our cluster's evaluation interval in side-by-side runs (default 10 s)")
     ap.add_argument("--render-only", action="store_true",
                     help="run nothing: rebuild compare.json/md/png from the runs already in DIR/runs")
     ap.add_argument("--resume", action="store_true",
@@ -246,7 +265,7 @@ class _Comparison:
 
     def __init__(self, args: argparse.Namespace, argv: list[str]) -> None:
         self.args, self.argv = args, argv
-        self.systems = systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+        self.systems = systems = [s.strip() for s in (args.systems or ",".join(DEFAULT_SYSTEMS)).split(",") if s.strip()]
         unknown = [s for s in systems if s not in ALL_SYSTEMS]
         if unknown or not systems:
             raise ConfigError(f"unknown system(s) {unknown}; choose from {', '.join(ALL_SYSTEMS)}")
@@ -390,7 +409,32 @@ class _Comparison:
         return EXIT_FAILURE if self.failures else EXIT_OK
 
 
+def _side_by_side(args: argparse.Namespace, argv: list[str]) -> int:
+    from ddloco.compare.failures import SideBySide
+    if args.render_only:
+        raise ConfigError("--render-only is for the quality comparison; with --chaos/--hetero use --resume")
+    if args.learners < 1 or args.checkpoint_every < 1 or args.wall_cap < 1:
+        raise ConfigError("--learners and --checkpoint-every must be >= 1, --wall-cap >= 1")
+    seeds = [int(x) for x in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds))
+    if not seeds:
+        raise ConfigError("--seeds must be >= 1")
+    cfg = load_config(args.config)
+    run = apply_sets(apply_sets(cfg.run, {"task": {"spec": args.task}, "algo": {}}), parse_set(args.set))
+    per_batch = tokens_per_batch(run)
+    steps = args.tokens // (args.learners * per_batch)
+    if steps < 1:
+        raise ConfigError(f"--tokens {args.tokens} is less than one step of {args.learners} learners x {per_batch} tokens")
+    report = Path(args.report)
+    report.mkdir(parents=True, exist_ok=True)
+    side = SideBySide(args, argv, cfg, run, per_batch, steps, seeds, report)
+    if not side.run_all():
+        return EXIT_INTERRUPTED
+    return side.write()
+
+
 def _main(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.chaos or args.hetero:
+        return _side_by_side(args, argv)
     comparison = _Comparison(args, argv)
     comparison.run_in_process()
     if not comparison.run_separately():

@@ -1,0 +1,57 @@
+"""The pure parts of `ddloco compare --chaos/--hetero`: the shared schedule, the mixed-hardware
+spec, the figures from a wall-time curve, and the schedule replay of the simulator."""
+from __future__ import annotations
+
+import pytest
+
+from common.config import ConfigError
+from ddloco.chaos_plan import ChaosSpec
+from ddloco.compare.failures import parse_hetero, plan_schedule, with_targets
+from ddloco.sim.replay import predict
+
+
+def test_the_schedule_is_seeded_per_rank_poisson_and_shared() -> None:
+    spec = ChaosSpec(seed=3, learner_mtbf_s=60.0)
+    a, b = plan_schedule(spec, 4, 300.0), plan_schedule(spec, 4, 300.0)
+    assert a == b and a == sorted(a, key=lambda f: f.at_s)
+    assert {f.target for f in a} == {f"learner-{i}" for i in range(4)}
+    assert all(15.0 <= f.at_s < 1200.0 for f in a)
+    # about one kill per learner-minute over 4 x 300 s x 4 learners (80 expected)
+    assert 50 <= len(a) <= 115
+    assert plan_schedule(ChaosSpec(seed=4, learner_mtbf_s=60.0), 4, 300.0) != a
+    assert plan_schedule(ChaosSpec(seed=3), 4, 300.0) == []
+
+
+def test_hetero_spec_makes_the_last_learners_slower_and_refuses_nonsense() -> None:
+    h = parse_hetero("slow=1,factor=1.25,noise=0.05")
+    assert h.factors(4) == [1.0, 1.0, 1.0, 1.25] and h.noise == 0.05
+    assert parse_hetero("factor=1.2").factors(4) == [1.0, 1.0, 1.2, 1.2]
+    for bad in ("factor=0.5", "speed=2", "noise=x", "noise=2"):
+        with pytest.raises(ConfigError):
+            parse_hetero(bad)
+
+
+def test_targets_and_equal_wall_read_each_runs_curve() -> None:
+    runs = [{"span_s": 10.0, "wall_curve": [[0.0, 5.0], [4.0, 3.0], [9.0, 2.0]]},
+            {"span_s": 20.0, "wall_curve": [[0.0, 5.0], [8.0, 4.0], [15.0, 2.5], [20.0, 1.9]]}]
+    with_targets(runs, 2.6)
+    assert [r["wall_s_to_target"] for r in runs] == [9.0, 15.0]
+    assert [r["eval_loss_at_wall"] for r in runs] == [2.0, 4.0]      # both at 10 s
+    with_targets(runs, 1.0)
+    assert [r["wall_s_to_target"] for r in runs] == [None, None]
+
+
+def test_replay_charges_the_elastic_group_for_every_kill_and_ours_for_one_learner() -> None:
+    kills = [{"kind": "learner_kill", "target": "learner-0", "at_s": 30.0}]
+    kw = dict(learners=4, steps=1000, step_s=0.2, factors=[1.0] * 4, checkpoint_every=50, sync_every=12,
+              restart_s=5.0, rejoin_s=1.0)
+    assert predict("dp_elastic", [], **kw)["goodput"] == pytest.approx(1.0)
+    dp = predict("dp_elastic", kills, **kw)
+    # 150 steps done at 30 s, back to 150 (a checkpoint): nothing lost but the restart
+    assert dp["span_s"] == pytest.approx(205.0) and dp["lost_steps"] == 0
+    late = predict("dp_elastic", [{**kills[0], "at_s": 39.0}], **kw)   # 195 steps: 45 lost on each rank
+    assert late["lost_steps"] == 45 * 4 and late["span_s"] == pytest.approx(39.0 + 5.0 + (1000 - 150) * 0.2)
+    ours = predict("decoupled", kills, **kw)
+    assert ours["span_s"] == pytest.approx(201.0) and ours["goodput"] > dp["goodput"]
+    capped = predict("dp_elastic", kills, **kw, cap_s=100.0)
+    assert capped["span_s"] == 100.0 and capped["goodput"] == pytest.approx(((100 - 35) / 0.2 + 150) * 0.2 / 100)
