@@ -142,6 +142,33 @@ class Setting:
         return sum(s * self.floor_ms / 1000.0 * f for s, f in zip(steps_by_rank, self.factors))
 
 
+def goodput_of(res: dict[str, Any], st: Setting) -> float:
+    """Σ_r useful steps_r × the rank's emulated step time ÷ Σ_r provisioned time_r, a rank (a
+    learner slot) provisioned from its first step to the end of its last process (ALGORITHM §9,
+    as `ddloco up` counts it): a rank that waits for the others is provisioned and not useful,
+    one whose budget is done is released. From a run's stored figures (also for reused runs)."""
+    floor = st.floor_ms / 1000.0
+    useful = provisioned = 0.0
+    for r in range(st.learners):
+        lid = f"learner-{r}"
+        lanes = res["timeline"].get(lid) or []
+        if not lanes:
+            continue
+        if res["system"] in (*ELASTIC, "torchft"):
+            steps = (float(res["extra"]["committed"].get(lid, 0)) if res["system"] == "torchft"
+                     else res["tokens"] / (st.learners * st.per_batch))
+            start = min(a for a, _ in lanes) - floor * st.factors[r]   # lanes: step completions
+        else:
+            steps = float(res["extra"]["merged_steps"].get(lid, 0.0))
+            start = min(a for a, _ in lanes)
+        end = max(b for _, b in lanes)
+        if res.get("capped"):
+            end = max(end, res["span_s"])
+        useful += steps * floor * st.factors[r]
+        provisioned += max(1e-9, end - start)
+    return round(useful / provisioned, 4) if provisioned else 0.0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -158,8 +185,10 @@ class _Injector(threading.Thread):
     """The schedule on torchrun's workers: SIGKILL (SIGSTOP for a stall, SIGCONT after ``stall_s``)
     of the process that holds rank i at the time, from the first training step on."""
 
-    def __init__(self, faults: list[Fault], workdir: Path, stall_s: float, done: threading.Event) -> None:
+    def __init__(self, faults: list[Fault], workdir: Path, stall_s: float, done: threading.Event,
+                 marker: bytes = b"elastic_worker") -> None:
         super().__init__(name="inject", daemon=True)
+        self.marker = marker
         self.faults, self.workdir, self.stall_s, self.done = list(faults), workdir, stall_s, done
         self.t_start: float | None = None
         self.records: list[dict[str, Any]] = []
@@ -182,7 +211,7 @@ class _Injector(threading.Thread):
         except (OSError, ValueError, IndexError):
             return None
         state = stat.rsplit(")", 1)[-1].split()[0]
-        return pid if b"elastic_worker" in cmd and state not in ("Z", "X") else None
+        return pid if self.marker in cmd and state not in ("Z", "X") else None
 
     def run(self) -> None:
         while self.t_start is None and not self.done.wait(0.05):
@@ -224,7 +253,7 @@ def _progress(workdir: Path, learners: int) -> dict[int, list[tuple[str, int, in
         path = workdir / "progress" / f"rank{r}.log"
         for line in (path.read_text(errors="replace").splitlines() if path.exists() else []):
             parts = line.split()
-            if len(parts) == 4 and parts[0] in ("step", "sync", "resume"):
+            if len(parts) == 4 and parts[0] in ("step", "sync", "resume", "drop"):
                 try:
                     rows.append((parts[0], int(parts[1]), int(parts[2]), float(parts[3])))
                 except ValueError:
@@ -311,10 +340,91 @@ def run_elastic(system: str, run: RunConfig, st: Setting, *, seed: int, workdir:
     return {"system": system, "seed": seed, "learners": M, "steps": st.steps, "tokens": tokens,
             "wall_s": round(span, 2), "span_s": round(span, 2), "launch_s": round(t_start - t_launch, 2),
             "eval_loss_final": None if capped else curve[-1][1], "curve": curve, "wall_curve": wall_curve,
-            "capped": capped, "goodput": round(st.useful_s([kept] * M) / (M * span), 4),
+            "capped": capped, "goodput": None,
             "global_downtime_s": round(_advances_downtime(advances, t_start, t_end, st.gap_s), 2),
             "restarts": lives - 1, "tokens_lost": int((sum(trained) - kept * M) * st.per_batch),
             "bytes_per_token": moved / tokens, "faults": injector.records, "timeline": timeline}
+
+
+def run_torchft(run: RunConfig, st: Setting, *, seed: int, workdir: Path, faults: list[Fault]) -> dict[str, Any]:
+    """torchft's fault-tolerant DDP (``ddloco.compare.torchft_worker``): a Lighthouse here, one
+    process per replica group, a killed one started again at once (its next life recovers from a
+    peer); the schedule injected as for the elastic jobs."""
+    import shutil
+    from torchft.coordination import LighthouseServer
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    M = st.learners
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100, quorum_tick_ms=50,
+                                  heartbeat_timeout_ms=1000)
+    spec = {"run": run.to_dict(), "steps": st.steps, "seed": seed, "floor_ms": st.floor_ms, "factors": st.factors,
+            "noise": st.noise, "snapshot_every": max(1, st.steps // 24), "workdir": str(workdir),
+            "lighthouse": lighthouse.address()}
+    (workdir / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    done = threading.Event()
+    injector = _Injector(faults, workdir, st.stall_s, done, marker=b"torchft_worker")
+    lives = [0] * M
+    logs = [open(workdir / f"replica{r}.log", "ab") for r in range(M)]
+
+    def start(r: int) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-m", "ddloco.compare.torchft_worker", "--spec",
+                                 str(workdir / "spec.json"), "--replica", str(r), "--life", str(lives[r])],
+                                stdout=logs[r], stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    t_launch = time.time()
+    procs = [start(r) for r in range(M)]
+    injector.start()
+    capped = False
+    try:
+        while True:
+            finished = [(workdir / f"finished-{r}.json").exists() for r in range(M)]
+            if all(finished) or (any(finished) and all(p.poll() is not None for p in procs)):
+                break
+            first = injector.t_start
+            if (first is not None and time.time() - first > st.cap_s) or time.time() - t_launch > st.cap_s + 300:
+                capped = True
+                break
+            for r, p in enumerate(procs):
+                if p.poll() is not None and not finished[r]:
+                    if lives[r] > 200:
+                        raise RuntimeError(f"torchft replica {r} failed 200 times; see {workdir}/replica{r}.log")
+                    lives[r] += 1                      # killed (or failed): a new process, recovering from a peer
+                    procs[r] = start(r)
+            time.sleep(0.05)
+    finally:
+        done.set()
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        injector.join(5)
+        lighthouse.shutdown()
+        for fh in logs:
+            fh.close()
+    capped = capped and not all((workdir / f"finished-{r}.json").exists() for r in range(M))
+    prog = _progress(workdir, M)
+    steps_lines = [(r, life, s, t) for r, rows in prog.items() for kind, life, s, t in rows if kind == "step"]
+    if not steps_lines:
+        raise RuntimeError(f"torchft: no step committed; see {workdir}/replica0.log")
+    t_start = (injector.t_start or min(t for *_, t in steps_lines)) - st.floor_ms / 1000.0
+    t_end = t_start + st.cap_s if capped else max(t for *_, t in steps_lines)
+    committed = {f"learner-{r}": sum(1 for kind, *_ in rows if kind == "step") for r, rows in prog.items()}
+    dropped = sum(1 for rows in prog.values() for kind, *_ in rows if kind == "drop")
+    n = _numel(run)
+    moved = sum(committed.values()) * 2 * (M - 1) / M * n * 4
+    tokens = sum(committed.values()) * st.per_batch
+    wall_curve, curve = _snapshot_curve(run, workdir, t_start)
+    return {"system": "torchft", "seed": seed, "learners": M, "steps": st.steps, "tokens": tokens,
+            "wall_s": round(t_end - t_start, 2), "span_s": round(t_end - t_start, 2), "capped": capped,
+            "launch_s": round(t_start - t_launch, 2), "eval_loss_final": None if capped else curve[-1][1],
+            "curve": curve, "wall_curve": wall_curve, "goodput": None,
+            "global_downtime_s": round(_advances_downtime([t for *_, t in steps_lines], t_start, t_end, st.gap_s), 2),
+            "restarts": sum(lives), "tokens_lost": int(dropped * st.per_batch),
+            "bytes_per_token": moved / max(1, tokens), "faults": injector.records,
+            "timeline": {f"learner-{r}": _elastic_lanes(rows, t_start) for r, rows in sorted(prog.items())},
+            "extra": {"committed": committed, "dropped_steps": dropped}}
 
 
 def _numel(run: RunConfig) -> int:
@@ -343,7 +453,11 @@ def _snapshot_curve(run: RunConfig, workdir: Path, t0: float) -> tuple[list[list
     rows = [json.loads(x) for x in (workdir / "snap" / "index.jsonl").read_text().splitlines() if x.strip()]
     init = evaluate(task, model)
     wall, kept = [[0.0, init]], {0: init}
+    seen: set[tuple[int, int]] = set()
     for row in rows:
+        if (row["step"], row["life"]) in seen and "replica" in row:   # torchft: each live replica saved it
+            continue
+        seen.add((row["step"], row["life"]))
         model.load_state_dict(torch.load(workdir / "snap" / row["file"], weights_only=True))
         loss = evaluate(task, model)
         wall.append([round(row["t"] - t0, 2), loss])
@@ -414,7 +528,7 @@ def run_ours(system: str, cfg: ConfigFile, st: Setting, *, seed: int, workdir: P
             "wall_s": round(span, 2), "span_s": round(span, 2), "capped": capped,
             "eval_loss_final": None if capped else float(rep["eval_loss_final"]),
             "curve": curve, "wall_curve": wall_curve,
-            "goodput": round(st.useful_s(merged) / (M * span), 4),
+            "goodput": None,
             "global_downtime_s": round(_advances_downtime([t for t, _ in rep["merge_timeline"]], t_start, t_end,
                                                           st.gap_s), 2),
             "restarts": int(rep.get("learner_restarts", 0)),
@@ -438,15 +552,12 @@ def with_targets(runs: list[dict[str, Any]], target: float) -> None:
 
 
 # ------------------------------------------------------------------------------ the command
-def torchft_status() -> str:
-    """Why torchft is not among the systems run ("" never: this build has no torchft runner)."""
+def torchft_installed() -> bool:
+    import importlib.util
     try:
-        import importlib.util
-        found = importlib.util.find_spec("torchft") is not None
+        return importlib.util.find_spec("torchft") is not None
     except (ImportError, ValueError):
-        found = False
-    return ("torchft is installed, but this build has no torchft runner yet (skipped)" if found else
-            "the optional torchft package is not installed (pip install torchft-nightly); skipped")
+        return False
 
 
 def predicted(system: str, res: dict[str, Any], st: Setting, run: RunConfig, faults: list[Fault]) -> dict[str, float]:
@@ -457,6 +568,8 @@ def predicted(system: str, res: dict[str, Any], st: Setting, run: RunConfig, fau
     from ddloco.sim.replay import predict
     restart_s = float(res.get("launch_s", 0.0))
     rejoin = [float(x[1] - x[0]) for x in res.get("extra", {}).get("rejoins", [])]
+    if system == "torchft":   # a replica's rejoin: what the group's cold start took
+        rejoin = [restart_s]
     return predict(system, [{"kind": f.kind, "target": f.target, "at_s": f.at_s} for f in faults],
                    learners=st.learners, steps=st.steps, step_s=st.floor_ms / 1000.0, factors=st.factors,
                    checkpoint_every=st.checkpoint_every, sync_every=run.algo.sync_every_steps,
@@ -509,6 +622,20 @@ class SideBySide:
         mathematics as DDP)."""
         if self.args.target_loss is not None:
             return float(self.args.target_loss)
+        cached = self.report / "runs" / f"target-s{seed}.json"
+        key = {"run_digest": self.run.digest(), "learners": self.st.learners, "steps": self.st.steps // 2}
+        try:
+            old = json.loads(cached.read_text())
+            if old.get("key") == key:
+                return float(old["target_loss"])
+        except (OSError, ValueError, KeyError):
+            pass
+        loss = self._dp_half_budget(seed)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_text(json.dumps({"key": key, "target_loss": loss}))
+        return loss
+
+    def _dp_half_budget(self, seed: int) -> float:
         from common.task import bind_task
         from ddloco.compare import systems
         from ddloco.compare.runner import apply_sets
@@ -531,6 +658,7 @@ class SideBySide:
                 old = json.loads(path.read_text())
                 if old.get("identity") == self.identity(system, seed):
                     print(f"reused     {system} seed {seed} ({path})", flush=True)
+                    self.derive(old, apply_sets(self.run, {"task": {"seed": seed}}), faults)
                     return old
             except (OSError, ValueError):
                 pass
@@ -539,6 +667,8 @@ class SideBySide:
         t0 = time.time()
         if system in ELASTIC:
             res = run_elastic(system, run, self.st, seed=seed, workdir=workdir, faults=faults)
+        elif system == "torchft":
+            res = run_torchft(run, self.st, seed=seed, workdir=workdir, faults=faults)
         else:
             res = run_ours(system, replace(self.cfg, run=run), self.st, seed=seed, workdir=workdir, faults=faults)
             rep = json.loads(Path(res["extra"]["report"]).read_text())
@@ -547,7 +677,7 @@ class SideBySide:
                 if x["learner"] in firsts:   # a replacement: its start to its first step
                     res["extra"].setdefault("rejoins", []).append([x["started"], x["trains_from"]])
                 firsts.setdefault(x["learner"], x)
-        res["goodput_predicted"] = round(predicted(system, res, self.st, run, faults)["goodput"], 4)
+        self.derive(res, run, faults)
         res["identity"] = self.identity(system, seed)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(res, indent=1))
@@ -560,6 +690,11 @@ class SideBySide:
               flush=True)
         return res
 
+    def derive(self, res: dict[str, Any], run: RunConfig, faults: list[Fault]) -> None:
+        """The figures computed from a run's stored record (again for a reused run)."""
+        res["goodput"] = goodput_of(res, self.st)
+        res["goodput_predicted"] = round(predicted(res["system"], res, self.st, run, faults)["goodput"], 4)
+
     def run_all(self) -> bool:
         for seed in self.seeds:
             faults = self.faults(seed)
@@ -569,8 +704,8 @@ class SideBySide:
             target = self.target(seed)
             runs = []
             for system in self.systems:
-                if system == "torchft":
-                    self.skipped[system] = torchft_status()
+                if system == "torchft" and not torchft_installed():
+                    self.skipped[system] = "the optional torchft package is not installed (pip install torchft-nightly)"
                     continue
                 try:
                     res = self.one(system, seed, faults)

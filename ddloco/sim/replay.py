@@ -2,7 +2,9 @@
 goodput should be when rank i is killed at the schedule's times, from a handful of costs.
 
 Model (ALGORITHM §9's accounting, per system):
-- ``dp_elastic`` / ``diloco_sync_elastic`` (and ``torchft`` read as elastic DP): the group steps at
+- ``torchft``: the live replica groups go on at the slowest one's pace; a killed one is out for
+  ``rejoin_s`` (a new process that recovers from a peer), every kill costs each group its failed step.
+- ``dp_elastic`` / ``diloco_sync_elastic``: the group steps at
   the slowest rank's pace; a kill that finds the group training loses every step since the last
   checkpoint (a multiple of ``checkpoint_every``; of H too for sync DiLoCo) and stops the group
   for ``restart_s``; a kill while it restarts hits nothing.
@@ -12,7 +14,9 @@ Model (ALGORITHM §9's accounting, per system):
 - ``decoupled_lockstep`` (K = M): every round waits for all M, so a kill stops every learner for
   ``rejoin_s`` and the group runs at the slowest learner's pace.
 
-Goodput = Σ_r kept steps_r × step_s_r ÷ (M × span). The costs are inputs (the elastic group's
+Goodput = Σ_r kept steps_r × step_s_r ÷ Σ_r provisioned_r, a rank provisioned from the first step
+to its own end (the elastic jobs' and lock-step ranks all end together; our learners each when
+their budget is done). The costs are inputs (the elastic group's
 cold start, a learner's rejoin), not fitted to the goodput being predicted.
 """
 from __future__ import annotations
@@ -42,12 +46,19 @@ def predict(system: str, faults: Sequence[Any], *, learners: int, steps: int, st
     step_r = [step_s * f for f in factors]
     useful_full = sum(steps * s for s in step_r)
     kills = _kills(faults, M)
-    if system in ("dp_elastic", "diloco_sync_elastic", "torchft"):
+    if system == "torchft":
+        # the live replicas go on; a killed one is out for rejoin_s (a new process recovering from a
+        # peer); each kill costs every replica the step that failed; the run ends at the global step
+        T = max(step_r)
+        n = sum(len(k) for k in kills)
+        span = min(cap_s, (steps + n) * T)
+        down = [sum(min(rejoin_s, max(0.0, span - tk)) for tk in ks if tk < span) for ks in kills]
+        useful = sum(max(0.0, span - down[r] - n * T) / T * step_r[r] for r in range(M))
+        return {"goodput": useful / (M * span), "span_s": span, "lost_steps": float(n * M)}
+    if system in ("dp_elastic", "diloco_sync_elastic"):
         every = checkpoint_every
         if system == "diloco_sync_elastic" and every % sync_every:
             every = max(sync_every, every // sync_every * sync_every)
-        if system == "torchft":
-            every = 1                                   # live recovery from a peer: nothing rolled back
         T = max(step_r)
         events = sorted(t for ks in kills for t in ks)
         t, step, lost = 0.0, 0, 0
@@ -82,13 +93,15 @@ def predict(system: str, faults: Sequence[Any], *, learners: int, steps: int, st
         span = steps * T + hit * rejoin_s
         lost = hit * lost_per_kill
         return {"goodput": (useful_full - lost * sum(step_r) / M) / (M * span), "span_s": span, "lost_steps": lost}
-    ends, lost = [], 0.0
+    ends, useful, lost = [], 0.0, 0.0
     for r in range(M):
-        t = steps * step_r[r]
+        t, mine = steps * step_r[r], 0.0
         for tk in kills[r]:
             if tk < t:
                 t += rejoin_s
-                lost += lost_per_kill
+                mine += lost_per_kill
         ends.append(t)
-    span = max(ends)
-    return {"goodput": (useful_full - lost * sum(step_r) / M) / (M * span), "span_s": span, "lost_steps": lost}
+        useful += (steps - mine) * step_r[r]
+        lost += mine
+    # every learner is provisioned until its own budget is done (none waits for another)
+    return {"goodput": useful / sum(ends), "span_s": max(ends), "lost_steps": lost}

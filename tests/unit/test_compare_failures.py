@@ -55,3 +55,17 @@ def test_replay_charges_the_elastic_group_for_every_kill_and_ours_for_one_learne
     assert ours["span_s"] == pytest.approx(201.0) and ours["goodput"] > dp["goodput"]
     capped = predict("dp_elastic", kills, **kw, cap_s=100.0)
     assert capped["span_s"] == 100.0 and capped["goodput"] == pytest.approx(((100 - 35) / 0.2 + 150) * 0.2 / 100)
+
+
+def test_goodput_counts_useful_steps_over_each_ranks_own_provisioned_time() -> None:
+    from ddloco.compare.failures import Setting, goodput_of
+    st = Setting(learners=2, steps=100, per_batch=10, floor_ms=100.0, factors=[1.0, 1.5], noise=0.0, chaos=None,
+                 checkpoint_every=10, syncers=1, insecure=True, device="cpu", eval_every_s=5.0)
+    # our learners: each done at its own pace, the slow one with 10 of its steps never merged
+    ours = {"system": "decoupled", "timeline": {"learner-0": [[0.0, 10.0]], "learner-1": [[0.0, 15.0]]},
+            "extra": {"merged_steps": {"learner-0": 100.0, "learner-1": 90.0}}}
+    assert goodput_of(ours, st) == pytest.approx((10.0 + 90 * 0.15) / 25.0, abs=1e-4)
+    # DP: both ranks at the slow pace (the fast one waits in the all-reduce)
+    dp = {"system": "dp_elastic", "tokens": 100 * 2 * 10,
+          "timeline": {"learner-0": [[0.1, 15.0]], "learner-1": [[0.15, 15.0]]}}
+    assert goodput_of(dp, st) == pytest.approx((10.0 + 15.0) / 30.0, abs=1e-4)
