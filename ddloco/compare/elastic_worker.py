@@ -15,9 +15,10 @@ When a rank dies the agent stops the others and restarts the whole group; every 
 resumes from the last checkpoint (every ``checkpoint_every`` steps; a sync boundary in
 ``diloco_sync``), so the steps after it are trained again: what a DDP user does today.
 
-The emulated accelerator (``floor_ms`` × the rank's factor × (1 + noise·N(0, 1))) is waited out
-between the forward pass and the backward pass, so the collective waits for the slowest rank as
-on real hardware. Files under ``workdir`` (read by ``ddloco.compare.chaos``):
+The emulated accelerator (``floor_ms`` × the rank's factor × (1 + noise·N(0, 1))): a step, its
+collective included, never takes less, as in ``ddloco learner --step-time-floor-ms``; a fast
+rank's wait in the next all-reduce for a slow one counts towards its own step, so the group
+steps at the slowest rank's pace as on real hardware. Files under ``workdir`` (read by ``ddloco.compare.chaos``):
 - ``pids/rank<r>``: the rank's process id (the failure injector's target);
 - ``progress/rank<r>.log``: ``start LIFE T``, ``resume LIFE STEP T``, ``step LIFE STEP T`` and
   (diloco_sync) ``sync LIFE STEP T`` lines, wall-clock seconds;
@@ -145,13 +146,13 @@ def _train(spec: dict[str, Any], work: Path, rank: int, world: int, life: int, l
         batch = next(data)
         n_tok = count_tokens(task, batch)
         loss = scalar_loss(task, net, batch_to(batch, device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()                             # DDP: the all-reduce, waiting for the slowest rank
+        apply_step(net, opt, sched, algo)
         target = floor_s * factor * max(0.2, 1.0 + noise * float(torch.randn((), generator=gen)))
         wait = target - (time.perf_counter() - t0)
         if wait > 0:
-            time.sleep(wait)                        # the emulated accelerator, before the collective
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        apply_step(net, opt, sched, algo)
+            time.sleep(wait)                        # the emulated accelerator: a step never takes less
         done["tokens"] += n_tok * world
         log.line("step", t)
         if mode == "diloco_sync" and (t % H == 0 or t == steps):

@@ -95,15 +95,15 @@ def main() -> int:
             opt.zero_grad()                                   # starts the step's quorum
             batch = next(data)
             loss = scalar_loss(task, net, batch)
-            target = floor_s * factor * max(0.2, 1.0 + noise * float(torch.randn((), generator=gen)))
-            wait = target - (time.perf_counter() - t0)
-            if wait > 0:
-                time.sleep(wait)
             loss.backward()
             if algo.inner_grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), algo.inner_grad_clip)
             before = manager.current_step()
             opt.step()                                        # applied only if the quorum's all-reduce held
+            target = floor_s * factor * max(0.2, 1.0 + noise * float(torch.randn((), generator=gen)))
+            wait = target - (time.perf_counter() - t0)
+            if wait > 0:
+                time.sleep(wait)                              # the emulated accelerator
             if manager.current_step() > before:
                 sched.step()
                 seen["tokens"] += count_tokens(task, batch) * max(1, manager.num_participants())
