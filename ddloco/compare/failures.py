@@ -560,20 +560,11 @@ def torchft_installed() -> bool:
         return False
 
 
-def predicted(system: str, res: dict[str, Any], st: Setting, run: RunConfig, faults: list[Fault]) -> dict[str, float]:
-    """``ddloco.sim.replay`` on the run's schedule; the costs it needs from outside the failures:
-    the elastic group's cold start (torchrun launch to its first step) and a learner's rejoin
-    (our report's replacement lives: process start to first step, median)."""
-    from statistics import median
-    from ddloco.sim.replay import predict
-    restart_s = float(res.get("launch_s", 0.0))
-    rejoin = [float(x[1] - x[0]) for x in res.get("extra", {}).get("rejoins", [])]
-    if system == "torchft":   # a replica's rejoin: what the group's cold start took
-        rejoin = [restart_s]
-    return predict(system, [{"kind": f.kind, "target": f.target, "at_s": f.at_s} for f in faults],
-                   learners=st.learners, steps=st.steps, step_s=st.floor_ms / 1000.0, factors=st.factors,
-                   checkpoint_every=st.checkpoint_every, sync_every=run.algo.sync_every_steps,
-                   restart_s=restart_s, rejoin_s=median(rejoin) if rejoin else 1.0, cap_s=st.cap_s)
+def meta_of(st: Setting, run: RunConfig) -> dict[str, Any]:
+    """What ``ddloco.sim.replay`` needs of the setting (also in compare.json's meta)."""
+    return {"learners": st.learners, "steps_per_learner": st.steps, "step_time_floor_ms": st.floor_ms,
+            "factors": st.factors, "checkpoint_every": st.checkpoint_every,
+            "sync_every_steps": run.algo.sync_every_steps, "cap_s": st.cap_s}
 
 
 class SideBySide:
@@ -692,8 +683,10 @@ class SideBySide:
 
     def derive(self, res: dict[str, Any], run: RunConfig, faults: list[Fault]) -> None:
         """The figures computed from a run's stored record (again for a reused run)."""
+        from ddloco.sim.replay import predict_run
+        res["schedule"] = [[f.at_s, f.kind, f.target] for f in faults]
         res["goodput"] = goodput_of(res, self.st)
-        res["goodput_predicted"] = round(predicted(res["system"], res, self.st, run, faults)["goodput"], 4)
+        res["goodput_predicted"] = round(predict_run(res, meta_of(self.st, run))["goodput"], 4)
 
     def run_all(self) -> bool:
         for seed in self.seeds:
@@ -741,10 +734,10 @@ class SideBySide:
                 entry[key] = {"mean": m, "ci95": [lo, hi], "values": vals}
             entry["faults_hit"] = [sum(1 for f in r["faults"] if f["hit"]) for r in runs]
             systems[s] = entry
-        meta = {"learners": self.st.learners, "steps_per_learner": self.st.steps,
-                "tokens": self.st.steps * self.st.learners * self.st.per_batch, "step_time_floor_ms": self.st.floor_ms,
-                "factors": self.st.factors, "noise": self.st.noise, "chaos": str(self.chaos) if self.chaos else None,
-                "hetero": str(self.hetero) if self.hetero else None, "checkpoint_every": self.st.checkpoint_every,
+        meta = {**meta_of(self.st, self.run),
+                "tokens": self.st.steps * self.st.learners * self.st.per_batch,
+                "noise": self.st.noise, "chaos": str(self.chaos) if self.chaos else None,
+                "hetero": str(self.hetero) if self.hetero else None,
                 "seeds": self.seeds, "target_loss": {str(r["seed"]): r["target_loss"] for v in self.results.values()
                                                      for r in v},
                 "skipped": self.skipped, "failures": self.failures,

@@ -385,6 +385,39 @@ def _add_bandwidth(sub: Any) -> None:
                    help="only this payload codec (default: fp32, bf16, int4)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.set_defaults(func=cmd_bandwidth)
+    _add_replay(sub)
+
+
+def _add_replay(sub: Any) -> None:
+    r = sub.add_parser("replay", help="goodput predicted on a measured failure schedule vs measured "
+                                      "(a `ddloco compare --chaos/--hetero` report)",
+                       description="Replays every run of a `ddloco compare --chaos/--hetero` report through "
+                                   "the schedule simulator (ddloco/sim/replay.py: the same kill times, step times, "
+                                   "checkpoint interval, the measured cold start and rejoin costs) and prints "
+                                   "predicted vs measured goodput per system.")
+    r.add_argument("report", metavar="DIR", help="the compare report directory (compare.json, runs/)")
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.set_defaults(func=cmd_replay)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from statistics import fmean
+    from ddloco.sim.replay import replay_dir
+    try:
+        rows = replay_dir(args.report)
+    except (OSError, KeyError, ValueError) as e:
+        raise UsageError(f"{args.report} is not a readable `ddloco compare --chaos/--hetero` report: {e!r}") from None
+    if args.json:
+        print(json.dumps({"runs": rows}))
+        return 0
+    print("| system | seeds | measured goodput | predicted | predicted - measured (points) |")
+    print("|---|---|---|---|---|")
+    for system in dict.fromkeys(r["system"] for r in rows):
+        mine = [r for r in rows if r["system"] == system]
+        m, p = fmean(r["measured"] for r in mine), fmean(r["predicted"] for r in mine)
+        per_seed = ", ".join(f"{100 * (r['predicted'] - r['measured']):+.1f}" for r in mine)
+        print(f"| {system} | {len(mine)} | {m:.3f} | {p:.3f} | {100 * (p - m):+.1f} (per seed {per_seed}) |")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -105,3 +105,40 @@ def predict(system: str, faults: Sequence[Any], *, learners: int, steps: int, st
         lost += mine
     # every learner is provisioned until its own budget is done (none waits for another)
     return {"goodput": useful / sum(ends), "span_s": max(ends), "lost_steps": lost}
+
+
+def predict_run(res: dict[str, Any], meta: dict[str, Any]) -> dict[str, float]:
+    """``predict`` for one run of `ddloco compare --chaos/--hetero` (its record ``res``: system,
+    schedule, launch_s, rejoins; ``meta``: the comparison's setting). The costs come from outside
+    the failures: the elastic group's cold start (launch to first step; also a torchft replica's
+    rejoin) and our replacement learners' start to first step (median; 1 s when none)."""
+    from statistics import median
+    system = res["system"]
+    restart_s = float(res.get("launch_s", 0.0))
+    rejoin = [float(b - a) for a, b in res.get("extra", {}).get("rejoins", [])]
+    if system == "torchft":
+        rejoin = [restart_s]
+    schedule = [{"at_s": a, "kind": k, "target": t} for a, k, t in res.get("schedule", [])]
+    return predict(system, schedule, learners=int(meta["learners"]), steps=int(meta["steps_per_learner"]),
+                   step_s=float(meta["step_time_floor_ms"]) / 1000.0, factors=meta["factors"],
+                   checkpoint_every=int(meta["checkpoint_every"]), sync_every=int(meta["sync_every_steps"]),
+                   restart_s=restart_s, rejoin_s=median(rejoin) if rejoin else 1.0,
+                   cap_s=float(meta["cap_s"]))
+
+
+def replay_dir(report: str) -> list[dict[str, Any]]:
+    """Predicted vs measured goodput of every run of a `ddloco compare --chaos/--hetero` report."""
+    import json
+    from pathlib import Path
+    root = Path(report)
+    meta = json.loads((root / "compare.json").read_text())["meta"]
+    rows = []
+    for path in sorted((root / "runs").glob("*-s*.json")):
+        res = json.loads(path.read_text())
+        if "system" not in res or "schedule" not in res:
+            continue
+        p = predict_run(res, meta)
+        rows.append({"system": res["system"], "seed": res["seed"], "measured": res["goodput"],
+                     "predicted": round(p["goodput"], 4), "span_s": res["span_s"],
+                     "predicted_span_s": round(p["span_s"], 1)})
+    return rows
