@@ -596,6 +596,7 @@ class SideBySide:
                           stall_s=chaos.stall_s if chaos else 20.0, gap_s=max(1.0, 5 * floor / 1000.0))
         self.chaos, self.hetero = chaos, hetero
         self.skipped: dict[str, str] = {}
+        self.missing: list[str] = []
         self.failures: list[str] = []
         self.results: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
         self.t_start = time.time()
@@ -644,12 +645,17 @@ class SideBySide:
     def one(self, system: str, seed: int, faults: list[Fault]) -> dict[str, Any] | None:
         from ddloco.compare.runner import apply_sets
         path = self.report / "runs" / f"{system}-s{seed}.json"
-        if self.args.resume and path.exists():
+        if self.args.render_only and not path.exists():
+            self.missing.append(f"{system} seed {seed}")
+            print(f"missing    {system} seed {seed}: not run (--render-only)", flush=True)
+            return None
+        if (self.args.resume or self.args.render_only) and path.exists():
             try:
                 old = json.loads(path.read_text())
                 if old.get("identity") == self.identity(system, seed):
                     print(f"reused     {system} seed {seed} ({path})", flush=True)
                     self.derive(old, apply_sets(self.run, {"task": {"seed": seed}}), faults)
+                    path.write_text(json.dumps(old, indent=1))   # with the figures as derived now
                     return old
             except (OSError, ValueError):
                 pass
@@ -740,8 +746,8 @@ class SideBySide:
                 "hetero": str(self.hetero) if self.hetero else None,
                 "seeds": self.seeds, "target_loss": {str(r["seed"]): r["target_loss"] for v in self.results.values()
                                                      for r in v},
-                "skipped": self.skipped, "failures": self.failures,
-                "command": "ddloco compare " + " ".join(a for a in self.argv if a != "--resume"),
+                "skipped": self.skipped, "failures": self.failures, "not_run": self.missing,
+                "command": "ddloco compare " + " ".join(a for a in self.argv if a not in ("--resume", "--render-only")),
                 "wall_s": round(time.time() - self.t_start, 1)}
         write_atomic(self.report / "compare.json", json.dumps({"meta": meta, "systems": systems}, indent=1))
         md = _markdown(systems, meta)
@@ -779,4 +785,6 @@ def _markdown(systems: dict[str, Any], meta: dict[str, Any]) -> str:
         lines.append(f"| {s} | skipped: {why} | | | | | | | | | |")
     if meta["failures"]:
         lines += ["", "Failed runs: " + "; ".join(meta["failures"])]
+    if meta.get("not_run"):
+        lines += ["", "Not run: " + "; ".join(meta["not_run"])]
     return "\n".join(lines) + "\n"

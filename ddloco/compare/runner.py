@@ -411,8 +411,6 @@ class _Comparison:
 
 def _side_by_side(args: argparse.Namespace, argv: list[str]) -> int:
     from ddloco.compare.failures import SideBySide
-    if args.render_only:
-        raise ConfigError("--render-only is for the quality comparison; with --chaos/--hetero use --resume")
     if args.learners < 1 or args.checkpoint_every < 1 or args.wall_cap < 1:
         raise ConfigError("--learners and --checkpoint-every must be >= 1, --wall-cap >= 1")
     seeds = [int(x) for x in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds))
