@@ -104,8 +104,7 @@ class _UpRun:
                                  wandb_config={"run_id": self.cfg.endpoints.run_id, "learners": up.learners,
                                                "syncers": up.syncers, **self.cfg.run.to_dict()})
         self.external_redis, self.step_time_floor_ms, self.slowdowns = external_redis, step_time_floor_ms, slowdowns
-        self.quiet, self.resume, self.chaos, self.extra = quiet, resume, chaos, extra
-        self.chaos_faults = chaos_faults   # a schedule given whole (ddloco compare --chaos): not drawn from chaos
+        self.quiet, self.resume, self.chaos, self.extra, self.chaos_faults = quiet, resume, chaos, extra, chaos_faults
         self.insecure, self.dashboard = insecure, dashboard   # dashboard: an up_dashboard.UpDashboard or None
         self.redis_srv: Any = None
         self.sup: Supervisor | None = None
@@ -307,9 +306,8 @@ class _UpRun:
         """Once every learner trains: the schedule covers the rest of the run."""
         from ddloco.chaos import ChaosRunner, plan_faults
         chaos, now = self.chaos, time.time()
-        faults = (list(self.chaos_faults) if self.chaos_faults is not None else
-                  plan_faults(chaos, duration_s=max(1.0, self.deadline - now), learners=list(self.plan.learner_ids),
-                              shards=self.up.syncers))
+        faults = list(self.chaos_faults or plan_faults(chaos, duration_s=max(1.0, self.deadline - now),
+                                                       learners=list(self.plan.learner_ids), shards=self.up.syncers))
         self.say(f"chaos      {len(faults)} faults over the next {(self.deadline - now) / 60:.1f} min ({chaos}): "
                  + ", ".join(f"{k} {sum(1 for f in faults if f.kind == k)}" for k in
                              dict.fromkeys(f.kind for f in faults)))
@@ -493,11 +491,9 @@ def run_up(cfg: ConfigFile, *, external_redis: bool, step_time_floor_ms: float |
     """A whole cluster until the learners' step budget or the time cap; ``resume`` is the work
     directory of a stopped run to continue (same run id, shard checkpoints, learner positions);
     ``tensorboard`` a directory for the eval loss's TensorBoard event files; ``wandb`` a wandb
-    project to log the run's figures to (``wandb_name`` its run's name; None: the run id); ``broker_pub`` /
-    ``broker_sub`` the broker's endpoints (empty: free ports on 127.0.0.1); ``chaos_faults`` the
-    chaos schedule itself (``chaos_plan.Fault``s, seconds after every learner trains) instead of
-    one drawn from ``chaos``."""
+    project to log the run's figures to (``wandb_name`` its run's name; None: the run id); ``broker_pub`` / ``broker_sub``
+    the broker's endpoints (empty: free ports); ``chaos_faults`` a whole schedule instead of one drawn from ``chaos``."""
     return _UpRun(cfg, external_redis=external_redis, step_time_floor_ms=step_time_floor_ms, slowdowns=slowdowns,
-                  quiet=quiet, resume=resume, chaos=chaos, extra=extra, insecure=insecure, tensorboard=tensorboard,
-                  broker_pub=broker_pub, broker_sub=broker_sub, wandb=wandb, wandb_name=wandb_name, dashboard=dashboard,
+                  quiet=quiet, resume=resume, chaos=chaos, extra=extra, insecure=insecure, tensorboard=tensorboard, wandb=wandb,
+                  broker_pub=broker_pub, broker_sub=broker_sub, wandb_name=wandb_name, dashboard=dashboard,
                   chaos_faults=chaos_faults).run()

@@ -40,14 +40,26 @@ def _committed_before(path: Path) -> int:
     return sum(1 for line in path.read_text(errors="replace").splitlines() if line.startswith("step "))
 
 
+def _manager(r: int, lighthouse: str, load_state_dict: Any, state_dict: Any) -> Any:
+    """Replica group r's torchft Manager: its own TCPStore, a reconfigurable gloo group, quorum
+    of at least 1 (the others train on while one is down), 10 s collective timeouts."""
+    import torch.distributed as dist
+    from torchft import Manager, ProcessGroupGloo
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    return Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), load_state_dict=load_state_dict,
+                   state_dict=state_dict, min_replica_size=1, replica_id=f"learner-{r}", store_addr="localhost",
+                   store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse, port=0,
+                   timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=60),
+                   connect_timeout=timedelta(seconds=10))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", required=True)
     ap.add_argument("--replica", type=int, required=True)
     ap.add_argument("--life", type=int, default=0)
     args = ap.parse_args()
-    import torch.distributed as dist
-    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+    from torchft import DistributedDataParallel, Optimizer
     spec = json.loads(Path(args.spec).read_text())
     work, r, life = Path(spec["workdir"]), args.replica, args.life
     (work / "pids").mkdir(parents=True, exist_ok=True)
@@ -74,12 +86,7 @@ def main() -> int:
         sched.load_state_dict(sd["sched"])
         seen["tokens"] = int(sd["tokens"])
 
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), load_state_dict=load_state_dict,
-                      state_dict=state_dict, min_replica_size=1, replica_id=f"learner-{r}", store_addr="localhost",
-                      store_port=store.port, rank=0, world_size=1, lighthouse_addr=spec["lighthouse"], port=0,
-                      timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=60),
-                      connect_timeout=timedelta(seconds=10))
+    manager = _manager(r, spec["lighthouse"], load_state_dict, state_dict)
     net = DistributedDataParallel(manager, model)
     opt = Optimizer(manager, inner)
     factor = float(spec["factors"][r % len(spec["factors"])])
