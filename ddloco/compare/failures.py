@@ -226,7 +226,7 @@ class SideBySide:
             systems[s] = entry
         meta = {**meta_of(self.st, self.run),
                 "tokens": self.st.steps * self.st.learners * self.st.per_batch,
-                "noise": self.st.noise, "chaos": str(self.chaos) if self.chaos else None,
+                "chaos": str(self.chaos) if self.chaos else None,
                 "hetero": str(self.hetero) if self.hetero else None,
                 "seeds": self.seeds, "target_loss": {str(r["seed"]): r["target_loss"] for v in self.results.values()
                                                      for r in v},

@@ -164,4 +164,4 @@ def meta_of(st: Setting, run: RunConfig) -> dict[str, Any]:
     """What ``ddloco.sim.replay`` needs of the setting (also in compare.json's meta)."""
     return {"learners": st.learners, "steps_per_learner": st.steps, "step_time_floor_ms": st.floor_ms,
             "factors": st.factors, "checkpoint_every": st.checkpoint_every,
-            "sync_every_steps": run.algo.sync_every_steps, "cap_s": st.cap_s}
+            "sync_every_steps": run.algo.sync_every_steps, "cap_s": st.cap_s, "noise": st.noise}

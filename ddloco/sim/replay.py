@@ -14,6 +14,8 @@ Model (ALGORITHM §9's accounting, per system):
 - ``decoupled_lockstep`` (K = M): every round waits for all M, so a kill stops every learner for
   ``rejoin_s`` and the group runs at the slowest learner's pace.
 
+With ``noise`` a group that waits for every rank steps at the mean of the slowest noisy rank
+(per step for DP and torchft, per H-step block for sync DiLoCo and lock-step).
 Goodput = Σ_r kept steps_r × step_s_r ÷ Σ_r provisioned_r, a rank provisioned from the first step
 to its own end (the elastic jobs' and lock-step ranks all end together; our learners each when
 their budget is done). The costs are inputs (the elastic group's
@@ -36,9 +38,22 @@ def _kills(faults: Sequence[Any], learners: int) -> list[list[float]]:
     return [sorted(x) for x in out]
 
 
+def paced_step(step_r: Sequence[float], noise: float, block: int = 1, samples: int = 4096) -> float:
+    """The mean time a group that waits for all its ranks takes per step when each rank's step is
+    step_r × max(0.2, 1 + noise·N(0, 1)) and the group meets every ``block`` steps (a seeded Monte
+    Carlo estimate; without noise, the slowest rank's step)."""
+    if noise <= 0:
+        return max(step_r)
+    import numpy as np
+    rng = np.random.default_rng(0)
+    draws = np.maximum(0.2, 1.0 + noise * rng.standard_normal((samples, block, len(step_r))))
+    per_block = (draws * np.asarray(step_r)).sum(axis=1)                 # [samples, ranks]
+    return float(per_block.max(axis=1).mean() / block)
+
+
 def predict(system: str, faults: Sequence[Any], *, learners: int, steps: int, step_s: float,
             factors: Sequence[float], checkpoint_every: int, sync_every: int, restart_s: float,
-            rejoin_s: float, cap_s: float = float("inf")) -> dict[str, float]:
+            rejoin_s: float, cap_s: float = float("inf"), noise: float = 0.0) -> dict[str, float]:
     """{goodput, span_s, lost_steps} of ``system`` on the schedule (times after the first step);
     a system still short of ``steps`` at ``cap_s`` is counted up to there (the steps its model
     holds then)."""
@@ -49,7 +64,7 @@ def predict(system: str, faults: Sequence[Any], *, learners: int, steps: int, st
     if system == "torchft":
         # the live replicas go on; a killed one is out for rejoin_s (a new process recovering from a
         # peer); each kill costs every replica the step that failed; the run ends at the global step
-        T = max(step_r)
+        T = paced_step(step_r, noise)
         n = sum(len(k) for k in kills)
         span = min(cap_s, (steps + n) * T)
         down = [sum(min(rejoin_s, max(0.0, span - tk)) for tk in ks if tk < span) for ks in kills]
@@ -59,7 +74,7 @@ def predict(system: str, faults: Sequence[Any], *, learners: int, steps: int, st
         every = checkpoint_every
         if system == "diloco_sync_elastic" and every % sync_every:
             every = max(sync_every, every // sync_every * sync_every)
-        T = max(step_r)
+        T = paced_step(step_r, noise, sync_every if system == "diloco_sync_elastic" else 1)
         events = sorted(t for ks in kills for t in ks)
         t, step, lost = 0.0, 0, 0
         for tk in [*events, float("inf")]:
@@ -86,7 +101,7 @@ def predict(system: str, faults: Sequence[Any], *, learners: int, steps: int, st
         return {"goodput": useful / (M * t), "span_s": t, "lost_steps": float(lost)}
     lost_per_kill = (sync_every - 1) / 2
     if system == "decoupled_lockstep":
-        T = max(step_r)
+        T = paced_step(step_r, noise, sync_every)
         n = sum(len(k) for k in kills if k)
         span = steps * T + n * rejoin_s
         hit = sum(1 for ks in kills for tk in ks if tk < span)
@@ -123,7 +138,7 @@ def predict_run(res: dict[str, Any], meta: dict[str, Any]) -> dict[str, float]:
                    step_s=float(meta["step_time_floor_ms"]) / 1000.0, factors=meta["factors"],
                    checkpoint_every=int(meta["checkpoint_every"]), sync_every=int(meta["sync_every_steps"]),
                    restart_s=restart_s, rejoin_s=median(rejoin) if rejoin else 1.0,
-                   cap_s=float(meta["cap_s"]))
+                   cap_s=float(meta["cap_s"]), noise=float(meta.get("noise", 0.0)))
 
 
 def replay_dir(report: str) -> list[dict[str, Any]]:

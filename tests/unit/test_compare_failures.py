@@ -69,3 +69,12 @@ def test_goodput_counts_useful_steps_over_each_ranks_own_provisioned_time() -> N
     dp = {"system": "dp_elastic", "tokens": 100 * 2 * 10,
           "timeline": {"learner-0": [[0.1, 15.0]], "learner-1": [[0.15, 15.0]]}}
     assert goodput_of(dp, st) == pytest.approx((10.0 + 15.0) / 30.0, abs=1e-4)
+
+
+def test_a_group_that_waits_for_noisy_ranks_is_paced_by_the_slowest_draw() -> None:
+    from ddloco.sim.replay import paced_step
+    assert paced_step([0.2, 0.24], 0.0) == 0.24
+    per_step = paced_step([0.2, 0.2, 0.24, 0.24], 0.1)
+    per_block = paced_step([0.2, 0.2, 0.24, 0.24], 0.1, block=12)
+    assert per_step > per_block > 0.24          # the max of noisy draws; averaged over a block, less so
+    assert per_step == paced_step([0.2, 0.2, 0.24, 0.24], 0.1)   # seeded
