@@ -144,8 +144,17 @@ def _free_port() -> int:
 
 
 def _advances_downtime(times: Sequence[float], start: float, end: float, gap_s: float) -> float:
-    pts = [start, *sorted(t for t in times if start <= t <= end), end]
-    return sum(b - a for a, b in zip(pts, pts[1:]) if b - a > gap_s)
+    """Seconds in gaps between advances of the training longer than ``gap_s`` or twice the run's
+    usual interval between advances (the median gap, bursts within 50 ms counted as one advance),
+    whichever is longer: lock-step merges every fragment in one burst per H steps, and that
+    rhythm is not downtime."""
+    from statistics import median
+    inner = sorted(t for t in times if start <= t <= end)
+    pts = [start, *inner, end]
+    gaps = [b - a for a, b in zip(inner, inner[1:]) if b - a > 0.05]
+    usual = median(gaps) if len(gaps) > 2 else 0.0
+    limit = max(gap_s, 2 * usual)
+    return sum(b - a for a, b in zip(pts, pts[1:]) if b - a > limit)
 
 
 def with_targets(runs: list[dict[str, Any]], target: float) -> None:

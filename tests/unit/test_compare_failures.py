@@ -78,3 +78,13 @@ def test_a_group_that_waits_for_noisy_ranks_is_paced_by_the_slowest_draw() -> No
     per_block = paced_step([0.2, 0.2, 0.24, 0.24], 0.1, block=12)
     assert per_step > per_block > 0.24          # the max of noisy draws; averaged over a block, less so
     assert per_step == paced_step([0.2, 0.2, 0.24, 0.24], 0.1)   # seeded
+
+
+def test_downtime_counts_gaps_beyond_the_runs_own_rhythm() -> None:
+    from ddloco.compare.side_setting import _advances_downtime
+    steady = [0.2 * k for k in range(1, 100)]                       # DP: a step every 0.2 s, one 5 s hole
+    holed = [t for t in steady if not 8.0 < t < 13.0]
+    assert _advances_downtime(steady, 0.0, 20.0, 1.0) == 0.0
+    assert 5.0 <= _advances_downtime(holed, 0.0, 20.0, 1.0) <= 5.4
+    bursts = [2.4 * k + 0.001 * i for k in range(1, 9) for i in range(24)]   # lock-step: 24 merges per 2.4 s
+    assert _advances_downtime(bursts, 0.0, 20.0, 1.0) == 0.0
