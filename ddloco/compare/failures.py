@@ -175,13 +175,6 @@ class SideBySide:
         """The figures computed from a run's stored record (again for a reused run)."""
         from ddloco.sim.replay import predict_run
         res["schedule"] = [[f.at_s, f.kind, f.target] for f in faults]
-        report = Path(res.get("extra", {}).get("report", ""))
-        if res["system"] not in (*ELASTIC, "torchft") and report.is_file():   # downtime from the merges again
-            from ddloco.compare.side_setting import _advances_downtime
-            rep = json.loads(report.read_text())
-            start = min(x["trains_from"] for x in rep["lives"])
-            res["global_downtime_s"] = round(_advances_downtime([t for t, _ in rep["merge_timeline"]], start,
-                                                                start + res["span_s"], self.st.gap_s), 2)
         res["goodput"] = goodput_of(res, self.st)
         res["goodput_predicted"] = round(predict_run(res, meta_of(self.st, run))["goodput"], 4)
 

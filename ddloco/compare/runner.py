@@ -33,7 +33,8 @@ from common.exits import FAILURE as EXIT_FAILURE
 from common.exits import OK as EXIT_OK
 from common.exits import USAGE as EXIT_USAGE
 from common.files import write_atomic
-from ddloco.compare.settings import apply_sets, cluster_bytes_per_token, parse_set, tokens_per_batch  # noqa: F401
+from ddloco.compare.settings import (apply_sets, cluster_bytes_per_token, parse_set, system_run,  # noqa: F401
+                                     tokens_per_batch)
 from ddloco.compare.summary import (_interp, _paired_ratio, _t95, mean_ci, summarise, write_markdown,  # noqa: F401
                                    write_plot)
 
@@ -43,15 +44,6 @@ CLUSTER = ("decoupled", "decoupled_lockstep", "decoupled_fp32")
 ALL_SYSTEMS = ("dp",) + IN_PROCESS + CLUSTER
 EXIT_INTERRUPTED = 130
 """Ctrl-C: the finished runs are kept in DIR/runs (``--resume`` goes on from them)."""
-
-def system_run(system: str, run: RunConfig, learners: int) -> RunConfig:
-    """The run config a system trains with (the lock-step and fp32 variants change one knob)."""
-    if system == "decoupled_fp32":
-        return replace(run, algo=replace(run.algo, uplink_codec="fp32"))
-    if system == "decoupled_lockstep":
-        return replace(run, algo=replace(run.algo, lockstep=True, quorum=learners))
-    return run
-
 
 # ------------------------------------------------------------------------------------ runners
 def in_process_device(system: str, device: str) -> Any:

@@ -4,6 +4,7 @@ batch, and the bytes our cluster's learners moved per token (from an `up` report
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any, Sequence
 
 from common.config import ConfigError, RunConfig, run_config_from_dict
@@ -48,3 +49,12 @@ def cluster_bytes_per_token(rep: dict[str, Any]) -> float:
     moved = sum(float(h.get("bytes_up", 0) or 0) + float(h.get("bytes_down", 0) or 0)
                 for h in rep["learner_stats"].values())
     return moved / max(1, int(rep["tokens_total"]))
+
+
+def system_run(system: str, run: RunConfig, learners: int) -> RunConfig:
+    """The run config a system trains with (the lock-step and fp32 variants change one knob)."""
+    if system == "decoupled_fp32":
+        return replace(run, algo=replace(run.algo, uplink_codec="fp32"))
+    if system == "decoupled_lockstep":
+        return replace(run, algo=replace(run.algo, lockstep=True, quorum=learners))
+    return run

@@ -310,11 +310,12 @@ def _snapshot_curve(run: RunConfig, workdir: Path, t0: float) -> tuple[list[list
 
 
 def ours_run(system: str, run: RunConfig, learners: int) -> RunConfig:
-    if system == "decoupled_lockstep":
-        return replace(run, algo=replace(run.algo, lockstep=True, quorum=learners))
+    """The run config of one of our variants (lock-step as `ddloco compare` makes it; K = 1 without
+    the grace window)."""
+    from ddloco.compare.settings import system_run
     if system == "decoupled_k1":
         return replace(run, algo=replace(run.algo, quorum=1, grace_enabled=False))
-    return run
+    return system_run(system, run, learners)
 
 
 def run_ours(system: str, cfg: ConfigFile, st: Setting, *, seed: int, workdir: Path,

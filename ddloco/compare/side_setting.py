@@ -106,9 +106,6 @@ class Setting:
     def cap_s(self) -> float:
         return self.wall_cap * self.nominal_s
 
-    def useful_s(self, steps_by_rank: Sequence[float]) -> float:
-        return sum(s * self.floor_ms / 1000.0 * f for s, f in zip(steps_by_rank, self.factors))
-
 
 def goodput_of(res: dict[str, Any], st: Setting) -> float:
     """Σ_r useful steps_r × the rank's emulated step time ÷ Σ_r provisioned time_r, a rank (a
