@@ -62,7 +62,7 @@ def cmd_broker(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from common.config import override
     from common.lifecycle import install_stop_handlers
     from common.security import SecurityError
-    command.setup_logging(args)
+    command.setup_logging(args, env)
     cfg = command.resolve(args, env)
     command.security_check(cfg.endpoints, args, env, "broker", "broker")
     if cfg.endpoints.keys_dir and not args.shards and not args.run_id:

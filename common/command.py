@@ -194,9 +194,14 @@ def security_check(endpoints: Endpoints, args: argparse.Namespace, env: Env, who
                             "encrypted; anyone who reaches the endpoints can join, read and publish")
 
 
-def setup_logging(args: argparse.Namespace) -> None:
-    from common.log import configure_logging
+def setup_logging(args: argparse.Namespace, env: Env | None = None) -> None:
+    """structlog as ``--log-format`` and ``--log-level`` say; a daemon (``env`` given) first imports
+    redis and structlog without the optional packages it never uses (``common.lean``)."""
     fmt = {"auto": None, "json": True, "console": False}[args.log_format]
+    if env is not None:
+        from common.lean import lean_start
+        lean_start(env, json_logs=fmt if fmt is not None else not sys.stderr.isatty())
+    from common.log import configure_logging
     configure_logging(json_output=fmt, level=args.log_level)
 
 

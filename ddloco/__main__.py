@@ -1,7 +1,7 @@
 """`python -m ddloco`: same as `ddloco`."""
 import sys
 
-from ddloco.cli import main
+from ddloco.entry import main
 
 if __name__ == "__main__":
     sys.exit(main())

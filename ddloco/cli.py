@@ -23,7 +23,6 @@ Exit codes (common.exits): 0 success, 1 runtime failure, 2 bad usage or config, 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from pathlib import Path
@@ -35,6 +34,7 @@ from common.config import ConfigError, LearnerOptions, UpOptions, override
 from common.command import check_redis_answers  # noqa: F401  (imported from here by tools before)
 from common.exits import FAILURE, REFUSED, USAGE
 from common.flags import ALGO_FLAGS, ENDPOINT_FLAGS, Flag, add_algo, add_common, add_flags, flag_table
+from ddloco.entry import DELEGATED, delegate
 from ddloco.flags import resolve
 from learner import cli as learner_cli
 from syncer import cli as syncer_cli
@@ -60,11 +60,8 @@ _FLAG_OF_FIELD = flag_table((*ENDPOINT_FLAGS, *ALGO_FLAGS, *UP_FLAGS, *UP_LEARNE
                              *learner_cli.FLAGS))
 """A config field, as its range check names it, -> (argparse dest, flag) of the flag that sets it."""
 
-_DELEGATED = {"learner": "learner.cli:main", "syncer": "syncer.cli:main", "broker": "broker.cli:main",
-              "sim": "ddloco.sim.cli:main", "bench": "ddloco.bench.micro:main", "compare": "ddloco.compare.runner:cli_main",
-              "export": "ddloco.export:main", "fuzz": "ddloco.fuzz:main", "chaos": "ddloco.chaos:main",
-              "data": "ddloco.data.cli:main", "slurm": "ddloco.slurm.cli:main"}
-"""Commands with their own parser: `ddloco COMMAND ARGS` is COMMAND's main(ARGS), imported on use."""
+_DELEGATED = DELEGATED
+"""Commands with their own parser (``ddloco.entry``, which the executable starts in)."""
 
 
 def _run_id_given(args: argparse.Namespace) -> bool:
@@ -395,9 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in _DELEGATED:
-        module, name = _DELEGATED[argv[0]].split(":")
-        return getattr(importlib.import_module(module), name)(argv[1:])
+    code = delegate(argv)
+    if code is not None:
+        return code
     args = build_parser().parse_args(argv)
     args.argv = argv
     return command.run_command(f"ddloco {args.command}", args, os.environ, args.func)

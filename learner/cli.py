@@ -102,7 +102,7 @@ def _learner(args: argparse.Namespace, env: Mapping[str, str], ranks: tuple[int,
     cfg = command.resolve(args, env, FLAGS)
     opts = command.override_by_flags(args, cfg.learner, FLAGS, advertise_host=command.advertise_host(args, env),
                                      **command.metrics_options(args, env))
-    command.setup_logging(args)
+    command.setup_logging(args, env)
     if ranks is None or ranks[0] == 0:   # other ranks of a torchrun learner never reach Redis or the broker
         # a standby's identity (and so its key) is known only when it is told whom to replace
         command.security_check(cfg.endpoints, args, env, "learner", "" if args.standby else opts.learner_id)

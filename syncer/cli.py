@@ -64,7 +64,7 @@ def cmd_syncer(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     cfg = command.resolve(args, env, FLAGS)
     opts = command.override_by_flags(args, cfg.syncer, FLAGS, advertise_host=command.advertise_host(args, env),
                                      **command.metrics_options(args, env))
-    command.setup_logging(args)
+    command.setup_logging(args, env)
     command.security_check(cfg.endpoints, args, env, "syncer", f"shard{opts.shard}")
     command.check_redis_answers(cfg.endpoints.redis_url, command.redis_url_source(args, env))
     stop, checkpoint_now = threading.Event(), threading.Event()
