@@ -93,6 +93,11 @@ class LearnerOptions:
     """A torchrun learner (``--nproc N``): "ddp" (every rank holds the whole model), "fsdp"
     (parameters, gradients and AdamW moments sharded over the ranks) or "auto" (fsdp on a GPU
     whose memory 16 B per parameter would fill past 70 %, else ddp). Rank 0's choice holds."""
+    position_writes: str = "auto"
+    """When the learner records its data position: "step" (before each inner step takes its
+    batches: a SIGKILLed learner's successor repeats none), "heartbeat" (with the heartbeat: it
+    repeats those since the last one) or "auto" (every step while a write costs at most 2 % of a
+    step, else with the heartbeat). A torchrun learner (``--nproc``) uses the heartbeat."""
     batch_log: str = ""
     """Append a line ``STREAM INDEX`` to this file for every training batch an inner step is taken
     on (each rank of a group its own stream): which batches of its data stream each process
@@ -101,6 +106,8 @@ class LearnerOptions:
 
     def __post_init__(self) -> None:
         _check(self.peer_timeout_s > 0, "learner.peer_timeout_s must be > 0")
+        _check(self.position_writes in ("auto", "step", "heartbeat"),
+               f"learner.position_writes must be auto, step or heartbeat, got {self.position_writes!r}")
         _check(self.group_sharding in ("auto", "ddp", "fsdp"),
                f"learner.group_sharding must be auto, ddp or fsdp, got {self.group_sharding!r}")
         check_value("learner.peer_bind", self.peer_bind, endpoint_problem)

@@ -3,7 +3,9 @@ stream a learner id has trained on, over all its lives, so that a restarted lear
 spare or a fresh process under the same id) goes on at the next batch.
 
 A learner writes its position in its own hash (``learner:<id>``, field ``data_position``) with
-every heartbeat and when it leaves. Redis may restart empty while a learner is down, and a learner
+every heartbeat and when it leaves, and, before each inner step, the position after that step's
+batches (field ``position_ahead``, ``learner/position_ahead.py``): a SIGKILLed life's successor
+starts after every batch it took. Redis may restart empty while a learner is down, and a learner
 that is down cannot write its position back, so the shards keep a copy: at each control refresh
 they read the positions of the learner processes they read the token counts of (live ones, and
 those that just left: their ``life`` hashes, which hold the final position of a stopped learner),
@@ -63,10 +65,10 @@ def record(r_or_pipe: Any, keys: Keys, positions: Mapping[str, int]) -> Any:
 
 
 def resume_at(r: Any, keys: Keys, learner_id: str) -> int:
-    """Where learner ``learner_id`` goes on: the larger of its own hash's position and the shards'
-    record of it (0: a new id)."""
+    """Where learner ``learner_id`` goes on: the largest of its own hash's positions (as trained,
+    and written ahead of a step) and the shards' record of it (0: a new id)."""
     pipe = r.pipeline(transaction=False)
-    pipe.hget(keys.learner(learner_id), "data_position")
+    pipe.hmget(keys.learner(learner_id), "data_position", "position_ahead")
     pipe.hget(keys.positions, learner_id)
-    own, recorded = (parse(learner_id, raw) for raw in pipe.execute())
-    return max(own or 0, recorded or 0)
+    (own, ahead), recorded = pipe.execute()
+    return max(parse(learner_id, own) or 0, parse(learner_id, ahead) or 0, parse(learner_id, recorded) or 0)

@@ -41,6 +41,7 @@ OWN_FLAGS = (
          note="on several machines e.g. tcp://0.0.0.0:7100"),
     Flag("--advertise-host", LearnerOptions, "advertise_host", note="env DDLOCO_ADVERTISE_HOST"),
     Flag("--batch-log", LearnerOptions, "batch_log", metavar="PATH"),
+    Flag("--position-writes", LearnerOptions, "position_writes", choices=("auto", "step", "heartbeat")),
 )
 FLAGS = (*OWN_FLAGS, *metrics_flags(LearnerOptions))
 """The learner's flags that set a field of its options (``common.options.LearnerOptions``)."""

@@ -89,7 +89,7 @@ class ControlPlane:
         # the same processes' data positions (a learner that just left: its final one)
         self.data_positions = positions.raised(self.data_positions, [
             *((lid, pos) for (lid, _), (_, pos) in lives.items()),
-            *((lid, h.get("data_position")) for lid, h in self.live.items())])
+            *((lid, h.get(field)) for lid, h in self.live.items() for field in ("data_position", "position_ahead"))])
         live = run_count.claims_of(self.live)
         claims.update(live)
         self._live_fields = set(live)
