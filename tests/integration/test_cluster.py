@@ -761,12 +761,17 @@ def test_a_lying_learner_does_not_move_the_global_model(make_cluster):
     refused = cluster.broker.stats.refused
     assert refused.get("wrong_role", 0) >= 5 and refused.get("sender_mismatch", 0) >= 5, refused
     loss1 = global_loss()
-    print(f"global held-out loss {loss0:.4f} -> {loss1:.4f}; refused {refused}; rejected {rej}")
+    print(f"global held-out loss {loss0:.4f} -> {loss1:.4f}; refused {refused}; rejected {rej}; norms "
+          f"{ {p: round(float(f.theta.norm()) / norms0[p], 2) for p, f in shard.frags.items()} } x before")
     assert loss1 < loss0        # the global model kept getting better through the attack
     assert int(honest.base_version.max()) < 10**6   # the forged broadcasts never reached it
+    # a lie that got through would leave Θ at ~1e30 (a huge delta), inf, or ~1e3 a value (the
+    # forged broadcast): 10 × the norm before the attack is far below all three. What the robust
+    # merge does let through, a huge delta clipped to 4 × the median honest step, moves a small
+    # fragment (4 biases) by up to 2 × its norm in a few rounds (it failed a 2 × bound ~10 % of runs)
     for p, f in shard.frags.items():
         assert bool(torch.isfinite(f.theta).all())
-        assert float(f.theta.norm()) < 2.0 * norms0[p], (p, float(f.theta.norm()), norms0[p])
+        assert float(f.theta.norm()) < 10.0 * norms0[p], (p, float(f.theta.norm()), norms0[p])
     r = control.connect(cluster.endpoints.redis_url)
     wait_until(lambda: int(control.shard_table(r, Keys(cluster.endpoints.run_id))[0].get("rejected_clipped", 0)) > 0,
                10, what="the counts in Redis")
