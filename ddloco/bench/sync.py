@@ -219,7 +219,7 @@ def _cpu_figures(with_sync: dict[str, Any], without: dict[str, Any], shards: dic
         "cores": os.cpu_count(), **checkpoint}}
 
 
-def main(argv: Sequence[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ddloco bench sync", description=__doc__.split("\n\n")[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=1e7, help="model parameters (default 1e7)")
@@ -242,7 +242,11 @@ def main(argv: Sequence[str]) -> int:
                     "model, seconds (default 0: none, only the initial and final ones; it is not the sync path)")
     ap.add_argument("--report", help="keep both runs' reports and bench.json here (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
-    args = ap.parse_args(list(argv))
+    return ap
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
     if args.params < 1 or args.learners < 1 or args.minutes <= 0:
         print("ddloco bench sync: --params, --learners and --minutes must be positive", file=sys.stderr)
         return exits.USAGE

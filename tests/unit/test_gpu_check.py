@@ -5,7 +5,8 @@ import types
 
 import pytest
 
-from ddloco.bench.gpu_check import verdicts
+from ddloco.bench import sync as bench_sync
+from ddloco.bench.gpu_check import DRY, FULL, verdicts
 
 
 def test_verdicts_hold_each_target_of_the_issue_against_its_figure() -> None:
@@ -24,6 +25,18 @@ def test_verdicts_hold_each_target_of_the_issue_against_its_figure() -> None:
     # a stage that failed measured nothing: no verdict, rather than a pass
     assert verdicts({"bench_gpu": {"rc": "timeout"}}) == {}
     assert verdicts({"bench_gpu": {"figures": {"ratio": 0.99}}})["gpu_1b"]["no_stream_wait"] is None
+
+
+@pytest.mark.parametrize("sizes", [FULL, DRY], ids=["full", "dry"])
+def test_every_bench_stage_command_parses_with_the_bench_s_own_parser(sizes) -> None:
+    """A typo in a stage's flags would cost a GPU call: each bench stage's command (the GPU
+    machine's and the dry run's) is parsed as `ddloco bench sync` parses it (the suite's dry run
+    itself runs one bench stage: tests/integration/test_gpu_check_dry.py)."""
+    for stage in ("bench_gpu", "bench_cpu"):
+        timeout, tail = sizes[stage]
+        assert timeout > 0 and tail[:4] == ["-m", "ddloco", "bench", "sync"], (stage, tail)
+        args = bench_sync.build_parser().parse_args([*tail[4:], "--report", "/tmp/x"])   # SystemExit on a typo
+        assert args.json and args.minutes > 0 and args.learners >= 1, (stage, args)
 
 
 class _Event:
