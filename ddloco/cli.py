@@ -34,7 +34,7 @@ from common.config import ConfigError, LearnerOptions, UpOptions, override
 from common.command import check_redis_answers  # noqa: F401  (imported from here by tools before)
 from common.exits import FAILURE, REFUSED, USAGE
 from common.flags import ALGO_FLAGS, ENDPOINT_FLAGS, Flag, add_algo, add_common, add_flags, flag_table
-from ddloco.entry import DELEGATED, delegate
+from ddloco.commands import DELEGATED, delegate
 from ddloco.flags import resolve
 from learner import cli as learner_cli
 from syncer import cli as syncer_cli
@@ -61,7 +61,7 @@ _FLAG_OF_FIELD = flag_table((*ENDPOINT_FLAGS, *ALGO_FLAGS, *UP_FLAGS, *UP_LEARNE
 """A config field, as its range check names it, -> (argparse dest, flag) of the flag that sets it."""
 
 _DELEGATED = DELEGATED
-"""Commands with their own parser (``ddloco.entry``, which the executable starts in)."""
+"""Commands with their own parser (``ddloco.commands``)."""
 
 
 def _run_id_given(args: argparse.Namespace) -> bool:

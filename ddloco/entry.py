@@ -8,23 +8,10 @@ learner's time goes").
 """
 from __future__ import annotations
 
-import importlib
 import sys
 from typing import Sequence
 
-DELEGATED = {"learner": "learner.cli:main", "syncer": "syncer.cli:main", "broker": "broker.cli:main",
-             "sim": "ddloco.sim.cli:main", "bench": "ddloco.bench.micro:main", "compare": "ddloco.compare.runner:cli_main",
-             "export": "ddloco.export:main", "fuzz": "ddloco.fuzz:main", "chaos": "ddloco.chaos:main",
-             "data": "ddloco.data.cli:main", "slurm": "ddloco.slurm.cli:main"}
-"""Commands with their own parser: `ddloco COMMAND ARGS` is COMMAND's main(ARGS), imported on use."""
-
-
-def delegate(argv: Sequence[str]) -> int | None:
-    """``argv``'s command run by its own module's main, or None when ``ddloco.cli`` parses it."""
-    if not argv or argv[0] not in DELEGATED:
-        return None
-    module, name = DELEGATED[argv[0]].split(":")
-    return getattr(importlib.import_module(module), name)(list(argv[1:]))
+from ddloco.commands import delegate
 
 
 def main(argv: Sequence[str] | None = None) -> int:
