@@ -122,7 +122,7 @@ def compare(attack: str, seed: int, clean: dict[str, Any], attacked: dict[str, A
 def main(argv: Sequence[str] | None = None) -> int:
     from ddloco.insider import parse_attacks
     # the runs work in OUT/work: the task (examples.cnn by default) is imported from this checkout
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])   # the checkout (for examples.cnn)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     ap = argparse.ArgumentParser(prog="python -m ddloco.bench.insider", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

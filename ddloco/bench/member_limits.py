@@ -33,7 +33,8 @@ import zmq
 
 from common.lifecycle import stop_processes
 
-HERE = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parents[2]
+"""The checkout this file is in (ddloco/bench/member_limits.py: two levels up)."""
 RUN = "bench"
 
 
