@@ -23,8 +23,8 @@ LEASE_TTL_MAX_S = 600.0
 """No shard writes a lease longer than this (``syncer.lease_ttl_s`` is seconds): a lease with a
 longer TTL, or none, was not written by a shard."""
 LEARNER_NUMBERS = ("merged_contributions", "last_merged_at", "steps", "tokens", "step_ema_s", "loss_ema", "lr",
-                   "answers", "merges_applied", "updated_at", "started_at", "stopped_at", "data_position", "position_ahead", "train_s",
-                   "blocked_s", "boot_s", "flush_s",
+                   "answers", "merges_applied", "updated_at", "started_at", "stopped_at", "data_position",
+                   "position_ahead", "train_s", "blocked_s", "boot_s", "flush_s",
                    "bytes_up", "bytes_down", "last_contrib_at", "schedule_tokens", "cpu_s", "cpu_s_at_joined",
                    "peak_rss_mb", "version_gaps", "versions_regressed", "fetches", "malformed", "flushed",
                    "unflushed", "bytes_fetched", "chunks_fetched", "bootstraps_served", "schedule_regressions",
@@ -33,8 +33,8 @@ LEARNER_NUMBERS = ("merged_contributions", "last_merged_at", "steps", "tokens", 
 """Fields of a learner's hash that hold a number (``Learner._counters``, the shards' counts): a
 value that is not a finite number of magnitude below ``MAX_VERSION`` (a loss may be negative) is
 dropped from the entry (readers see it missing)."""
-LEARNER_INTS = ("steps", "tokens", "answers", "merges_applied", "merged_contributions", "data_position", "position_ahead", "pid",
-                "schedule_tokens", "bad_entries")
+LEARNER_INTS = ("steps", "tokens", "answers", "merges_applied", "merged_contributions", "data_position",
+                "position_ahead", "pid", "schedule_tokens", "bad_entries")
 """Of those, the ones that hold a count: an integral value is kept as its canonical digits
 (readers may ``int()`` it), any other is dropped."""
 SHARD_TEXTS = ("rpc", "plan", "checkpoint", "status")

@@ -34,7 +34,7 @@ from common.config import ConfigError, LearnerOptions, UpOptions, override
 from common.command import check_redis_answers  # noqa: F401  (imported from here by tools before)
 from common.exits import FAILURE, REFUSED, USAGE
 from common.flags import ALGO_FLAGS, ENDPOINT_FLAGS, Flag, add_algo, add_common, add_flags, flag_table
-from ddloco.commands import DELEGATED, delegate
+from ddloco.commands import delegate
 from ddloco.flags import resolve
 from learner import cli as learner_cli
 from syncer import cli as syncer_cli
@@ -59,10 +59,6 @@ UP_LEARNER_FLAGS = (Flag("--device", LearnerOptions, "device", note="of every le
 _FLAG_OF_FIELD = flag_table((*ENDPOINT_FLAGS, *ALGO_FLAGS, *UP_FLAGS, *UP_LEARNER_FLAGS, *syncer_cli.FLAGS,
                              *learner_cli.FLAGS))
 """A config field, as its range check names it, -> (argparse dest, flag) of the flag that sets it."""
-
-_DELEGATED = DELEGATED
-"""Commands with their own parser (``ddloco.commands``)."""
-
 
 def _run_id_given(args: argparse.Namespace) -> bool:
     """``--run-id``, or a config file whose [endpoints] table names the run."""
@@ -367,7 +363,7 @@ _HELP_ONLY = {
     "slurm": "a run on a Slurm cluster: submit services, learner and scavenger arrays; add; report; stop "
              "(ddloco slurm --help)",
 }
-"""Commands whose flags their own parser lists (``_DELEGATED``)."""
+"""Commands whose flags their own parser lists (``ddloco.commands.DELEGATED``)."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,8 +7,8 @@ import importlib
 from typing import Sequence
 
 DELEGATED = {"learner": "learner.cli:main", "syncer": "syncer.cli:main", "broker": "broker.cli:main",
-             "sim": "ddloco.sim.cli:main", "bench": "ddloco.bench.micro:main", "compare": "ddloco.compare.runner:cli_main",
-             "export": "ddloco.export:main", "fuzz": "ddloco.fuzz:main", "chaos": "ddloco.chaos:main",
+             "sim": "ddloco.sim.cli:main", "bench": "ddloco.bench.micro:main",
+             "compare": "ddloco.compare.runner:cli_main", "export": "ddloco.export:main", "fuzz": "ddloco.fuzz:main", "chaos": "ddloco.chaos:main",
              "data": "ddloco.data.cli:main", "slurm": "ddloco.slurm.cli:main"}
 """Commands with their own parser: `ddloco COMMAND ARGS` is COMMAND's main(ARGS), imported on use."""
 

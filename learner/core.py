@@ -70,7 +70,6 @@ class _Loop:
     batch_log: BatchLog
     ready: list[Any] | None = None          # the next step's batches (kept over a skip)
     ready_s: float = 0.0                    # what reading them took (part of the step)
-    position: PositionAhead | None = None   # the data position written before each step
 
 
 class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
@@ -98,6 +97,7 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
         self.data_position = 0
         """Batches consumed before this life (read from Redis at join); reported as data_position."""
         self._position: PositionAhead | None = None
+        """Writes the data position before each step (training thread; closed when it leaves)."""
         self._status = "joining"
         self._view = LearnerView.of(self._status, ownership.unwrapped(self._stats), 0)
         self._bases: Bases | None = None
@@ -298,12 +298,11 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
         self.status = "training"
         self.model.train()
         # a torchrun learner's ranks read a stream each: the heartbeat records rank 0's position
-        position = PositionAhead(self.options.position_writes, self.endpoints.redis_url, self.keys.learner(self.id),
-                                 self.log) if group is None else None
-        self._position = position
+        self._position = PositionAhead(self.options.position_writes, self.endpoints.redis_url,
+                                       self.keys.learner(self.id), self.log) if group is None else None
         return _Loop(opt, sched, batches, train_model, leader,
                      min_steps=self.algo.sync_every_steps if self.algo.lockstep else 1,
-                     batch_log=BatchLog(self.options.batch_log, self.stream), position=position)
+                     batch_log=BatchLog(self.options.batch_log, self.stream))
 
     def _boundary(self, loop: _Loop) -> tuple[bool, bool, bool, int]:
         """Between two steps: (stop, done, skip, tokens of the next step)."""
@@ -343,8 +342,8 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
         accum = self.algo.inner_grad_accum
         autocast = self._autocast()
         loss_sum = torch.zeros((), device=self.device)
-        if loop.position is not None:   # these batches are taken: no later life of this id trains them
-            loop.position.write(self.data_position + self._stats.batches + len(loop.ready), self._stats.step_ema_s)
+        if self._position is not None:   # these batches are taken: no later life of this id trains them
+            self._position.write(self.data_position + self._stats.batches + len(loop.ready), self._stats.step_ema_s)
         for i, batch in enumerate(loop.ready):
             loop.batch_log.trained(self.data_position + self._stats.batches)
             self._stats.batches += 1
