@@ -204,6 +204,13 @@ class Shard(SetUp, ControlPlane, Intake, Merging, Recovering, Checkpointing, Ser
             if self._lease_lost:
                 return
             self._drain_merges()      # merges already computing are applied and broadcast, then saved
+            # a last read of the learners: the final counts of those that left since the periodic
+            # one (``up`` stops the shards right after its learners exit) go into the run's shares
+            # and the checkpoint, so a resumed run's LR schedule does not start behind
+            try:
+                self._refresh_control(force=True)
+            except control.LeaseHeld:
+                return        # another process owns these fragments now: write nothing
             self.checkpoint(wait=True)
             control.add_event(self.redis, self.keys, "shard_stop", shard=self.options.shard,
                               versions={p: f.version for p, f in self.frags.items()})

@@ -480,6 +480,25 @@ def test_the_runs_token_count_survives_redis_restarting_empty(make_cluster, redi
     assert not cluster.errors, cluster.errors
 
 
+def test_a_shard_stopped_right_after_the_last_learner_left_keeps_its_final_token_count(make_cluster):
+    """``up`` stops the shards as soon as the learners have exited: a learner's last count (written
+    as it leaves, after the shard's last periodic read) must still reach the run's shares in Redis
+    and the shard's checkpoint, or a resumed run's LR schedule starts behind."""
+    cluster = make_cluster(ASYNC)
+    shard = cluster.start_shard(0, 1)
+    learner = cluster.learner("l0", 0, max_steps=40)
+    cluster.start_learner(learner).join(timeout=60)
+    cluster.stop_shard(0)
+    wait_until(lambda: shard._ctx is None, 20, what="the shard closed")
+    total = learner.stats.tokens
+    assert total == 40 * 16
+    r = control.connect(cluster.endpoints.redis_url)
+    keys = Keys(cluster.endpoints.run_id)
+    assert {k: int(v) for k, v in r.hgetall(keys.token_shares).items()} == {f"l0:{learner.incarnation}": total}
+    assert int(r.get(keys.tokens)) == total
+    assert not cluster.errors, cluster.errors
+
+
 def test_lockstep_from_the_run_config_waits_for_every_live_learner(make_cluster):
     """lockstep = true in the run config (TOML, compose, Python API; not only `ddloco up`) means
     K = M: every round waits for every live learner, even with quorum = 1."""
