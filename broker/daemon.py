@@ -17,7 +17,8 @@ is unknown, ``shards_unknown``); every frame is at most ``max_message_bytes`` (l
 connection of a publisher that sends a larger one) and a subscription at most 1 KiB; each
 member's messages pass a token bucket of its role (``rate_limited``); each member holds at most
 ``max_subscriptions`` topics (the XPUB is manual: the broker applies a subscription only within
-that cap, ``too_many_subscriptions``).
+that cap, ``too_many_subscriptions``), and a member refused ``limits.EVICT_AFTER`` subscriptions is
+evicted: its key banned, the XPUB bound anew (``evicted``, ``Broker._evict``).
 
 Threads: the broker's loop (the thread that enters ``Broker`` and calls ``poll_once``) owns every
 attribute of ``Broker``, its limits and its counters (``broker.stats``); the metrics endpoint's
@@ -102,7 +103,8 @@ MAX_COUNT = 1 << 20
 DEFAULT_FRAGMENTS = 64
 """P assumed for the limits when neither the options nor Redis tell it."""
 MAX_SUBSCRIPTION_BYTES = 1024
-"""ZMQ_MAXMSGSIZE of the XPUB side: subscribers send only subscriptions (1 byte + a short topic)."""
+"""ZMQ_MAXMSGSIZE of the XPUB side: subscribers send only subscriptions (1 byte + a short topic;
+the limit is on the wire's frames, CURVE's handshake commands included, hence not 1 + MAX_TOPIC_BYTES)."""
 MAX_FRAMES = 16
 """A message of more frames is dropped (``too_many_frames``): topic, header and a codec's frames."""
 
@@ -161,19 +163,26 @@ class Broker:
     def _make_sockets(self, ctx: zmq.Context) -> None:
         """XSUB and XPUB with their buffers and size limits; CURVE servers with keys (the XPUB
         then manual: subscriptions applied by the broker, per member, ``broker.limits``)."""
-        self.xsub = ctx.socket(zmq.XSUB)
-        self.xpub = ctx.socket(zmq.XPUB)
-        for s in (self.xsub, self.xpub):
-            keep_alive(s)   # a subscriber whose link went dark is dropped, not buffered for
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SNDHWM, self.options.hwm_messages)
-            s.setsockopt(zmq.RCVHWM, self.options.hwm_messages)
-            if self.security is not None:
-                self.security.server(s, "broker")
+        self.xsub = self._socket(ctx, zmq.XSUB)
         self.xsub.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
-        self.xpub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
+        self.xpub = self._xpub_socket(ctx)
+
+    def _socket(self, ctx: zmq.Context, kind: int) -> zmq.Socket:
+        s = ctx.socket(kind)
+        keep_alive(s)   # a subscriber whose link went dark is dropped, not buffered for
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, self.options.hwm_messages)
+        s.setsockopt(zmq.RCVHWM, self.options.hwm_messages)
         if self.security is not None:
-            self.xpub.setsockopt(zmq.XPUB_MANUAL, 1)
+            self.security.server(s, "broker")
+        return s
+
+    def _xpub_socket(self, ctx: zmq.Context) -> zmq.Socket:
+        s = self._socket(ctx, zmq.XPUB)
+        s.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
+        if self.security is not None:
+            s.setsockopt(zmq.XPUB_MANUAL, 1)
+        return s
 
     def _bind(self) -> None:
         """Bind both sockets (an ipc:// path only if it is free, its socket file then this user's
@@ -321,10 +330,43 @@ class Broker:
         verdict = self.subs.subscribe(user, topic) if data[0] == 1 else self.subs.unsubscribe(user, topic)
         if verdict.reason is not None:
             self._count(verdict.reason)
+            if self.subs.evict_due(user):
+                self._evict(user)
+                return
         if verdict.honor:
             self.xpub.setsockopt(zmq.SUBSCRIBE if data[0] == 1 else zmq.UNSUBSCRIBE, topic)
         if verdict.forward:
             self.xsub.send(data)
+
+    def _evict(self, user: str) -> None:
+        """A member that keeps asking for subscriptions beyond its cap: libzmq keeps a record of
+        every one its connection sent (manual XPUB) until that connection closes, and a bound
+        socket cannot close one peer's connection. So the member's key is banned (ZAP refuses it
+        from now on, for both sockets) and the XPUB is bound anew: every connection to it closes,
+        freeing the records, and the honest subscribers reconnect and subscribe again at once
+        (libzmq's reconnect, ~0.1 s: the messages of that gap are missed, which receivers repair
+        as for any drop at the high-water mark). Its publisher connection stays until it drops."""
+        assert self.zap is not None and self._ctx is not None
+        self.zap.ban(user)
+        self._count("evicted")
+        self.log.warning("broker.member_evicted", member=user, refused_subscriptions=self.subs.evict_after,
+                         detail="subscriptions beyond its cap: its key is refused from now on")
+        old, endpoint = self.xpub, self.xpub_endpoint
+        self.poller.unregister(old)
+        if self._monitors:
+            old.disable_monitor()
+            monitor = self._monitors.pop()   # the XPUB's (appended last)
+            self.poller.unregister(monitor)
+            monitor.close(linger=0)
+        old.close(linger=0)
+        self.xpub = self._xpub_socket(self._ctx)
+        _bind_again(self.xpub, endpoint)
+        self.poller.register(self.xpub, zmq.POLLIN)
+        if self.security is not None:
+            monitor = self.xpub.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+            self._monitors.append(monitor)
+            self.poller.register(monitor, zmq.POLLIN)
 
     def _read_run_facts(self) -> None:
         """S and P from the run's config in Redis, until both are known (then pinned)."""
@@ -378,6 +420,27 @@ class Broker:
                                       "max_subscriptions": self.subs.cap})})
         except redis_lib.RedisError:
             pass  # Redis restarting: the next second writes it again
+
+
+def _bind_again(sock: zmq.Socket, endpoint: str, timeout_s: float = 5.0) -> None:
+    """Bind ``sock`` where a just-closed socket was bound: libzmq closes the old listener on its
+    I/O thread, so the address (or the ipc path, which the old listener removes as it closes) may
+    still be taken for a few milliseconds."""
+    import os
+    path = ipc.ipc_path(endpoint)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if path is not None and os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.005)    # the old listener has not removed its file yet
+            continue
+        try:
+            sock.bind(endpoint)
+            break
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
+    ipc.restrict(endpoint)
 
 
 def _count_value(raw: Any) -> int:

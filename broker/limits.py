@@ -5,7 +5,10 @@
   are named by the allow list, so the table holds at most one bucket per listed key.
 - ``Subscriptions``: the distinct topics each member holds, at most ``cap``, each at most
   ``max_topic_bytes`` long. The broker's XPUB runs in manual mode: a subscription takes effect
-  (and goes upstream to the publishers, once per topic) only when ``subscribe`` says so.
+  (and goes upstream to the publishers, once per topic) only when ``subscribe`` says so. libzmq
+  still records every subscription a connection sends, applied or not, until that connection
+  closes: a member refused ``evict_after`` times is evicted (``Subscriptions.evict_due``: the
+  broker bans its key and closes the connections it held, which frees that record).
 
 Owning thread: the broker's loop (``Broker.poll_once``); nothing else reads or writes these.
 """
@@ -70,6 +73,11 @@ def subscription_cap(fragments: int) -> int:
 
 MAX_TOPIC_BYTES = 256
 """Longest topic honored: ``<run>|<kind>.<pppp>`` with a run id of at most 128 characters fits."""
+EVICT_AFTER = 64
+"""Refused subscriptions after which a member is evicted: an honest member is never refused one
+(a learner holds 3 topics, a shard 2 per owned fragment, all within the cap), and each refused one
+costs libzmq's record of the connection a trie node per byte of its topic (at most the XPUB's
+1 KiB frame limit) until the connection closes: at most ~4 MiB before the eviction frees it."""
 
 
 @dataclass(frozen=True)
@@ -93,22 +101,37 @@ class Subscriptions:
     hold at most ``cap`` topics per member name, whatever members subscribe, unsubscribe or
     reconnect."""
 
-    def __init__(self, cap: int, max_topic_bytes: int = MAX_TOPIC_BYTES) -> None:
+    def __init__(self, cap: int, max_topic_bytes: int = MAX_TOPIC_BYTES, evict_after: int = EVICT_AFTER) -> None:
         self.cap = cap
         self.max_topic_bytes = max_topic_bytes
+        self.evict_after = evict_after
         self.by_member: dict[str, set[bytes]] = {}
         self.upstream: set[bytes] = set()
+        self.refused: dict[str, int] = {}
+        """Subscriptions refused per member since it was last evicted (members are listed keys: bounded)."""
 
     def subscribe(self, member: str, topic: bytes) -> Verdict:
         if len(topic) > self.max_topic_bytes:
-            return Verdict(False, False, "topic_too_long")
+            return self._refuse(member, "topic_too_long")
         mine = self.by_member.setdefault(member, set())
         if topic not in mine and len(mine) >= self.cap:
-            return Verdict(False, False, "too_many_subscriptions")
+            return self._refuse(member, "too_many_subscriptions")
         mine.add(topic)
         first = topic not in self.upstream
         self.upstream.add(topic)
         return Verdict(True, first)
+
+    def _refuse(self, member: str, reason: str) -> Verdict:
+        self.refused[member] = self.refused.get(member, 0) + 1
+        return Verdict(False, False, reason)
+
+    def evict_due(self, member: str) -> bool:
+        """The member has been refused ``evict_after`` subscriptions: evict it (the count starts
+        again, so one eviction per ``evict_after`` refusals at most)."""
+        if self.refused.get(member, 0) < self.evict_after:
+            return False
+        self.refused.pop(member, None)
+        return True
 
     def unsubscribe(self, member: str, topic: bytes) -> Verdict:
         """A member's own unsubscription: applied to its pipe if it held the topic; never upstream."""

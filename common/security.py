@@ -216,8 +216,15 @@ class ZapHandler(threading.Thread):
         self.allow = allow
         self.failures: dict[str, int] = {}
         self.admitted = 0
+        self.banned: frozenset[str] = frozenset()
+        """User-Ids (``<role>:<id>``) refused at every later handshake (``ban``; the broker's evictions)."""
         self.ready = threading.Event()
         self._halt = threading.Event()
+
+    def ban(self, user_id: str) -> None:
+        """Refuse ``user_id`` from now on, for this context's lifetime (set by its owner's thread,
+        read here: one reference swap)."""
+        self.banned = self.banned | {user_id}
 
     @property
     def auth_failures(self) -> int:
@@ -261,6 +268,8 @@ class ZapHandler(threading.Thread):
         role, name = member
         if role not in DOMAINS[domain]:
             return False, "role", role
+        if f"{role}:{name}" in self.banned:
+            return False, "banned", role
         return True, f"{role}:{name}", role
 
     def reply(self, req: list[bytes]) -> list[bytes]:
@@ -278,7 +287,7 @@ class ZapHandler(threading.Thread):
 
 
 REFUSE_REASONS = ("unauthenticated", "wrong_role", "sender_mismatch", "unknown_kind", "malformed")
-LIMIT_REASONS = ("not_owner", "shards_unknown", "rate_limited", "too_many_frames")
+LIMIT_REASONS = ("not_owner", "shards_unknown", "rate_limited", "too_many_frames", "evicted")
 """Further refusals of the broker (``owner_refusal``, ``broker.limits``), counted with the above."""
 
 

@@ -53,7 +53,7 @@ from common.keys import Keys
 
 SENDER = "fuzzer"
 WIRE = ("signflip", "signflip-adaptive", "freerider", "flood")
-MEMORY = ("subscriptions", "bigframe", "slowpeer")
+MEMORY = ("bigframe", "slowpeer", "subscriptions")   # the last one gets the key banned at the broker
 REDIS = ("tokens", "ghosts", "eval-busy", "epochs", "fake-shard", "shards-x", "lease", "scan")
 ORDER = (*WIRE, *MEMORY, *REDIS, "spec")
 """Every attack, in the order ``all`` runs them (the Redis writes and the spec last: undefended

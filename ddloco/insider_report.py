@@ -20,6 +20,7 @@ from common import control
 from common.keys import Keys
 from ddloco import insider as atk
 from ddloco import insider_redis as rw
+from ddloco.report import broker_counters
 
 MERGE_RATE_KEPT = 0.5      # under a flood, merges go on at least at this share of the rate before
 EVAL_WORSE_BOUND = 1.10    # the eval loss after a model attack at most this x the one before
@@ -184,7 +185,9 @@ def run_one(ins: atk.Insider, name: str, seconds: float, settle_s: float, observ
                          "training_went_on": acc.merges[1] > m1 and acc.learner_steps[1] > s0,
                          "rss_growth_mib": {k: round((v - acc.rss_kb_start.get(k, v)) / 1024, 1)
                                             for k, v in rss_attack.items()},
-                         "sample_errors": ins.sample_errors},
+                         "sample_errors": ins.sample_errors,
+                         # the broker's refusals so far (its hash, written every second): cumulative
+                         "broker_refused": broker_counters(observer, ins.keys)["broker_refused"]},
              "merges": attacker_merges(observer, ins.keys, wall0, time.time()),
              "state_after": state, "problems_after": state_problems(state)}
     entry["why_not_defended"] = verdict(name, entry)

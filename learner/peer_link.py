@@ -28,10 +28,15 @@ PEER_SERVE_INTERVAL_S = 1.0
 """A learner serves its state to joining peers at most this often (others get "busy" and load
 from the shards)."""
 PEER_SNDHWM = 16
-"""Messages (chunks of CHUNK_BYTES) queued for one joining peer: a state is sent as the peer reads
-it, so a peer that does not read costs at most this many chunks plus the one snapshot in flight."""
+"""Messages (chunks of CHUNK_BYTES, each a copy: a queued chunk never holds the whole snapshot)
+queued for one joining peer: a state is sent as the peer reads it, so a peer that does not read
+costs at most this many chunks plus the one snapshot in flight, until the serve is abandoned."""
 PEER_STALL_S = 30.0
-"""A state whose reader took nothing for this long is abandoned (``peer_serves_abandoned``)."""
+"""A state whose reader took nothing for this long is abandoned (``peer_serves_abandoned``); a
+member whose connection was still there (it stopped reading) is served no state again by this
+process (logged ``learner.peer_stalled``; it loads from the shards, as any refused joiner does)."""
+MAX_STALLED_MEMBERS = 10_000
+"""Bound of that record (members are listed keys; without CURVE, the names joiners claim)."""
 PEER_MAX_FRAME_BYTES = 64 << 20
 """ZMQ_MAXMSGSIZE of a joiner's socket: a chunk, or the state's skeleton (msgpack, ~100 bytes a tensor)."""
 
@@ -82,6 +87,14 @@ def unflatten_state(skeleton: Any, buffers: list[bytes]) -> Any:
     return skeleton
 
 
+def _user_id(frame: zmq.Frame) -> str:
+    """The CURVE member a received frame came from (ZAP's User-Id); "" without CURVE."""
+    try:
+        return frame.get("User-Id") or ""
+    except (zmq.ZMQError, AttributeError):
+        return ""
+
+
 class PeerLink:
     """Peer bootstrap on the network thread; a base of ``NetworkThread``, which sets ``id``,
     ``security``, ``inbox``, ``stats``, ``log``, ``malformed`` and, in ``run``, ``_ctx`` and
@@ -96,6 +109,12 @@ class PeerLink:
         self._serving: dict[str, Any] | None = None
         """The state being sent (identity, pieces left, last progress): one at a time, paced by the reader."""
         self.peer_serves_abandoned = 0
+        self._stalled: set[str] = set()
+        """Members that stopped reading a state we served them: refused from then on."""
+        self._peer_gone = False
+        self._serve_member = ""
+        """The member the snapshot asked for (``PeerStateWanted``) goes to."""
+        """The last failed send's peer had disconnected (EHOSTUNREACH), rather than stopped reading."""
         self.peer_requests_refused = 0
         """State requests answered "busy": one serve at a time, at most one per PEER_SERVE_INTERVAL_S
         (a member asking in a loop must not make us snapshot and queue states without end)."""
@@ -107,9 +126,10 @@ class PeerLink:
     def on_peer_request(self, peer: zmq.Socket) -> None:
         for _ in range(64):
             try:
-                frames = peer.recv_multipart(zmq.NOBLOCK)
+                parts = peer.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            frames = [p.bytes for p in parts]
             try:
                 msg = wire.decode_peer(frames[1:])
                 if msg.verb != wire.PEER_ASK:
@@ -117,19 +137,23 @@ class PeerLink:
             except wire.WireError:   # another peer format version included
                 self.malformed += 1
                 continue
+            requester = str(msg.head["from"])[:200]
+            member = _user_id(parts[-1]) or f"unauthenticated:{requester}"
             now = time.monotonic()
-            if self._serve_pending or now - self._last_serve_at < PEER_SERVE_INTERVAL_S:
+            if (self._serve_pending or now - self._last_serve_at < PEER_SERVE_INTERVAL_S
+                    or member in self._stalled):
                 self._peer_send(peer, [frames[0], *wire.encode_peer_busy()])   # one state at a time
                 self.peer_requests_refused += 1
                 continue
             self._serve_pending = True
             self._last_serve_at = now
-            self.inbox.put(PeerStateWanted(frames[0], str(msg.head["from"])[:200]))
+            self._serve_member = member
+            self.inbox.put(PeerStateWanted(frames[0], requester))
 
     def serve_state(self, peer: zmq.Socket, item: PeerState) -> None:
         """Send the snapshot: a msgpack skeleton, then every tensor's bytes in frames of at most
-        CHUNK_BYTES handed to ZeroMQ without a copy (its I/O thread sends them, without the GIL),
-        each with its CRC32."""
+        CHUNK_BYTES, each with its CRC32, copied as it is queued (a chunk waiting in a queue holds 1 MiB,
+        not the snapshot it came from)."""
         if item.state is None:
             self._peer_send(peer, [item.identity, *wire.encode_peer_busy()])
             return
@@ -143,7 +167,8 @@ class PeerLink:
         if not self._peer_send(peer, [item.identity, *wire.encode_peer_state(skeleton, [len(v) for v in views],
                                                                              len(pieces))]):
             return
-        self._serving = {"identity": item.identity, "pieces": pieces, "next": 0, "progress_at": time.monotonic()}
+        self._serving = {"identity": item.identity, "pieces": pieces, "next": 0, "progress_at": time.monotonic(),
+                         "member": self._serve_member}
         self._continue_serve(peer)
         self.stats.bytes_up += nbytes
         if self.log is not None:
@@ -158,7 +183,8 @@ class PeerLink:
         try:
             peer.send_multipart(frames, zmq.NOBLOCK, copy=copy)
             return True
-        except zmq.ZMQError:   # EAGAIN: PEER_SNDHWM chunks wait for it; EHOSTUNREACH: disconnected
+        except zmq.ZMQError as e:   # EAGAIN: PEER_SNDHWM chunks wait for it; EHOSTUNREACH: disconnected
+            self._peer_gone = e.errno == zmq.EHOSTUNREACH
             return False
 
     def _continue_serve(self, peer: zmq.Socket) -> None:
@@ -170,7 +196,7 @@ class PeerLink:
         pieces = srv["pieces"]
         while srv["next"] < len(pieces):
             i, off, piece = pieces[srv["next"]]
-            if not self._peer_send(peer, [srv["identity"], *wire.encode_peer_chunk(i, off, piece)], copy=False):
+            if not self._peer_send(peer, [srv["identity"], *wire.encode_peer_chunk(i, off, piece)]):
                 break
             srv["next"] += 1
             srv["progress_at"] = time.monotonic()
@@ -178,6 +204,11 @@ class PeerLink:
         if done or time.monotonic() - srv["progress_at"] > PEER_STALL_S:
             if not done:
                 self.peer_serves_abandoned += 1
+                if not self._peer_gone and len(self._stalled) < MAX_STALLED_MEMBERS:
+                    self._stalled.add(srv["member"])   # connected but not reading: no state again
+                    if self.log is not None:
+                        self.log.warning("learner.peer_stalled", member=srv["member"],
+                                         detail="took nothing of the state for PEER_STALL_S: served no state again")
             self._serving = None
             self._serve_pending = False
 

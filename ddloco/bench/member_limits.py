@@ -5,7 +5,8 @@
 
 Four attacks by one member holding a listed learner key, each against real processes with CURVE:
 - ``subscriptions``: 10^5 distinct subscriptions from one SUB; the broker's RSS and that of a
-  publisher connected to it (where the broker forwards subscriptions: every learner and shard);
+  publisher connected to it (where the broker forwards subscriptions: every learner and shard),
+  and whether a fresh connection with that key is refused afterwards (the broker's eviction);
 - ``frames``: 16 valid-looking answers of 32 MiB from one learner while the shard subscribed to
   them does not read; the broker's peak and final RSS (frames of 128 MiB and more never reached
   the broker's loop on this 2-core host, limit or not, so the cost is shown with 32 MiB frames);
@@ -63,7 +64,7 @@ class Stage:
     def __init__(self, root: Path, keys: str, max_message_mb: float = 4.0) -> None:
         sys.path.insert(0, str(root))
         from common.security import Security, create_keys
-        create_keys(keys, learners=["alice", "mallory", "victim"], shards=2)
+        create_keys(keys, learners=["alice", "mallory", "victim", "greedy"], shards=2)
         self.keys, self.root, self.security = keys, root, Security
         self.pub, self.sub = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
         limits = (root / "broker" / "limits.py").exists()
@@ -121,7 +122,7 @@ def _sampled(pid: int, seconds: float, action: Callable[[], None] | None = None)
 
 def attack_subscriptions(st: Stage, n: int = 100_000) -> dict[str, Any]:
     b0, v0 = rss_mb(st.broker.pid), rss_mb(st.victim.pid)
-    sub = st.socket(zmq.SUB, "mallory", st.sub, SNDHWM=0)
+    sub = st.socket(zmq.SUB, "greedy", st.sub, SNDHWM=0)   # its own key: a broker may ban it
     for i in range(n):
         sub.setsockopt(zmq.SUBSCRIBE, f"{RUN}|upd.{i:08d}".encode())
     peak = _sampled(st.broker.pid, 10.0)
@@ -130,7 +131,28 @@ def attack_subscriptions(st: Stage, n: int = 100_000) -> dict[str, Any]:
     sub.close(linger=0)
     time.sleep(2.0)
     out["broker_mb_after_disconnect"] = round(rss_mb(st.broker.pid), 1)
+    out["key_refused_after"] = not _forwarded_to(st, "greedy")
     return out
+
+
+def _forwarded_to(st: Stage, name: str, seconds: float = 3.0) -> bool:
+    """Whether a fresh subscriber holding ``name``'s key receives what alice publishes."""
+    from common import wire
+    import torch
+    sub = st.socket(zmq.SUB, name, st.sub)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    pub = st.socket(zmq.PUB, "alice", st.pub)
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pub.send_multipart(wire.encode(kind=wire.UPDATE, run=RUN, sender="alice", fragment=0,
+                                           values=torch.zeros(8), codec="fp32", round=0, base=0, steps=1, tokens=1))
+            if sub.poll(100):
+                return True
+        return False
+    finally:
+        sub.close(linger=0)
+        pub.close(linger=0)
 
 
 def _probe(pub: zmq.Socket, sub: zmq.Socket, sender: str) -> None:

@@ -187,6 +187,35 @@ def test_subscriptions_beyond_a_members_cap_are_not_honored(make_cluster, ctx):
     assert b.stats.refused["too_many_subscriptions"] == 8, b.stats.refused
 
 
+def test_a_member_that_keeps_subscribing_beyond_its_cap_is_evicted_and_the_honest_ones_go_on(make_cluster, ctx):
+    """libzmq records every subscription a connection sends until it closes: a member refused
+    EVICT_AFTER times is banned and the XPUB bound anew (its record freed); the honest subscriber
+    reconnects by itself and receives again, the banned key is refused at every reconnection."""
+    from broker.limits import EVICT_AFTER
+    cluster = make_cluster(ASYNC, secure=True, broker={"max_subscriptions": 4})
+    ep, run, b = cluster.endpoints, cluster.endpoints.run_id, cluster.broker
+    create_keys(ep.keys_dir, learners=["alice", "mallory"], broker=False, monitors=())
+    honest = _socket(ctx, zmq.SUB, ep.keys_dir, "monitor", ep.broker_sub)
+    honest.setsockopt(zmq.SUBSCRIBE, wire.topic_prefix(run, wire.UPDATE))
+    alice = _socket(ctx, zmq.PUB, ep.keys_dir, "alice", ep.broker_pub)
+    received = lambda: alice.send_multipart(_upd(run, "alice")) or honest.poll(20)  # noqa: E731
+    wait_until(received, 10, what="the honest subscriber receives")
+    _drain(honest, 50)
+    greedy = _socket(ctx, zmq.SUB, ep.keys_dir, "mallory", ep.broker_sub)
+    for i in range(4 + 3 * EVICT_AFTER):
+        greedy.setsockopt(zmq.SUBSCRIBE, f"{run}|zzz.{i:09d}".encode())
+    wait_until(lambda: b.stats.refused.get("evicted", 0) >= 1, 10, what="mallory evicted")
+    assert b.zap is not None and "learner:mallory" in b.zap.banned
+    assert b.stats.refused["too_many_subscriptions"] == EVICT_AFTER, b.stats.refused   # its later ones: never read
+    wait_until(lambda: b.zap.failures.get("banned", 0) >= 1, 10, what="mallory's reconnection refused")
+    wait_until(received, 10, what="the honest subscriber back after the XPUB was bound anew")
+    assert b.stats.refused["evicted"] == 1
+    greedy.setsockopt(zmq.SUBSCRIBE, b"")      # the banned key gets nothing, whatever it asks for
+    for _ in range(20):
+        alice.send_multipart(_upd(run, "alice"))
+    assert not _drain(greedy, 300)
+
+
 def test_a_flood_beyond_a_members_rate_is_dropped_and_an_honest_members_answers_pass(make_cluster, ctx):
     """P = 1: a learner may send 10 messages/s, 68 at once. Mallory sends thousands; alice sends
     one every 0.2 s: every one of alice's arrives, mallory's are cut to its bucket."""
@@ -253,6 +282,57 @@ def test_a_peer_that_never_reads_gets_one_state_in_flight_not_one_per_second(ctx
     finally:
         nt.stop.set()
         runner.join(10)
+
+
+def test_a_peer_that_stops_reading_holds_no_snapshot_and_is_served_no_state_again(ctx, monkeypatch):
+    """Once its serve is abandoned, what the learner still queues for that connection is copies
+    of at most PEER_SNDHWM chunks of 1 MiB (the 96 MiB snapshot itself is freed), and the member
+    that stopped reading gets "busy" from then on: no fresh snapshot per second for it."""
+    from common.redis_server import free_port
+    from learner import peer_link
+    from learner.network import PeerState, PeerStateWanted
+    monkeypatch.setattr(peer_link, "PEER_STALL_S", 1.0)
+    ep = Endpoints(run_id="r", broker_pub=f"tcp://127.0.0.1:{free_port()}", broker_sub=f"tcp://127.0.0.1:{free_port()}")
+    nt, inbox = _learner_thread(ep, [8], shards=1)
+    runner = threading.Thread(target=nt.run, daemon=True)
+    runner.start()
+    snapshots = []
+
+    def training() -> None:
+        while not nt.stop.is_set():
+            try:
+                item = inbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if isinstance(item, PeerStateWanted):   # 96 MiB, every page touched (a mapping of its own)
+                snapshots.append(1)
+                nt.outbox.put(PeerState(item.identity, item.requester, {
+                    "model": {"w": torch.ones(24 << 20)}, "optimizer": {"state": {}}, "versions": [0]}))
+                del item
+    threading.Thread(target=training, daemon=True).start()
+    try:
+        wait_until(lambda: nt.peer_endpoint, 10, what="the peer endpoint bound")
+        before = _rss_mib()
+        asker = ctx.socket(zmq.DEALER)
+        asker.setsockopt(zmq.LINGER, 0)
+        asker.setsockopt(zmq.RCVHWM, 1)
+        asker.connect(nt.peer_endpoint)
+        ask = lambda: asker.send_multipart(wire.encode_peer_ask("mallory"))  # noqa: E731
+        wait_until(lambda: ask() or nt.peer_serves_abandoned >= 1, 20, interval_s=0.05, what="the serve abandoned")
+        refused = nt.peer_requests_refused
+        wait_until(lambda: ask() or nt.peer_requests_refused >= refused + 60, 20, interval_s=0.05,
+                   what="3 s more of requests")
+        assert len(snapshots) == 1, f"{len(snapshots)} snapshots for a member that stopped reading"
+        wait_until(lambda: _rss_mib() < before + 48, 10,
+                   what=f"the abandoned snapshot freed (resident {_rss_mib():.0f} MiB, {before:.0f} before the ask)")
+    finally:
+        nt.stop.set()
+        runner.join(10)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * 4096 / 2**20
 
 
 def test_a_subscriber_that_leaves_does_not_cut_another_members_subscription(make_cluster, ctx):
