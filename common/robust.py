@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from common.merge import contribution_weights, weighted_median_rows
+from common.merge import contribution_weights
 from common.quant import EncodedVector
 
 REASONS = ("nonfinite_delta", "tokens_claim", "steps_claim", "clipped")
@@ -151,15 +151,34 @@ class NormClipper:
     def _samples(self) -> int:
         return sum(len(d) for d in self.by_learner.values())
 
-    def reference(self) -> float | None:
+    _medians: dict = field(default_factory=dict, repr=False, compare=False)
+    """learner -> (its deque, its last entry, its length, median norm, median steps or None): each
+    learner's medians, recomputed only when its deque changed (a merge asks for the bound once per
+    answer; sorting every learner's window each time was most of the robust rules' cost)."""
+
+    def _learner_medians(self) -> list[tuple[float, float | None]]:
+        out = []
+        for learner, d in self.by_learner.items():
+            if not d:
+                continue
+            c = self._medians.get(learner)
+            if c is None or c[0] is not d or c[1] is not d[-1] or c[2] != len(d):
+                steps = [s for _, s in d if s is not None]
+                c = (d, d[-1], len(d), statistics.median([n for n, _ in d]), statistics.median(steps) if steps else None)
+                self._medians[learner] = c
+            out.append((c[3], c[4]))
+        if len(self._medians) > len(self.by_learner) + LEARNERS_TRACKED:   # learners no longer tracked
+            self._medians = {k: v for k, v in self._medians.items() if k in self.by_learner}
+        return out
+
+    def reference(self, medians: list[tuple[float, float | None]] | None = None) -> float | None:
         """The median over learners of their median recent norm (None before ``min_samples``)."""
         if self._samples() < self.min_samples:
             return None
-        return statistics.median(statistics.median(n for n, _ in d) for d in self.by_learner.values() if d)
+        return statistics.median(n for n, _ in (self._learner_medians() if medians is None else medians))
 
-    def _steps_reference(self) -> float | None:
-        meds = [statistics.median(s for _, s in d if s is not None) for d in self.by_learner.values()
-                if any(s is not None for _, s in d)]
+    def _steps_reference(self, medians: list[tuple[float, float | None]]) -> float | None:
+        meds = [s for _, s in medians if s is not None]
         return statistics.median(meds) if meds else None
 
     def bound(self, steps: float | None = None) -> float | None:
@@ -168,11 +187,12 @@ class NormClipper:
         an outage sends the outer gradient of many steps at once: honest, and not cut). Callers
         pass the steps the time since the answer's base allows at most (``steps_in_time``), so a
         claim cannot stretch the bound beyond what the clock does."""
-        ref = self.reference()
+        medians = self._learner_medians()
+        ref = self.reference(medians)
         if ref is None:
             return None
         base = self.factor * ref
-        ref_steps = self._steps_reference() if steps is not None else None
+        ref_steps = self._steps_reference(medians) if steps is not None else None
         if ref_steps is None:
             return base
         return base * max(1.0, steps / max(ref_steps, 1.0))
@@ -216,9 +236,16 @@ class NormClipper:
 
 
 def weighted_median(values: list[float], weights: list[float]) -> float:
-    """The lower weighted median of ``values`` (``common.merge.weighted_median_rows``'s rule)."""
-    rows = torch.tensor(values, dtype=torch.float64).unsqueeze(1)          # [M, 1]
-    return float(weighted_median_rows(rows, torch.tensor(weights, dtype=torch.float64))[0])
+    """The lower weighted median of ``values`` (``common.merge.weighted_median_rows``'s rule: the
+    smallest value at which the weight at or below it reaches half the total; the smallest value
+    when none does), in plain Python: a round's few answers, once per merge."""
+    pairs = sorted(zip(values, weights), key=lambda p: p[0])
+    half, cum = 0.5 * sum(float(w) for w in weights), 0.0
+    for v, w in pairs:
+        cum += float(w)
+        if cum >= half:
+            return float(v)
+    return float(pairs[0][0])
 
 
 def round_bound(norms: list[float], weights: list[float]) -> float | None:

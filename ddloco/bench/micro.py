@@ -138,6 +138,13 @@ def bench_merge(numel: int, repeats: int, learners: Sequence[int] = (2, 4, 8)) -
         pairs = [(_median_ms(merge, repeats), _median_ms(plain, repeats)) for _ in range(3)]
         ms, plain_ms = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
         path = merge_path(deltas, theta, repeats)
+        plain_path: list[float] = []   # alternated with the robust path, a pair at a time (drift cancels)
+        path_costs: list[float] = []
+        for _ in range(5 if quant._kernels is not None else 0):
+            a, b = merge_path(deltas, theta, repeats, rounds=1)[0], merge_path(deltas, theta, repeats, rounds=1,
+                                                                                 robust=False)[0]
+            plain_path.append(b)
+            path_costs.append(a / b - 1)
         copies = [memcpy_ms(m * n, repeats) for _ in range(3)]
         copy = statistics.median(copies)
         path_ratios = [c / p for c, p in zip(copies, path)]
@@ -148,17 +155,23 @@ def bench_merge(numel: int, repeats: int, learners: Sequence[int] = (2, 4, 8)) -
                      "memcpy_inputs_ms": copy, "merge_vs_memcpy": statistics.median(merge_ratios),
                      "merge_vs_memcpy_range": [min(merge_ratios), max(merge_ratios)],
                      "path_ms": statistics.median(path), "path_vs_memcpy": statistics.median(path_ratios),
-                     "path_vs_memcpy_range": [min(path_ratios), max(path_ratios)]})
+                     "path_vs_memcpy_range": [min(path_ratios), max(path_ratios)],
+                     # the whole path with the robust rules ÷ the same path without them, − 1
+                     "path_plain_ms": statistics.median(plain_path) if plain_path else None,
+                     "path_robust_cost": statistics.median(path_costs) if path_costs else None,
+                     "path_robust_cost_range": [min(path_costs), max(path_costs)] if path_costs else None})
     return rows
 
 
 def merge_path(deltas: Sequence[torch.Tensor], theta: torch.Tensor, repeats: int, *,
-               codec: str = "int4", rounds: int = 3) -> list[float]:
+               codec: str = "int4", rounds: int = 3, robust: bool = True) -> list[float]:
     """The shard's whole path for one fragment, ``rounds`` medians of ``repeats`` (ms): each answer
     (``deltas``, sent as int4 UPDATE messages, the frames as they come off the socket) decoded and
     checked as the shard's intake does, the round merged on its worker (``syncer.merging.compute_merge``:
     robust weights and bounds, RDA, outer step) and the update encoded for the broadcast
-    (the run's int4 downlink). Θ of 24 equal parameter pieces; the bases are Θ."""
+    (the run's int4 downlink). Θ of 24 equal parameter pieces; the bases are Θ. ``robust=False``:
+    the same intake, kernels (the round's answers decoded tile by tile) and broadcast with the
+    robust rules off (token weights, no norm bounds, no median radius): what the rules cost."""
     from common.fragments import Fragment, Piece, TensorSpec
     from syncer.merging import compute_merge
     from syncer.state import Answer, MergeInput
@@ -180,6 +193,9 @@ def merge_path(deltas: Sequence[torch.Tensor], theta: torch.Tensor, repeats: int
             msg = wire.decode(frames, expect_run="bench")
             answers.append(Answer(sender=msg.sender, base=msg.base, steps=msg.steps, tokens=msg.tokens,
                                   delta=msg.values_for_merge(), received_at=0.0, clip_steps=float(msg.steps)))
+        if not robust:
+            plain_round(answers)
+            return
         weights, _ = fair_weights([a.tokens for a in answers], [a.steps for a in answers])
         result = compute_merge(MergeInput(spec=spec, theta=theta, master=None, momentum=momentum, bases=bases,
                                           answers=tuple(answers), weights=weights, clipper=clipper, algo=algo,
@@ -187,6 +203,21 @@ def merge_path(deltas: Sequence[torch.Tensor], theta: torch.Tensor, repeats: int
                                           largest_numel=theta.numel()))
         if not result.frames:
             raise RuntimeError("bench merge: the measured round did not merge")
+
+    def plain_round(answers: list[Any]) -> None:
+        from syncer.merging import broadcast_merged, scratch_buffers
+        weights = contribution_weights([a.tokens for a in answers], [a.steps for a in answers]).tolist()
+        acc = OuterAccumulator(n, spec.spans, algo.merge_rule, scratch=scratch_buffers(scratch, n, largest=n)[:2],
+                               robust_buffers=True, robust_radius=False)
+        pairs = [(bases[a.base], a.delta) for a in answers]
+        if not acc.round_kernels(theta, pairs):
+            raise RuntimeError("bench merge: the plain path needs the C kernels (make setup builds them)")
+        measured = acc.measure_round(theta, pairs)
+        acc.fold_round(theta, [(b, d, w, 1.0, m) for (b, d), w, m in zip(pairs, weights, measured)])
+        new, _ = outer_step(theta, momentum, acc.result(), spec.spans, algo)
+        broadcast_merged(MergeInput(spec=spec, theta=theta, master=None, momentum=momentum, bases=bases, answers=(),
+                                    weights=None, clipper=clipper, algo=algo, version=0, epoch=1, run_id="bench",
+                                    sender="s", scratch=scratch, largest_numel=n), new)
     return [_median_ms(one_round, repeats) for _ in range(rounds)]
 
 

@@ -130,3 +130,19 @@ def test_an_answer_that_moves_float_buffers_absurdly_is_left_out_and_honest_stat
     assert acc.add_answer(theta, theta, lie, 1.0, buffer_ceiling=ceiling) == 0.0 and acc.count == 0
     assert acc.add_answer(theta, theta, honest, 1.0, buffer_ceiling=ceiling) == 1.0 and acc.count == 1
     assert torch.allclose((theta - acc.result())[64:72], torch.full((8,), 3.5))
+
+
+def test_the_rounds_weighted_median_is_the_buffers_rule_exactly():
+    """``robust.weighted_median`` (plain Python, once per merge) picks the value
+    ``merge.weighted_median_rows`` (the buffers' coordinate-wise rule) picks, ties included."""
+    import random
+    from common.merge import weighted_median_rows
+    from common.robust import weighted_median
+    rng = random.Random(7)
+    for trial in range(500):
+        m = rng.randint(1, 12)
+        values = [float(rng.choice([1, 2, 2, 3, 5, 8])) if trial % 2 else rng.uniform(0, 10) for _ in range(m)]
+        weights = [rng.choice([0.5, 1.0, 1.0, 2.0]) if trial % 3 else rng.uniform(0.01, 1) for _ in range(m)]
+        rows = torch.tensor(values, dtype=torch.float64).unsqueeze(1)
+        expected = float(weighted_median_rows(rows, torch.tensor(weights, dtype=torch.float64))[0])
+        assert weighted_median(values, weights) == expected, (values, weights)
