@@ -424,15 +424,10 @@ class Broker:
 
 def _bind_again(sock: zmq.Socket, endpoint: str, timeout_s: float = 5.0) -> None:
     """Bind ``sock`` where a just-closed socket was bound: libzmq closes the old listener on its
-    I/O thread, so the address (or the ipc path, which the old listener removes as it closes) may
-    still be taken for a few milliseconds."""
-    import os
-    path = ipc.ipc_path(endpoint)
+    I/O thread, so a TCP port may still be taken for a few milliseconds (an ipc:// path is taken
+    over at once: libzmq replaces the file it finds there, and does not remove it on close)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        if path is not None and os.path.exists(path) and time.monotonic() < deadline:
-            time.sleep(0.005)    # the old listener has not removed its file yet
-            continue
         try:
             sock.bind(endpoint)
             break

@@ -16,6 +16,7 @@ import redis
 from common import control, counters, entries, positions, tokens as run_count
 from common.fragments import plan_layout
 from common.lifecycle import peak_rss_mb
+from syncer import janitor
 from syncer.state import CONTROL_REFRESH_S, finite_or_nan, step_time_of
 
 
@@ -61,11 +62,19 @@ class ControlPlane:
             self.run_tokens = max(self.run_tokens, int(res[-3]))
             self._eval_loss = finite_or_nan(res[-1])
             control.restore_run_config(self.redis, self.keys, self.run, plan_layout(self.plan))
+            self._tidy_member_keys(now)
             if not self._redis_ok:
                 self.log.info("syncer.redis_back")
             self._redis_ok = True
         except redis.RedisError as e:
             self._redis_lost(e)
+
+    def _tidy_member_keys(self, now: float) -> None:
+        """Shard 0, every ``janitor.TIDY_EVERY_S``: the next batch of the learners' own keys kept
+        within bounds (``syncer.janitor``)."""
+        if self._janitor is not None and now - self._last_tidy >= janitor.TIDY_EVERY_S:
+            self._last_tidy = now
+            self._janitor.tidy(self.redis)
 
     def _shard_entry(self) -> dict[str, Any]:
         """This shard's hash in Redis (``ddloco status`` and ``up`` read it): endpoint, plan, counters."""

@@ -43,6 +43,7 @@ from common.log import get_logger
 from common.quorum import Decision, Ema
 from common.security import Security
 from common.task import Task
+from syncer import janitor
 from syncer.checkpoints import CheckpointMismatch, CheckpointOutcome, Checkpointing, LatestWriter
 from syncer.control_plane import ControlPlane
 from syncer.intake import Intake
@@ -87,6 +88,8 @@ class Shard(SetUp, ControlPlane, Intake, Merging, Recovering, Checkpointing, Ser
         self._init_learner_records()
         self._ctx: zmq.Context | None = None
         self._last_control = -1e9
+        self._janitor = janitor.MemberKeys(self.keys) if options.shard == 0 else None
+        self._last_tidy = -1e9
         self._redis_ok = True
         self._merges_since_ckpt = 0
         self._ckpt_versions: dict[int, int] = {}

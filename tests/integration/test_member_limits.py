@@ -216,6 +216,31 @@ def test_a_member_that_keeps_subscribing_beyond_its_cap_is_evicted_and_the_hones
     assert not _drain(greedy, 300)
 
 
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_the_xpub_is_bound_again_at_the_same_address_right_after_it_closed(ctx, tmp_path, transport):
+    """The eviction's rebinding: a TCP port the closed socket still held a moment, an ipc path
+    whose file it left behind (owner-only afterwards, as at start)."""
+    import os
+    import stat
+    from broker.daemon import _bind_again
+    from common.redis_server import free_port
+    endpoint = f"tcp://127.0.0.1:{free_port()}" if transport == "tcp" else f"ipc://{tmp_path}/xpub.sock"
+    old = ctx.socket(zmq.XPUB)
+    old.bind(endpoint)
+    old.close(linger=0)
+    new = ctx.socket(zmq.XPUB)
+    new.setsockopt(zmq.LINGER, 0)
+    _bind_again(new, endpoint)
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"t")
+    assert new.poll(5000), "no subscription reached the socket bound again"
+    assert new.recv() == b"\x01t"
+    if transport == "ipc":
+        assert stat.S_IMODE(os.stat(f"{tmp_path}/xpub.sock").st_mode) == 0o600
+
+
 def test_a_flood_beyond_a_members_rate_is_dropped_and_an_honest_members_answers_pass(make_cluster, ctx):
     """P = 1: a learner may send 10 messages/s, 68 at once. Mallory sends thousands; alice sends
     one every 0.2 s: every one of alice's arrives, mallory's are cut to its bucket."""
