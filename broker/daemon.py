@@ -330,7 +330,8 @@ class Broker:
         verdict = self.subs.subscribe(user, topic) if data[0] == 1 else self.subs.unsubscribe(user, topic)
         if verdict.reason is not None:
             self._count(verdict.reason)
-            if self.subs.evict_due(user):
+            # not while P is unknown: the cap is then a guess (P = 64) a shard of a larger run exceeds
+            if (self.fragments or self.options.max_subscriptions) and self.subs.evict_due(user):
                 self._evict(user)
                 return
         if verdict.honor:

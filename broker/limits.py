@@ -74,7 +74,7 @@ def subscription_cap(fragments: int) -> int:
 MAX_TOPIC_BYTES = 256
 """Longest topic honored: ``<run>|<kind>.<pppp>`` with a run id of at most 128 characters fits."""
 EVICT_AFTER = 64
-"""Refused subscriptions after which a member is evicted: an honest member is never refused one
+"""Distinct topics refused after which a member is evicted: an honest member is never refused one
 (a learner holds 3 topics, a shard 2 per owned fragment, all within the cap), and each refused one
 costs libzmq's record of the connection a trie node per byte of its topic (at most the XPUB's
 1 KiB frame limit) until the connection closes: at most ~4 MiB before the eviction frees it."""
@@ -107,28 +107,32 @@ class Subscriptions:
         self.evict_after = evict_after
         self.by_member: dict[str, set[bytes]] = {}
         self.upstream: set[bytes] = set()
-        self.refused: dict[str, int] = {}
-        """Subscriptions refused per member since it was last evicted (members are listed keys: bounded)."""
+        self.refused: dict[str, set[bytes]] = {}
+        """The distinct topics refused per member since it was last evicted (at most ``evict_after``
+        each; members are listed keys: bounded). Distinct: an honest member that reconnects and
+        asks again for what was refused before does not come nearer to eviction."""
 
     def subscribe(self, member: str, topic: bytes) -> Verdict:
         if len(topic) > self.max_topic_bytes:
-            return self._refuse(member, "topic_too_long")
+            return self._refuse(member, "topic_too_long", topic)
         mine = self.by_member.setdefault(member, set())
         if topic not in mine and len(mine) >= self.cap:
-            return self._refuse(member, "too_many_subscriptions")
+            return self._refuse(member, "too_many_subscriptions", topic)
         mine.add(topic)
         first = topic not in self.upstream
         self.upstream.add(topic)
         return Verdict(True, first)
 
-    def _refuse(self, member: str, reason: str) -> Verdict:
-        self.refused[member] = self.refused.get(member, 0) + 1
+    def _refuse(self, member: str, reason: str, topic: bytes = b"") -> Verdict:
+        seen = self.refused.setdefault(member, set())
+        if len(seen) < self.evict_after:
+            seen.add(topic[:self.max_topic_bytes + 1])
         return Verdict(False, False, reason)
 
     def evict_due(self, member: str) -> bool:
-        """The member has been refused ``evict_after`` subscriptions: evict it (the count starts
+        """The member has been refused ``evict_after`` distinct topics: evict it (the count starts
         again, so one eviction per ``evict_after`` refusals at most)."""
-        if self.refused.get(member, 0) < self.evict_after:
+        if len(self.refused.get(member, ())) < self.evict_after:
             return False
         self.refused.pop(member, None)
         return True

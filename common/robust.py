@@ -240,7 +240,7 @@ def weighted_median(values: list[float], weights: list[float]) -> float:
     smallest value at which the weight at or below it reaches half the total; the smallest value
     when none does), in plain Python: a round's few answers, once per merge."""
     pairs = sorted(zip(values, weights), key=lambda p: p[0])
-    half, cum = 0.5 * sum(float(w) for w in weights), 0.0
+    half, cum = 0.5 * float(torch.tensor(weights, dtype=torch.float64).sum()), 0.0   # torch's sum, as the rows'
     for v, w in pairs:
         cum += float(w)
         if cum >= half:

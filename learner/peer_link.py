@@ -112,9 +112,9 @@ class PeerLink:
         self._stalled: set[str] = set()
         """Members that stopped reading a state we served them: refused from then on."""
         self._peer_gone = False
+        """The last failed send's peer had disconnected (EHOSTUNREACH), rather than stopped reading."""
         self._serve_member = ""
         """The member the snapshot asked for (``PeerStateWanted``) goes to."""
-        """The last failed send's peer had disconnected (EHOSTUNREACH), rather than stopped reading."""
         self.peer_requests_refused = 0
         """State requests answered "busy": one serve at a time, at most one per PEER_SERVE_INTERVAL_S
         (a member asking in a loop must not make us snapshot and queue states without end)."""
@@ -166,6 +166,7 @@ class PeerLink:
         nbytes = sum(len(v) for v in views)
         if not self._peer_send(peer, [item.identity, *wire.encode_peer_state(skeleton, [len(v) for v in views],
                                                                              len(pieces))]):
+            self._stall(self._serve_member)   # its queue is already full: it is not reading
             return
         self._serving = {"identity": item.identity, "pieces": pieces, "next": 0, "progress_at": time.monotonic(),
                          "member": self._serve_member}
@@ -204,13 +205,19 @@ class PeerLink:
         if done or time.monotonic() - srv["progress_at"] > PEER_STALL_S:
             if not done:
                 self.peer_serves_abandoned += 1
-                if not self._peer_gone and len(self._stalled) < MAX_STALLED_MEMBERS:
-                    self._stalled.add(srv["member"])   # connected but not reading: no state again
-                    if self.log is not None:
-                        self.log.warning("learner.peer_stalled", member=srv["member"],
-                                         detail="took nothing of the state for PEER_STALL_S: served no state again")
+                self._stall(srv["member"])
             self._serving = None
             self._serve_pending = False
+
+    def _stall(self, member: str) -> None:
+        """After a failed send: a member still connected but not reading is served no state again
+        (one that disconnected is not marked: a restarted joiner may ask again)."""
+        if self._peer_gone or member in self._stalled or len(self._stalled) >= MAX_STALLED_MEMBERS:
+            return
+        self._stalled.add(member)
+        if self.log is not None:
+            self.log.warning("learner.peer_stalled", member=member,
+                             detail="its connection took no more of what we sent: served no state again")
 
     # ------------------------------------------------------------------ asking a peer (joining)
     def ask_peer(self, item: AskPeer) -> None:

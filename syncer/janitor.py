@@ -8,11 +8,14 @@ sweeps the run's keys a batch at a time (``SCAN``, every ``TIDY_EVERY_S``) and, 
 - a key larger than its kind's bound (``MAX_BYTES``, ~16 × what an honest learner writes there)
   is removed (the learner's own record: an honest one writes it again at its next beat);
 - a ``life:`` key without an expiry, or with one beyond a day, gets the day an honest learner
-  gives it; after each full sweep, a learner id holding more than ``LIVES_PER_ID`` of them keeps
-  its newest (the longest time to live) and loses the rest.
+  gives it; a learner id keeps at most ``LIVES_PER_ID`` of those a sweep has seen (the longest
+  time to live; one beyond that is removed as soon as it is seen);
+- a heartbeat without an expiry, or with one beyond ``HB_TTL_MAX_S``, gets ``HB_TTL_MAX_S`` (an
+  id whose heartbeat never expires would stay a member after it stopped).
 
 Each is counted (``ddloco_shard_bad_entries_total{reason}``: ``member_key.too_large``,
-``member_key.no_expiry``, ``member_key.too_many_lives``) and logged once. An honest learner's keys
+``member_key.no_expiry``, ``member_key.too_many_lives``) and logged once. Keys are removed with
+UNLINK (freed off Redis's main thread). An honest learner's keys
 never come near the bounds. Owning thread: the shard's loop (``ControlPlane._refresh_control``).
 """
 from __future__ import annotations
@@ -34,8 +37,10 @@ LIVES_PER_ID = 256
 after a day: 256 restarts a day is a learner killed every 6 minutes)."""
 LIFE_TTL_S = 24 * 3600
 """The expiry an honest learner gives its life keys."""
-MAX_IDS_TRACKED = 100_000
-"""Learner ids whose lives one sweep counts (bounded whatever is in Redis)."""
+HB_TTL_MAX_S = 60
+"""Longest heartbeat expiry left in place (an honest one: ``learner.heartbeat_ttl_s``, 2.5 s)."""
+MAX_IDS_TRACKED = 1000
+"""Learner ids whose lives one sweep counts (with LIVES_PER_ID each: bounded whatever is in Redis)."""
 
 
 class MemberKeys:
@@ -45,7 +50,8 @@ class MemberKeys:
     def __init__(self, keys: Keys) -> None:
         self.keys = keys
         self.cursor = 0
-        self.lives: dict[str, list[tuple[int, str]]] = {}
+        self.lives: dict[str, dict[str, int]] = {}
+        """Per learner id, the life keys this sweep has seen and kept -> their time to live (ms)."""
         self.removed = 0
 
     def _kind(self, key: str) -> tuple[str, str] | None:
@@ -68,7 +74,7 @@ class MemberKeys:
             res = pipe.execute(raise_on_error=False)
             self._apply(r, mine, res[0::2], res[1::2])
         if self.cursor == 0:
-            self._end_sweep(r)
+            self.lives = {}   # a full sweep done: the next one counts the lives afresh (expired ones gone)
 
     def _apply(self, r: Any, mine: list[tuple[str, tuple[str, str]]], sizes: list[Any], ttls: list[Any]) -> None:
         pipe = r.pipeline(transaction=False)
@@ -77,27 +83,34 @@ class MemberKeys:
                 continue   # gone meanwhile
             if size > MAX_BYTES[kind]:
                 entries.BAD_ENTRIES.reject("member_key", "too_large", key=key, bytes=size)
-                pipe.delete(key)
-                self.removed += 1
+                self._remove(pipe, key)
                 continue
+            if kind == "hb" and (ttl == -1 or ttl > HB_TTL_MAX_S * 1000):
+                entries.BAD_ENTRIES.reject("member_key", "no_expiry", key=key)
+                pipe.expire(key, HB_TTL_MAX_S)
             if kind != "life":
                 continue
             if ttl == -1 or ttl > LIFE_TTL_S * 1000:
                 entries.BAD_ENTRIES.reject("member_key", "no_expiry", key=key)
                 pipe.expire(key, LIFE_TTL_S)
                 ttl = LIFE_TTL_S * 1000
-            if lid in self.lives or len(self.lives) < MAX_IDS_TRACKED:
-                self.lives.setdefault(lid, []).append((ttl, key))
+            self._count_life(pipe, lid, key, ttl)
         pipe.execute(raise_on_error=False)
 
-    def _end_sweep(self, r: Any) -> None:
-        """A full sweep done: an id with more than LIVES_PER_ID lives keeps its newest."""
-        lives, self.lives = self.lives, {}
-        extra: list[str] = []
-        for lid, found in lives.items():
-            if len(found) > LIVES_PER_ID:
-                entries.BAD_ENTRIES.reject("member_key", "too_many_lives", learner=lid, lives=len(found))
-                extra += [key for _, key in sorted(found, reverse=True)[LIVES_PER_ID:]]
-        for i in range(0, len(extra), 1000):
-            r.delete(*extra[i:i + 1000])
-        self.removed += len(extra)
+    def _count_life(self, pipe: Any, lid: str, key: str, ttl: int) -> None:
+        """Keep at most LIVES_PER_ID lives of ``lid`` (those with the longest time to live): one
+        beyond is removed at once, so neither Redis nor this record grows past the bound."""
+        if lid not in self.lives and len(self.lives) >= MAX_IDS_TRACKED:
+            return
+        kept = self.lives.setdefault(lid, {})
+        kept[key] = ttl      # SCAN may return a key twice: counted once
+        if len(kept) <= LIVES_PER_ID:
+            return
+        oldest = min(kept, key=kept.__getitem__)
+        del kept[oldest]
+        entries.BAD_ENTRIES.reject("member_key", "too_many_lives", learner=lid)
+        self._remove(pipe, oldest)
+
+    def _remove(self, pipe: Any, key: str) -> None:
+        pipe.unlink(key)
+        self.removed += 1

@@ -41,6 +41,7 @@ def test_a_members_own_keys_filled_with_its_credentials_are_brought_back_within_
             mallory.expire(keys.life("mallory", f"{i:05d}"), 1000 + i)
     for _ in range(20):
         mallory.xadd(keys.learner_events("mallory"), {"pad": "y" * (1 << 20)})
+    mallory.set(keys.heartbeat("mallory"), "1")                 # a member for ever, unless given an expiry
     bad_before = entries.BAD_ENTRIES.total()
 
     j = _sweep(admin, keys)
@@ -52,6 +53,7 @@ def test_a_members_own_keys_filled_with_its_credentials_are_brought_back_within_
     # the newest kept: every one the sweep gave a day, and the longest-lived of the others
     assert sum(t > 10_000 for t in ttls) == (janitor.LIVES_PER_ID + 40 + 1) // 2
     assert not admin.exists(keys.learner_events("mallory"))
+    assert 0 < admin.ttl(keys.heartbeat("mallory")) <= janitor.HB_TTL_MAX_S
     assert j.removed == 1 + 40 + 1
     assert entries.BAD_ENTRIES.total() >= bad_before + 2 + janitor.LIVES_PER_ID // 2
     # honest keys, shared keys and another run's: untouched

@@ -58,3 +58,22 @@ def test_subscriptions_beyond_the_cap_are_refused_and_a_topic_goes_upstream_once
     assert subs.unsubscribe("m", b"t9") == Verdict(False, False)   # never held
     assert subs.subscribe("m", b"t8").reason == "too_many_subscriptions"   # unsubscribing frees no room
     assert subs.upstream == {b"t0", b"t1", b"t2", b"u"}
+
+
+def test_a_member_is_due_for_eviction_after_distinct_refused_topics_only():
+    """An honest member that reconnects and asks again for topics refused before (a cap set too
+    low) comes no nearer to eviction; one asking for ever new topics is evicted once per
+    EVICT_AFTER of them."""
+    from broker.limits import Subscriptions
+    subs = Subscriptions(cap=2, evict_after=4)
+    for _ in range(10):                          # the same 5 topics, 10 reconnections
+        for t in (b"a", b"b", b"c", b"d", b"e"):
+            subs.subscribe("shard:0", t)
+    assert not subs.evict_due("shard:0")         # 3 distinct topics refused
+    for i in range(3):
+        subs.subscribe("learner:m", b"x%d" % i)  # 2 applied, 1 refused
+    assert not subs.evict_due("learner:m")
+    for i in range(3, 6):
+        subs.subscribe("learner:m", b"x%d" % i)
+    assert subs.evict_due("learner:m")           # 4 distinct refused
+    assert not subs.evict_due("learner:m")       # counted again from zero
