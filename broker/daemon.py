@@ -38,7 +38,7 @@ from common import metrics, wire
 from common.config import ConfigError, check_value, endpoint_problem, redis_url_problem
 from common.log import get_logger
 from common.links import keep_alive
-from common.security import Security, ZapHandler, authorize, owner_refusal
+from common.security import Security, ZapHandler, authorize, frame_user_id, owner_refusal
 from broker import ipc, limits
 from broker.stats import BrokerStats, tally
 
@@ -292,11 +292,7 @@ class Broker:
     def _refusal(frames: list[zmq.Frame]) -> str | None:
         if len(frames) < 2:
             return "malformed"
-        try:
-            user = frames[0].get("User-Id")
-        except (zmq.ZMQError, AttributeError):
-            user = ""
-        return authorize(user or "", bytes(frames[0].buffer), bytes(frames[1].buffer))
+        return authorize(frame_user_id(frames[0]), bytes(frames[0].buffer), bytes(frames[1].buffer))
 
     def _count(self, reason: str) -> None:
         tally(self.stats.refused, reason)
@@ -305,7 +301,7 @@ class Broker:
         """After the role rules: the owner rule, the frame count and the member's rate."""
         if len(frames) > MAX_FRAMES:
             return "too_many_frames"
-        user = frames[0].get("User-Id") or ""
+        user = frame_user_id(frames[0])
         reason = owner_refusal(user, bytes(frames[0].buffer), self.shards)
         if reason is not None:
             return reason
@@ -320,10 +316,7 @@ class Broker:
         if not data or data[0] not in (0, 1):
             self._count("malformed")
             return
-        try:
-            user = frames[0].get("User-Id") or ""
-        except (zmq.ZMQError, AttributeError):
-            user = ""
+        user = frame_user_id(frames[0])
         topic = data[1:]
         if not user:          # libzmq: a subscriber disconnected (its pipe's filter is gone already)
             return

@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import zmq
 import zmq.auth
@@ -284,6 +284,15 @@ class ZapHandler(threading.Thread):
             return [version, rid, b"400", what.encode(), b"", b""]
         self.admitted += 1
         return [version, rid, b"200", b"OK", what.encode(), b""]
+
+
+def frame_user_id(frame: Any) -> str:
+    """The member a received ZeroMQ frame came from (ZAP's User-Id, ``<role>:<id>``); "" without
+    CURVE, or for a frame that carries no properties (received with ``copy=True``)."""
+    try:
+        return frame.get("User-Id") or ""
+    except (zmq.ZMQError, AttributeError):
+        return ""
 
 
 REFUSE_REASONS = ("unauthenticated", "wrong_role", "sender_mismatch", "unknown_kind", "malformed")

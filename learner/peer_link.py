@@ -17,7 +17,7 @@ import torch
 import zmq
 
 from common import wire
-from common.security import SecurityError
+from common.security import SecurityError, frame_user_id
 from learner.messages import AskPeer, PeerState, PeerStateArrived, PeerStateWanted
 
 CHUNK_BYTES = 1 << 20
@@ -87,14 +87,6 @@ def unflatten_state(skeleton: Any, buffers: list[bytes]) -> Any:
     return skeleton
 
 
-def _user_id(frame: zmq.Frame) -> str:
-    """The CURVE member a received frame came from (ZAP's User-Id); "" without CURVE."""
-    try:
-        return frame.get("User-Id") or ""
-    except (zmq.ZMQError, AttributeError):
-        return ""
-
-
 class PeerLink:
     """Peer bootstrap on the network thread; a base of ``NetworkThread``, which sets ``id``,
     ``security``, ``inbox``, ``stats``, ``log``, ``malformed`` and, in ``run``, ``_ctx`` and
@@ -138,7 +130,7 @@ class PeerLink:
                 self.malformed += 1
                 continue
             requester = str(msg.head["from"])[:200]
-            member = _user_id(parts[-1]) or f"unauthenticated:{requester}"
+            member = frame_user_id(parts[-1]) or f"unauthenticated:{requester}"
             now = time.monotonic()
             if (self._serve_pending or now - self._last_serve_at < PEER_SERVE_INTERVAL_S
                     or member in self._stalled):

@@ -15,8 +15,8 @@ sweeps the run's keys a batch at a time (``SCAN``, every ``TIDY_EVERY_S``) and, 
 
 Each is counted (``ddloco_shard_bad_entries_total{reason}``: ``member_key.too_large``,
 ``member_key.no_expiry``, ``member_key.too_many_lives``) and logged once. Keys are removed with
-UNLINK (freed off Redis's main thread). An honest learner's keys
-never come near the bounds. Owning thread: the shard's loop (``ControlPlane._refresh_control``).
+UNLINK (freed off Redis's main thread). An honest learner's keys never come near the bounds.
+Owning thread: the shard's loop (``ControlPlane._refresh_control``).
 """
 from __future__ import annotations
 
