@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: the process's), run the learner; the exit code (common.exits)."""
+    from common.lean import pause_gc, quiet_blas
+    quiet_blas(os.environ)   # a start without idle threads or needless collections (common/lean.py);
+    pause_gc(os.environ)     # the collector on again once the imports are done (Joining._prepare)
     return command.daemon_main(PROG, build_parser(), argv, os.environ, cmd_learner)
 
 

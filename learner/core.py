@@ -20,6 +20,7 @@ not changed afterwards. learner/ownership.py checks all this in tests.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import queue
 import secrets
@@ -230,7 +231,7 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
         self._publish()
         self.log.info("learner.joined", fragments=len(self.plan), boot_s=round(self._stats.boot_s, 2),
                       malloc_tuned=self.malloc_tuned, host_staging=self._staging is not None,
-                      boot_phases=self._stats.boot_phases,
+                      boot_phases=self._stats.boot_phases, gc_on=gc.isenabled(), gc_frozen=gc.get_freeze_count(),
                       versions_max=int(rc.base_version.max()), config=self.run_cfg.to_dict())
 
     def _train(self) -> None:

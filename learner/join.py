@@ -22,6 +22,7 @@ import torch
 from common import control, positions, tokens as run_count
 from common.config import ConfigError, LearnerOptions, RunConfig
 from common.fragments import Fragment, describe_plan_difference, model_plan, plan_digest, state_tensors
+from common.lean import resume_gc
 from common.log import get_logger
 from common.task import TaskError, TaskNotAllowed, bind_task, build_model, check_task
 from learner import ownership
@@ -81,6 +82,7 @@ class Joining:
         """Bind the task to ``run``, build the model and its plan, dry-run one batch: every check
         that can refuse this learner, before it writes anything to Redis. ``shared``: ``run`` came
         from Redis (its task spec is imported only if this machine allows it)."""
+        resume_gc()   # every import of a started learner is done: the collector on (common/lean.py)
         self.task, self.run_cfg = bind_task(run, self.task, shared=shared)
         self.algo = self.run_cfg.algo
         self.device = self._resolve_device()

@@ -144,6 +144,10 @@ def test_streams_continue_at_their_exact_position_across_restarts_kills_and_peer
         # peer serves one joiner per interval; where c's parameters come from is not its data position)
         joined = _log_events(tmp_path / f"{name}.log", "learner.bootstrapped")
         assert joined and joined[0]["peer"] != "b", (name, joined)
+    for name in ("a", "b3"):      # a started learner and a promoted spare: their imports ran with the
+        # collector paused (common/lean.py); it is on again once they join, their imports frozen out of it
+        joined = _log_events(tmp_path / f"{name}.log", "learner.joined")
+        assert joined and joined[0]["gc_on"] is True and joined[0]["gc_frozen"] > 10_000, (name, joined[:1])
 
 
 def _two_shard_refreshes(r, keys: Keys, *, after: float) -> None:
