@@ -226,6 +226,8 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
             self._changed.clear()
         self._stats.boot_s = time.time() - self._process_started_at
         self._stats.cpu_s_at_joined = time.process_time()
+        if self.net is not None:
+            self._stats.net_cpu_s_at_joined = self.net.published.net_cpu_s
         mark_boot(self._stats.boot_phases, "joined", self._process_started_at)
         self.joined_versions = rc.versions()
         self._publish()
@@ -330,8 +332,10 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
         """The hook at the step boundary (rank 0): apply the merged fragments that arrived (§6),
         answer open rounds (§4); lock-step waits at its barrier. True: skip this step."""
         self._check_helpers()
+        cpu_at = time.thread_time()
         self._drain_inbox()
         self._answer_open_rounds(min_steps)
+        self._stats.boundary_cpu_s += time.thread_time() - cpu_at
         if self.algo.lockstep and int(self.receipt.c_steps.max()) >= self.algo.sync_every_steps:
             self._wait_blocked(min_steps)
             return True

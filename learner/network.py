@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -165,6 +166,7 @@ class NetworkThread(PeerLink):
                             self.on_fragment(msg, requested=True)
                 self.stats.malformed = self.malformed + client.malformed
                 self.stats.chunks_fetched = client.chunks
+                self.stats.net_cpu_s = time.thread_time()
                 self.published = NetworkReadings.of(self.stats)
         finally:
             client.close()

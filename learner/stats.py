@@ -93,6 +93,14 @@ class LearnerStats:
                             kind="gauge", redis="boot_s", digits=3)
     cpu_s_at_joined: float = declare(0.0, doc="The process's CPU seconds (every thread) when it joined: "
                                      "``cpu_s`` minus this is training's.", redis="cpu_s_at_joined", digits=3)
+    boundary_cpu_s: float = declare(0.0, doc="The training thread's CPU seconds on the sync path at step "
+                                    "boundaries (merged fragments applied, answers snapshotted).",
+                                    redis="boundary_cpu_s", digits=3)
+    net_cpu_s: float = declare(0.0, doc="The network thread's CPU seconds (encoding, decoding, sending and "
+                               "receiving fragments; its join fetches included).", redis="net_cpu_s", digits=3)
+    net_cpu_s_at_joined: float = declare(0.0, doc="``net_cpu_s`` when the learner joined: the sync path's CPU "
+                                         "since is ``boundary_cpu_s + net_cpu_s - net_cpu_s_at_joined``.",
+                                         redis="net_cpu_s_at_joined", digits=3)
     boot_phases: dict[str, float] = declare(dict, doc="Seconds from the process start to: init (interpreter, "
                                             "imports), prepared (run config, task, model, checks), joined "
                                             "(every fragment fetched), first_answer; each also as PHASE_cpu, the process's "
@@ -156,6 +164,7 @@ class NetworkReadings:
     chunks_fetched: int = 0
     malformed: int = 0
     nonfinite_answers: int = 0
+    net_cpu_s: float = 0.0
 
     @classmethod
     def of(cls, counters: Any) -> NetworkReadings:

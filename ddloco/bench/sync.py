@@ -19,7 +19,11 @@ from joined to stopped. Reports:
   their CPU seconds per step, the shards' CPU seconds per learner step, and from those the cores
   that the learners and shards together would need to step as fast with rounds as without
   (``cores_needed_for_ratio_1``), against the machine's cores: above them, a ratio of 1 cannot be
-  reached here (the broker, Redis and ``up`` itself come on top).
+  reached here (the broker, Redis and ``up`` itself come on top);
+- the learners' extra CPU per step (``learner_extra_cpu``: with ÷ without − 1, which also counts
+  what the shards' memory traffic costs training on shared cores, and moves with the run without
+  rounds), and the sync path's own CPU over the rest of the learners' CPU in the same run
+  (``learner_sync_cpu_share``: the training thread's at step boundaries, the network thread's).
 
 This machine runs everything on the same cores: the syncers' merges and the learners' network
 threads compete with training, which a deployment (syncers on their own CPU boxes) does not.
@@ -113,6 +117,20 @@ def _cpu(rep: dict[str, Any]) -> tuple[float, float, float]:
         if span > 0 and used > 0:
             cpu, steps, cores = cpu + used, steps + _f(h, "steps"), cores + used / span
     return cpu, steps, cores
+
+
+def _sync_cpu_share(rep: dict[str, Any]) -> float | None:
+    """The learners' sync path's CPU over the rest of their CPU since joined, from their own clocks
+    in the same run (the training thread's at step boundaries, the network thread's): what the run
+    without rounds cannot give as steadily (its CPU per step moves ±15 % from run to run). None:
+    reports of a version that did not record it."""
+    sync = rest = 0.0
+    for h in rep.get("learner_stats", {}).values():
+        if "boundary_cpu_s" not in h:
+            return None
+        own = _f(h, "boundary_cpu_s") + _f(h, "net_cpu_s") - _f(h, "net_cpu_s_at_joined")
+        sync, rest = sync + own, rest + _f(h, "cpu_s") - _f(h, "cpu_s_at_joined") - own
+    return round(sync / rest, 4) if rest > 0 else None
 
 
 def summarise(with_sync: dict[str, Any], without: dict[str, Any], *, params: int, sync_every: int,
@@ -214,6 +232,8 @@ def _cpu_figures(with_sync: dict[str, Any], without: dict[str, Any], shards: dic
     return {"cpu": {
         "learner_cores_with": round(cores_w, 3), "learner_cores_without": round(cores_o, 3),
         "learner_cpu_s_per_step_with": round(per_step_w, 4), "learner_cpu_s_per_step_without": round(per_step_o, 4),
+        "learner_extra_cpu": round(per_step_w / per_step_o - 1, 4),
+        "learner_sync_cpu_share": _sync_cpu_share(with_sync),
         "shard_cpu_s_per_learner_step": round(shard_per_step, 4),
         "cores_needed_for_ratio_1": round(steps_per_s_without * (per_step_w + shard_per_step), 3),
         "cores": os.cpu_count(), **checkpoint}}

@@ -48,6 +48,23 @@ def test_cpu_figures_bound_what_the_machine_can_give() -> None:
     assert cpu["learner_cpu_s_per_step_without"] == pytest.approx(0.6)
     assert cpu["shard_cpu_s_per_learner_step"] == pytest.approx(0.2)
     assert cpu["cores_needed_for_ratio_1"] == pytest.approx(2.0 * 1.2)       # 2 steps/s without, 1.2 s each
+    assert cpu["learner_extra_cpu"] == pytest.approx(1.0 / 0.6 - 1, abs=1e-4)
+    assert cpu["learner_sync_cpu_share"] is None                             # reports without the sync clocks
+
+
+def test_the_sync_path_s_own_cpu_is_read_off_the_learners_clocks_in_the_same_run() -> None:
+    """The training thread's boundary CPU and the network thread's since joined (its join fetches
+    left out), over the rest of the learners' CPU since joined."""
+    def learner(cpu: float, boundary: float, net: float, net_at_joined: float) -> dict:
+        return {**_learner(100, 100.0, 1, 1, 0), "cpu_s": str(cpu + 7.0), "cpu_s_at_joined": "7.0",
+                "boundary_cpu_s": str(boundary), "net_cpu_s": str(net), "net_cpu_s_at_joined": str(net_at_joined)}
+    with_sync = {"wall_s": 200.0, "learner_stats": {"a": learner(60.0, 2.0, 9.0, 3.0), "b": learner(60.0, 1.0, 5.0, 1.0)},
+                 "shard_stats": {"0": {"merges": "50", "answers": "95", "cpu_s": "34.0"}}}
+    without = {"wall_s": 200.0, "learner_stats": {"a": learner(50.0, 0.0, 3.1, 3.0), "b": learner(50.0, 0.0, 1.0, 1.0)},
+               "shard_stats": {}}
+    cpu = summarise(with_sync, without, params=1000, sync_every=10, fragments=4, syncers=1)["cpu"]
+    assert cpu["learner_sync_cpu_share"] == pytest.approx(13.0 / (120.0 - 13.0), abs=1e-4)   # (2+6) + (1+4)
+    assert cpu["learner_extra_cpu"] == pytest.approx(0.2)
 
 
 def test_gpu_figures_of_cuda_learners_and_the_rss_bound() -> None:
