@@ -11,8 +11,9 @@ Model (ALGORITHM §9's accounting, per system):
 - ``decoupled`` / ``decoupled_k1``: every learner on its own; a kill loses the steps since its
   last answer, (H − 1) / 2 on average over the staggered fragments, and takes that learner out
   for ``rejoin_s``; the others go on.
-- ``decoupled_lockstep`` (K = M): every round waits for all M, so a kill stops every learner for
-  ``rejoin_s`` and the group runs at the slowest learner's pace.
+- ``decoupled_lockstep`` (K = M): every round waits for all M, and a learner answers only after a
+  whole block of H steps (the barrier), so a kill stops every learner for ``rejoin_s`` plus the
+  replacement's first H steps; the group runs at the slowest learner's pace.
 
 With ``noise`` a group that waits for every rank steps at the mean of the slowest noisy rank
 (per step for DP and torchft, per H-step block for sync DiLoCo and lock-step).
@@ -102,10 +103,11 @@ def predict(system: str, faults: Sequence[Any], *, learners: int, steps: int, st
     lost_per_kill = (sync_every - 1) / 2
     if system == "decoupled_lockstep":
         T = paced_step(step_r, noise, sync_every)
+        stop_s = rejoin_s + sync_every * T     # the others wait at the barrier meanwhile
         n = sum(len(k) for k in kills if k)
-        span = steps * T + n * rejoin_s
+        span = steps * T + n * stop_s
         hit = sum(1 for ks in kills for tk in ks if tk < span)
-        span = steps * T + hit * rejoin_s
+        span = steps * T + hit * stop_s
         lost = hit * lost_per_kill
         return {"goodput": (useful_full - lost * sum(step_r) / M) / (M * span), "span_s": span, "lost_steps": lost}
     ends, useful, lost = [], 0.0, 0.0

@@ -53,6 +53,9 @@ def test_replay_charges_the_elastic_group_for_every_kill_and_ours_for_one_learne
     assert late["lost_steps"] == 45 * 4 and late["span_s"] == pytest.approx(39.0 + 5.0 + (1000 - 150) * 0.2)
     ours = predict("decoupled", kills, **kw)
     assert ours["span_s"] == pytest.approx(201.0) and ours["goodput"] > dp["goodput"]
+    # lock-step: everyone waits for the replacement's rejoin and its first H-step block
+    lockstep = predict("decoupled_lockstep", kills, **kw)
+    assert lockstep["span_s"] == pytest.approx(200.0 + 1.0 + 12 * 0.2) and lockstep["lost_steps"] == 5.5
     capped = predict("dp_elastic", kills, **kw, cap_s=100.0)
     assert capped["span_s"] == 100.0 and capped["goodput"] == pytest.approx(((100 - 35) / 0.2 + 150) * 0.2 / 100)
 
