@@ -10,16 +10,21 @@ again for anything else in the process. ``DDLOCO_FULL_IMPORTS=1`` turns it off (
 redis-py's OpenTelemetry metrics inside a daemon).
 
 A learner also imports with Python's cyclic garbage collector paused (``pause_gc`` /
-``resume_gc``): ``import torch`` makes ~10^6 objects and none of them garbage, yet the collector
-walks them again and again as they are made (0.09 s of ~0.95 s of CPU here). Once the imports are
-done their objects are moved out of the collector's sight for good (``gc.freeze``: module state
-that lives as long as the process), so later collections on the training thread walk only what
-training makes; the collector runs as usual from then on.
+``resume_gc``): a learner's imports make ~3 × 10^5 tracked objects, nearly all of them module
+state, yet the collector walks them again and again as they are made (0.09-0.13 s of the ~0.95 s of
+CPU of a bare ``import torch`` here). Once the imports are done their objects are moved out of the
+collector's sight for good (``gc.freeze``), so later collections on the training thread walk only
+what training makes; the collector runs as usual from then on. The price: the cycles the imports
+left behind (~7,600 objects here; collecting them first costs more than the pause saves) are
+frozen with the rest and live as long as the process, as do any made while a learner waits for
+its run's config before ``Joining._prepare`` ends the pause.
 
 And numpy's OpenBLAS (which ``import torch`` loads with numpy) starts one thread per core at import
 that spins for work it never gets: a daemon never multiplies matrices with numpy (torch has its
-own BLAS), yet those threads took 0.13 s of CPU of a learner's ~0.8 s start here, from a host
-whose cores its peers need. ``quiet_blas`` sets ``OPENBLAS_NUM_THREADS=1`` unless it is set.
+own BLAS); a bare ``import torch`` with the collector paused took 0.80-0.82 s of CPU with that pool
+and 0.66-0.71 s without, on a host whose cores the learner's peers need. ``quiet_blas`` sets
+``OPENBLAS_NUM_THREADS=1`` in the process's environment unless it is set, so the learner's own
+child processes and its task's code inherit it (set it yourself to keep numpy's pool).
 """
 from __future__ import annotations
 

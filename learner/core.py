@@ -227,7 +227,7 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
         self._stats.boot_s = time.time() - self._process_started_at
         self._stats.cpu_s_at_joined = time.process_time()
         if self.net is not None:
-            self._stats.net_cpu_s_at_joined = self.net.published.net_cpu_s
+            self._stats.net_cpu_s_at_joined = _thread_cpu_s(self.net)
         mark_boot(self._stats.boot_phases, "joined", self._process_started_at)
         self.joined_versions = rc.versions()
         self._publish()
@@ -462,3 +462,13 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
         self.log.info("learner.stopped", steps=s.steps, answers=s.answers, merges_applied=s.merges_applied,
                       version_gaps=s.version_gaps, answers_replaced=self._outbox.replaced,
                       loss_ema=round(s.loss_ema, 4))
+
+
+def _thread_cpu_s(net: Any) -> float:
+    """The network thread's CPU seconds now, read from its own clock (its last published value
+    where the platform has no per-thread clocks: up to one of its loops behind)."""
+    ident = getattr(net, "thread_ident", None)
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+    except (AttributeError, TypeError, OSError):
+        return net.published.net_cpu_s

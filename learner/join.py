@@ -82,7 +82,7 @@ class Joining:
         """Bind the task to ``run``, build the model and its plan, dry-run one batch: every check
         that can refuse this learner, before it writes anything to Redis. ``shared``: ``run`` came
         from Redis (its task spec is imported only if this machine allows it)."""
-        resume_gc()   # every import of a started learner is done: the collector on (common/lean.py)
+        resume_gc()   # a started learner's own imports are done: the collector on (common/lean.py)
         self.task, self.run_cfg = bind_task(run, self.task, shared=shared)
         self.algo = self.run_cfg.algo
         self.device = self._resolve_device()

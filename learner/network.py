@@ -88,6 +88,8 @@ class NetworkThread(PeerLink):
         """A CUDA learner's ``HostStaging.pinned_like``: where a resolved value is written."""
         self.published = NetworkReadings.of(stats)
         """What the other threads read of ``stats``: a frozen copy, replaced once per loop."""
+        self.thread_ident: int | None = None
+        """The thread running ``run`` (its CPU clock: ``time.pthread_getcpuclockid``), once it runs."""
         self.shard_endpoints = shard_endpoints
         self.stop = stop
         self.malformed = 0
@@ -130,6 +132,7 @@ class NetworkThread(PeerLink):
         return sub, pub, peer
 
     def run(self) -> None:
+        self.thread_ident = threading.get_ident()
         ctx = zmq.Context()
         sec = self.security
         if sec is not None:

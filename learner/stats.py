@@ -96,8 +96,9 @@ class LearnerStats:
     boundary_cpu_s: float = declare(0.0, doc="The training thread's CPU seconds on the sync path at step "
                                     "boundaries (merged fragments applied, answers snapshotted).",
                                     redis="boundary_cpu_s", digits=3)
-    net_cpu_s: float = declare(0.0, doc="The network thread's CPU seconds (encoding, decoding, sending and "
-                               "receiving fragments; its join fetches included).", redis="net_cpu_s", digits=3)
+    net_cpu_s: float = declare(0.0, doc="The network thread's CPU seconds (encoding and decoding fragments, "
+                               "handing them to and taking them from ZeroMQ, whose own I/O threads are not "
+                               "counted; its join fetches included).", redis="net_cpu_s", digits=3)
     net_cpu_s_at_joined: float = declare(0.0, doc="``net_cpu_s`` when the learner joined: the sync path's CPU "
                                          "since is ``boundary_cpu_s + net_cpu_s - net_cpu_s_at_joined``.",
                                          redis="net_cpu_s_at_joined", digits=3)

@@ -23,7 +23,8 @@ from joined to stopped. Reports:
 - the learners' extra CPU per step (``learner_extra_cpu``: with ÷ without − 1, which also counts
   what the shards' memory traffic costs training on shared cores, and moves with the run without
   rounds), and the sync path's own CPU over the rest of the learners' CPU in the same run
-  (``learner_sync_cpu_share``: the training thread's at step boundaries, the network thread's).
+  (``learner_sync_cpu_share``: the training thread's at step boundaries, the network thread's; a
+  lower bound, libzmq's I/O threads not counted).
 
 This machine runs everything on the same cores: the syncers' merges and the learners' network
 threads compete with training, which a deployment (syncers on their own CPU boxes) does not.
@@ -122,14 +123,19 @@ def _cpu(rep: dict[str, Any]) -> tuple[float, float, float]:
 def _sync_cpu_share(rep: dict[str, Any]) -> float | None:
     """The learners' sync path's CPU over the rest of their CPU since joined, from their own clocks
     in the same run (the training thread's at step boundaries, the network thread's): what the run
-    without rounds cannot give as steadily (its CPU per step moves ±15 % from run to run). None:
-    reports of a version that did not record it."""
+    without rounds cannot give as steadily (its CPU per step moves ±15 % from run to run). A lower
+    bound: libzmq's I/O threads (the bytes on the wire, CURVE), torch's worker threads where a
+    learner has several, and the lock-step barrier's and the final flush's merges count as the
+    rest. None: reports of a version that did not record it."""
     sync = rest = 0.0
     for h in rep.get("learner_stats", {}).values():
         if "boundary_cpu_s" not in h:
             return None
+        used = _f(h, "cpu_s") - _f(h, "cpu_s_at_joined")
+        if _span(h) <= 0 or used <= 0:
+            continue    # as ``_cpu``: a learner that never trained
         own = _f(h, "boundary_cpu_s") + _f(h, "net_cpu_s") - _f(h, "net_cpu_s_at_joined")
-        sync, rest = sync + own, rest + _f(h, "cpu_s") - _f(h, "cpu_s_at_joined") - own
+        sync, rest = sync + own, rest + used - own
     return round(sync / rest, 4) if rest > 0 else None
 
 

@@ -104,12 +104,16 @@ def predict(system: str, faults: Sequence[Any], *, learners: int, steps: int, st
     if system == "decoupled_lockstep":
         T = paced_step(step_r, noise, sync_every)
         stop_s = rejoin_s + sync_every * T     # the others wait at the barrier meanwhile
-        n = sum(len(k) for k in kills if k)
-        span = steps * T + n * stop_s
-        hit = sum(1 for ks in kills for tk in ks if tk < span)
-        span = steps * T + hit * stop_s
+        end, hit = steps * T, 0
+        for tk in sorted(t for ks in kills for t in ks):   # in time order: each hit pushes the end
+            if tk >= min(end, cap_s):
+                break
+            end, hit = end + stop_s, hit + 1
+        span = min(end, cap_s)
+        done = min(float(steps), max(0.0, (span - hit * stop_s) / T))
         lost = hit * lost_per_kill
-        return {"goodput": (useful_full - lost * sum(step_r) / M) / (M * span), "span_s": span, "lost_steps": lost}
+        return {"goodput": (done * sum(step_r) - lost * sum(step_r) / M) / (M * span), "span_s": span,
+                "lost_steps": lost}
     ends, useful, lost = [], 0.0, 0.0
     for r in range(M):
         t, mine = steps * step_r[r], 0.0
