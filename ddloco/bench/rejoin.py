@@ -187,6 +187,8 @@ def _import_torch_s(repeats: int = 5) -> float:
 
 def main(argv: Sequence[str]) -> int:
     args = _parse(argv)
+    from common.log import configure_logging
+    configure_logging(level="warning")    # the embedded Redis's lines on stderr: stdout is the result
     _compile_sources()
     baseline = _import_torch_s()
     work = Path(tempfile.mkdtemp(prefix="ddloco-rejoin-"))
@@ -198,7 +200,8 @@ def main(argv: Sequence[str]) -> int:
             for n in range(args.restarts):
                 row = cluster.restart(n % args.learners)
                 rows.append(row)
-                print(f"restart {n + 1}: " + ", ".join(f"{k} {v:.2f}s" for k, v in row.items()), flush=True)
+                print(f"restart {n + 1}: " + ", ".join(f"{k} {v:.2f}s" for k, v in row.items()), flush=True,
+                      file=sys.stderr if args.json else sys.stdout)
         finally:
             stop_processes(cluster.procs.values())
     medians = {k: round(statistics.median(row[k] for row in rows), 3) for k in rows[0]}
