@@ -60,7 +60,6 @@ def predict(system: str, faults: Sequence[Any], *, learners: int, steps: int, st
     holds then)."""
     M = learners
     step_r = [step_s * f for f in factors]
-    useful_full = sum(steps * s for s in step_r)
     kills = _kills(faults, M)
     if system == "torchft":
         # the live replicas go on; a killed one is out for rejoin_s (a new process recovering from a

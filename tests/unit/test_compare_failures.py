@@ -59,8 +59,8 @@ def test_replay_charges_the_elastic_group_for_every_kill_and_ours_for_one_learne
     assert lockstep["span_s"] == pytest.approx(200.0 + 1.0 + 12 * 0.2) and lockstep["lost_steps"] == 5.5
     after = [*kills, {**kills[0], "at_s": 202.0}, {**kills[0], "at_s": 204.0}]   # 202 < 203.4, then 204 < 206.8
     assert predict("decoupled_lockstep", after, **kw)["lost_steps"] == 5.5 * 3
-    late = [*kills, {**kills[0], "at_s": 210.0}]                                  # after the pushed end: missed
-    assert predict("decoupled_lockstep", late, **kw)["span_s"] == pytest.approx(203.4)
+    past = [*kills, {**kills[0], "at_s": 210.0}]                                  # after the pushed end: missed
+    assert predict("decoupled_lockstep", past, **kw)["span_s"] == pytest.approx(203.4)
     lcap = predict("decoupled_lockstep", kills, **kw, cap_s=100.0)
     assert lcap["span_s"] == 100.0 and lcap["goodput"] == pytest.approx(((100 - 3.4) / 0.2 - 5.5 / 4) / 500, abs=1e-6)
     capped = predict("dp_elastic", kills, **kw, cap_s=100.0)
