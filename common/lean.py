@@ -56,9 +56,14 @@ def import_without(module: str, optional: tuple[str, ...]) -> bool:
     return True
 
 
+def _full_imports(env: Mapping[str, str]) -> bool:
+    """``DDLOCO_FULL_IMPORTS=1``: a start as the libraries make it, none of this module's changes."""
+    return env.get("DDLOCO_FULL_IMPORTS") == "1"
+
+
 def lean_start(env: Mapping[str, str], *, json_logs: bool) -> None:
     """A daemon's first imports of redis and structlog, without what it never uses (module doc)."""
-    if env.get("DDLOCO_FULL_IMPORTS") == "1":
+    if _full_imports(env):
         return
     import_without("redis", REDIS_OPTIONAL)
     if json_logs:
@@ -72,7 +77,7 @@ def quiet_blas(env: MutableMapping[str, str]) -> bool:
     """numpy's OpenBLAS without its idle thread pool (module doc), unless ``OPENBLAS_NUM_THREADS``
     is set or ``DDLOCO_FULL_IMPORTS=1``; before numpy is imported (after, it changes nothing).
     True: set here."""
-    if env.get("DDLOCO_FULL_IMPORTS") == "1" or "OPENBLAS_NUM_THREADS" in env or "numpy" in sys.modules:
+    if _full_imports(env) or "OPENBLAS_NUM_THREADS" in env or "numpy" in sys.modules:
         return False
     env["OPENBLAS_NUM_THREADS"] = "1"
     return True
@@ -82,7 +87,7 @@ def pause_gc(env: Mapping[str, str]) -> bool:
     """Pause the cyclic garbage collector for a process's imports (module doc); ``resume_gc`` ends
     the pause. False: nothing done (``DDLOCO_FULL_IMPORTS=1``, or the collector was off already)."""
     global _gc_paused
-    if env.get("DDLOCO_FULL_IMPORTS") == "1" or not gc.isenabled():
+    if _full_imports(env) or not gc.isenabled():
         return False
     gc.disable()
     _gc_paused = True

@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from common import exits
 
@@ -109,14 +109,19 @@ def _learner_rates(rep: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _trained(rep: dict[str, Any]) -> Iterator[tuple[dict[str, Any], float, float]]:
+    """(hash, CPU seconds since joined, seconds of training) of each learner that trained."""
+    for h in rep.get("learner_stats", {}).values():
+        span, used = _span(h), _f(h, "cpu_s") - _f(h, "cpu_s_at_joined")
+        if span > 0 and used > 0:
+            yield h, used, span
+
+
 def _cpu(rep: dict[str, Any]) -> tuple[float, float, float]:
     """(the learners' CPU seconds while training, their steps, the cores they kept busy)."""
     cpu = steps = cores = 0.0
-    for h in rep.get("learner_stats", {}).values():
-        span = _span(h)
-        used = _f(h, "cpu_s") - _f(h, "cpu_s_at_joined")
-        if span > 0 and used > 0:
-            cpu, steps, cores = cpu + used, steps + _f(h, "steps"), cores + used / span
+    for h, used, span in _trained(rep):
+        cpu, steps, cores = cpu + used, steps + _f(h, "steps"), cores + used / span
     return cpu, steps, cores
 
 
@@ -127,13 +132,10 @@ def _sync_cpu_share(rep: dict[str, Any]) -> float | None:
     bound: libzmq's I/O threads (the bytes on the wire, CURVE), torch's worker threads where a
     learner has several, and the lock-step barrier's and the final flush's merges count as the
     rest. None: reports of a version that did not record it."""
+    if any("boundary_cpu_s" not in h for h in rep.get("learner_stats", {}).values()):
+        return None
     sync = rest = 0.0
-    for h in rep.get("learner_stats", {}).values():
-        if "boundary_cpu_s" not in h:
-            return None
-        used = _f(h, "cpu_s") - _f(h, "cpu_s_at_joined")
-        if _span(h) <= 0 or used <= 0:
-            continue    # as ``_cpu``: a learner that never trained
+    for h, used, _ in _trained(rep):
         own = _f(h, "boundary_cpu_s") + _f(h, "net_cpu_s") - _f(h, "net_cpu_s_at_joined")
         sync, rest = sync + own, rest + used - own
     return round(sync / rest, 4) if rest > 0 else None
