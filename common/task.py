@@ -269,6 +269,17 @@ def build_model(task: Task, seed: int, *, device: torch.device | str | None = No
     return model
 
 
+def stray_tensors(model: nn.Module, device: torch.device | str) -> list[str]:
+    """Names of ``model``'s parameters and buffers that are not on ``device`` (a device without an
+    index matches any index of its type). A model built inside ``torch.device(...)`` can still
+    make some on the CPU: ``torch.nn.utils.skip_init`` and explicit ``device=`` arguments ignore
+    the context."""
+    device = torch.device(device)
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    return [name for name, t in named
+            if t.device.type != device.type or (device.index is not None and t.device.index != device.index)]
+
+
 def count_tokens(task: Task, batch: Any) -> int:
     """Tokens in ``batch``: ``task.tokens(batch)``, else a ``tokens`` attribute or key, else the
     first dimension of the first tensor found. TaskError when none applies."""

@@ -24,7 +24,7 @@ from common.config import ConfigError, LearnerOptions, RunConfig
 from common.fragments import Fragment, describe_plan_difference, model_plan, plan_digest, state_tensors
 from common.lean import resume_gc
 from common.log import get_logger
-from common.task import TaskError, TaskNotAllowed, bind_task, build_model, check_task
+from common.task import TaskError, TaskNotAllowed, bind_task, build_model, check_task, stray_tensors
 from learner import ownership
 from learner.inner import apply_step, make_inner_optimizer
 from learner.messages import Fetch, FragmentArrived, RoundOpened
@@ -103,7 +103,13 @@ class Joining:
         seed = self.run_cfg.task.seed
         if self.device.type == "cuda":
             try:
-                return build_model(self.task, seed, device=self.device)
+                model = build_model(self.task, seed, device=self.device)
+                stray = stray_tensors(model, self.device)
+                if stray:   # made on the host despite the context (skip_init, device=...): moved
+                    self.log.warning("learner.model_moved", tensors=len(stray), first=stray[:3], device=str(self.device),
+                                     detail="the task's model made these on another device; moved to the learner's")
+                    model = model.to(self.device)
+                return model
             except RuntimeError as e:
                 self.log.info("learner.model_built_on_host", reason=str(e)[:200])
         return build_model(self.task, seed).to(self.device)

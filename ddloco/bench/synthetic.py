@@ -31,7 +31,11 @@ class SyntheticNet(nn.Module):
         # this model (learners, shards, up); drawing a billion normals on one core took ~30 s,
         # this takes one draw of width² and a copy per layer.
         first = torch.randn(width, width) / math.sqrt(width)
-        self.layers = nn.ModuleList(torch.nn.utils.skip_init(nn.Linear, width, width) for _ in range(layers))
+        # skip_init puts a layer on the CPU unless told (it ignores a ``torch.device`` context): the
+        # default device is where a CUDA learner builds its model (common.task.build_model)
+        where = torch.get_default_device()
+        self.layers = nn.ModuleList(torch.nn.utils.skip_init(nn.Linear, width, width, device=where)
+                                    for _ in range(layers))
         with torch.no_grad():
             for k, layer in enumerate(self.layers):
                 layer.weight.copy_(torch.roll(first, shifts=k, dims=1))

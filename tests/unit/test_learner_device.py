@@ -70,3 +70,18 @@ def test_build_model_creates_the_models_tensors_on_the_device_asked():
     assert all(p.device.type == "meta" for p in m.parameters())
     cpu = build_model(synthetic(params=70_000), 0)
     assert all(p.device.type == "cpu" for p in cpu.parameters())
+
+
+def test_the_synthetic_model_is_built_on_the_device_asked_and_strays_are_named():
+    """``skip_init`` ignores a ``torch.device`` context: the synthetic model's layers stayed on the
+    CPU inside ``torch.device("cuda")`` and the 1 B learner's first step failed on an H200 (mat1
+    on cuda:0, the weights on the CPU). Now the layers go to the default device, and the learner
+    moves whatever a user's model still makes elsewhere (``stray_tensors``)."""
+    from common.task import build_model, stray_tensors
+    from ddloco.bench.synthetic import task as synthetic
+    m = build_model(synthetic(params=70_000), 0, device="meta")
+    assert stray_tensors(m, "meta") == [] and all(p.device.type == "meta" for p in m.parameters())
+    skipping = dataclasses.replace(synthetic(params=70_000),
+                                   model=lambda: torch.nn.utils.skip_init(torch.nn.Linear, 4, 3))
+    assert stray_tensors(build_model(skipping, 0, device="meta"), "meta") == ["weight", "bias"]
+    assert stray_tensors(torch.nn.Linear(2, 2), torch.device("cpu")) == []
