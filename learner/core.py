@@ -199,7 +199,7 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
                                       advertise_host=self.options.advertise_host, log=self.log)
         self.net.bases = lambda: self._bases
         if self._staging is not None:
-            self.net.stage, self.net.pinned = self._staging.prefetch, self._staging.pinned_like
+            self.net.stage = self._staging.prefetch
         net_stats = self._net_stats
 
         def network() -> None:

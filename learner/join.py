@@ -91,6 +91,8 @@ class Joining:
         self.plan: tuple[Fragment, ...] = model_plan(self.model, self.task.embedding_names, self.algo.fragments)
         self.plan_digest = plan_digest(self.plan)
         self._staging: HostStaging | None = staging_for(self.device, grouped=self.group is not None)
+        if self._staging is not None:
+            self._staging.warm(max(f.numel for f in self.plan))
         self.stream = data_stream(self.options, self.id)
         check_task(self.task, self.model, seed=self.run_cfg.task.seed, stream=self.stream)
         mark_boot(self._stats.boot_phases, "prepared", self._process_started_at)

@@ -84,8 +84,6 @@ class NetworkThread(PeerLink):
         the published base is resolved to its full value here, off the training thread."""
         self.stage: Callable[[torch.Tensor], Any] | None = None
         """A CUDA learner's ``HostStaging.prefetch``: a merged value's copy to the device starts here."""
-        self.pinned: Callable[[torch.Tensor], torch.Tensor] | None = None
-        """A CUDA learner's ``HostStaging.pinned_like``: where a resolved value is written."""
         self.published = NetworkReadings.of(stats)
         """What the other threads read of ``stats``: a frozen copy, replaced once per loop."""
         self.thread_ident: int | None = None
@@ -289,7 +287,7 @@ class NetworkThread(PeerLink):
             return
         update_base = msg.base if msg.base >= 0 and not requested else -1
         try:
-            full = self._resolve(msg, update_base, alloc=self.pinned) if update_base >= 0 else None
+            full = self._resolve(msg, update_base) if update_base >= 0 else None
             values = full if full is not None else msg.values()
         except wire.WireError:
             self.malformed += 1
@@ -303,13 +301,15 @@ class NetworkThread(PeerLink):
         self.inbox.put(FragmentArrived(msg.fragment, msg.epoch, msg.version, values, requested, update_base,
                                        on_device))
 
-    def _resolve(self, msg: wire.Message, update_base: int, *,
-                 alloc: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor | None:
+    def _resolve(self, msg: wire.Message, update_base: int) -> torch.Tensor | None:
         """Θ_v = Θ_base + deq(update) in fp32, as the shard computed it (bit-identical), when the
         published base of the update's fragment is ``update_base`` of its epoch; None otherwise (the
         training thread decides: learner/receipt.py ``_resolve_update``). Computed as the payload is
-        decoded (one pass, ``Message.values_added_to``). ``alloc``: where to write it (pinned memory
-        for a CUDA learner), asked only once the value is known to resolve. Raises as ``values()``."""
+        decoded (one pass, ``Message.values_added_to``), into ordinary host memory: it becomes the
+        learner's base of the fragment (a CUDA learner's copy to the device starts from a pinned
+        copy of it, ``HostStaging.prefetch``; a base kept in pinned memory cost an H200 learner
+        ~2 GB of host RSS at 1 B parameters: pinned blocks are sized in powers of two). Raises as
+        ``values()``."""
         bases = self.bases() if self.bases is not None else None
         if bases is None:
             return None
@@ -317,4 +317,4 @@ class NetworkThread(PeerLink):
         base = bases.values[p]
         if base is None or int(bases.epochs[p]) != msg.epoch or int(bases.versions[p]) != update_base:
             return None
-        return msg.values_added_to(base, out=alloc(base) if alloc is not None else None)
+        return msg.values_added_to(base)

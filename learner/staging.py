@@ -3,12 +3,14 @@
 On a GPU the training thread must not wait for the PCIe: an answered snapshot is gathered on the
 device (device-to-device copies), then copied into pinned host memory on a side stream, with an
 event the network thread queries (never waits on) before it computes the delta and quantizes. A
-merged value goes the other way: the training thread copies it into pinned memory (a host memcpy),
-then it goes onto the device on a second side stream, and the training stream waits for that copy
-on the GPU, not on the host. The snapshot the learner keeps to carry its uncontributed steps
+merged value goes the other way: the network thread copies it into pinned memory as soon as it is
+decoded and starts its copy to the device on a third stream (``prefetch``); the training thread
+adopts the device value, its stream waiting for that copy on the GPU, not on the host (a value
+that was not prefetched is copied on a second side stream, ``to_device``). The snapshot the learner keeps to carry its uncontributed steps
 (ALGORITHM §6) stays on the device, so applying a merge reads nothing back; it costs GPU memory,
 up to one fp32 copy of the fragments answered and not merged yet. Pinned memory comes from
-PyTorch's caching host allocator, which keeps it for reuse.
+PyTorch's caching host allocator, which keeps it for reuse: a few blocks of the largest fragment,
+taken at join (``warm``), serve every copy; the learner's bases stay in ordinary memory.
 
 On a CPU learner there is nothing to stage: ``staging_for`` returns None and the learner keeps
 its plain path (host tensors throughout). A torchrun group keeps the plain path too (its ranks
@@ -19,11 +21,16 @@ Ownership: a ``HostStaging`` belongs to the training thread (it alone calls ``to
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+WARM_BLOCKS = 4
+"""Pinned blocks of the largest fragment taken at join (``HostStaging.warm``): answers copied to
+the host and merged values on their way to the device, at most a few of each in flight."""
 
 PENDING_MAX = 4096
 """Copies whose timing events are still waiting to be read: beyond this many, the oldest are
@@ -59,12 +66,15 @@ class HostStaging:
         reached a merged value before its copy had ended (it then waits on the GPU)."""
         self.d2h_copies = self.h2d_copies = self.stream_waits = 0
         self.d2h_ms = self.h2d_ms = self.stream_wait_ms = 0.0
+        self.pin_ms = self.pin_ms_net = 0.0   # wall ms taking pinned memory: training thread, network thread
         self._pending: deque[tuple[str, Any, Any, Any]] = deque()
 
     def to_host(self, value: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """(a pinned host copy of the device tensor ``value``, the event after which it is
         complete). ``value`` must not be written until then (the learner never writes a snapshot)."""
+        started = time.perf_counter()
         host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+        self.pin_ms += (time.perf_counter() - started) * 1e3
         self.up.wait_stream(torch.cuda.current_stream(self.device))   # after the gather
         with torch.cuda.stream(self.up):
             start = _timed_event(self.up)
@@ -80,7 +90,11 @@ class HostStaging:
         decoded, so that it is there when the training thread applies it (``to_device``): the
         host copy into pinned memory and the transfer cost the training thread nothing, and its
         stream finds the copy ended. Touches none of the training thread's state."""
-        pinned = host if host.is_pinned() else self.pinned_like(host).copy_(host)
+        started = time.perf_counter()
+        pinned = host if host.is_pinned() else self.pinned_like(host)
+        self.pin_ms_net += (time.perf_counter() - started) * 1e3
+        if pinned is not host:
+            pinned.copy_(host)
         with torch.cuda.device(self.device), torch.cuda.stream(self.ahead):
             start = _timed_event(self.ahead)
             value = pinned.to(self.device, non_blocking=True)
@@ -89,9 +103,18 @@ class HostStaging:
 
     @staticmethod
     def pinned_like(t: torch.Tensor) -> torch.Tensor:
-        """Pinned host memory of ``t``'s shape (the network thread resolves a merged value into it:
-        no second copy before the transfer; it then stays the learner's base value)."""
+        """Pinned host memory of ``t``'s shape (a merged value's source for its copy to the device;
+        released once the training thread adopted it, so a few blocks serve every copy)."""
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
+    def warm(self, numel: int, count: int = WARM_BLOCKS) -> None:
+        """Take ``count`` pinned blocks of ``numel`` float32 values and give them back: PyTorch's
+        caching host allocator keeps them, so the copies of answers and merges reuse them instead
+        of pinning new memory at a step boundary (tens of ms of the training thread's CPU for a
+        fragment of 10^8 bytes: the pages are zeroed and locked)."""
+        if numel > 0 and count > 0:
+            blocks = [torch.empty(numel, dtype=torch.float32, pin_memory=True) for _ in range(count)]
+            del blocks
 
     def to_device(self, host: torch.Tensor | Prefetched) -> torch.Tensor:
         """``host`` on the device; the training stream waits for the copy on the GPU (the calling
@@ -143,7 +166,8 @@ class HostStaging:
         self.poll()
         return {"d2h_copies": self.d2h_copies, "d2h_ms": round(self.d2h_ms, 3), "h2d_copies": self.h2d_copies,
                 "h2d_ms": round(self.h2d_ms, 3), "stream_waits": self.stream_waits,
-                "stream_wait_ms": round(self.stream_wait_ms, 3),
+                "stream_wait_ms": round(self.stream_wait_ms, 3), "pin_ms": round(self.pin_ms, 3),
+                "pin_ms_net": round(self.pin_ms_net, 3),
                 "gpu_peak_mb": round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)}
 
 

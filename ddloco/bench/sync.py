@@ -213,7 +213,12 @@ def _gpu_figures(learners: dict[str, Any], *, params: int) -> dict[str, Any]:
                   "h2d_ms_per_step": round(_f(h, "h2d_ms") / steps, 3),
                   "copies": int(_f(h, "d2h_copies") + _f(h, "h2d_copies")),
                   "stream_waits": int(_f(h, "stream_waits")), "stream_wait_ms": _f(h, "stream_wait_ms"),
-                  "gpu_peak_mb": _f(h, "gpu_peak_mb"), "peak_rss_mb": _f(h, "peak_rss_mb")}
+                  "gpu_peak_mb": _f(h, "gpu_peak_mb"), "peak_rss_mb": _f(h, "peak_rss_mb"),
+                  # wall ms taking pinned memory per step (training thread; network thread), and the
+                  # training thread's CPU ms per step at step boundaries (learner/staging.py)
+                  "pin_ms_per_step": round(_f(h, "pin_ms") / steps, 3),
+                  "pin_ms_net_per_step": round(_f(h, "pin_ms_net") / steps, 3),
+                  "boundary_cpu_ms_per_step": round(_f(h, "boundary_cpu_s") * 1e3 / steps, 3)}
     rss_bound = 2.5 * params * 4 / 2**20 + 400
     return {"gpu": {"learners": per,
                     "stream_waits": sum(v["stream_waits"] for v in per.values()),

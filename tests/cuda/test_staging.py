@@ -169,3 +169,23 @@ def test_a_prefetched_merge_is_adopted_exactly_and_the_training_stream_need_not_
     assert torch.equal(v.cpu(), hosts[0])
     torch.cuda.synchronize(dev)
     assert staging.readings()["stream_waits"] == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_prefetch_leaves_its_source_in_ordinary_memory_and_warmed_blocks_serve_the_copies():
+    """The merged value the network thread decoded stays in ordinary memory (it becomes the
+    learner's base): only its copy to the device goes through a pinned block, taken from the
+    blocks ``warm`` left in PyTorch's cache. Each copy's pinning time is counted."""
+    dev = torch.device("cuda", 0)
+    staging = HostStaging(dev)
+    staging.warm(1 << 20, count=2)
+    hosts = [torch.randn(1 << 20) for _ in range(4)]
+    for h in hosts:
+        pre = staging.prefetch(h)
+        assert not h.is_pinned() and pre.pinned.is_pinned() and pre.pinned.data_ptr() != h.data_ptr()
+        assert torch.equal(staging.to_device(pre).cpu(), h)
+    sent, done = staging.to_host(torch.ones(1 << 20, device=dev))
+    done.synchronize()
+    assert sent.is_pinned() and torch.equal(sent, torch.ones(1 << 20))
+    r = staging.readings()
+    assert r["pin_ms"] >= 0 and r["pin_ms_net"] >= 0 and r["h2d_copies"] == 4
