@@ -125,6 +125,10 @@ class LearnerStats:
                                 metric="learner_training_stream_waits_total", redis="stream_waits")
     stream_wait_ms: float = declare(0.0, doc="CUDA learner: the training stream's milliseconds of those waits.",
                                     redis="stream_wait_ms", digits=3)
+    pin_ms: float = declare(0.0, doc="CUDA learner: wall milliseconds the training thread spent taking pinned "
+                            "host memory for answers (from PyTorch's cache: ~0 once warm).", redis="pin_ms", digits=3)
+    pin_ms_net: float = declare(0.0, doc="CUDA learner: the same on the network thread, for merged values on their "
+                                "way to the device.", redis="pin_ms_net", digits=3)
     gpu_peak_mb: float = declare(0.0, doc="CUDA learner: the device's peak allocated memory (MiB).",
                                  metric="learner_gpu_peak_megabytes", kind="gauge", redis="gpu_peak_mb", digits=1)
     batches: int = declare(0, doc="Batches drawn this life (the hash's ``data_position`` counts them).")

@@ -84,3 +84,18 @@ def test_copy_accounting_is_bounded_when_events_never_complete() -> None:
 
 
 pytestmark = pytest.mark.timeout(30)
+
+
+def test_every_staging_reading_is_a_declared_learner_stat(monkeypatch) -> None:
+    """The learner publishes ``HostStaging.readings()`` by name into its stats: a reading not
+    declared in ``LearnerStats`` never reached the learner's hash (the first pinning times were
+    lost that way on an H200)."""
+    import dataclasses
+
+    import torch
+    from learner.stats import LearnerStats
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)
+    s = _staging()
+    s.device = torch.device("cuda", 0)
+    declared = {f.name for f in dataclasses.fields(LearnerStats)}
+    assert set(s.readings()) <= declared, set(s.readings()) - declared
