@@ -91,8 +91,11 @@ def compare_argv(p: SizePlan, lane: str, profile: Profile, *, device: str, confi
             "--systems", systems, "--jobs", str(2 * seeds if lane == "inproc" else 1),
             "--eval-points", str(profile.eval_points), "--device", device, "--insecure",
             "--config", str(config), "--report", str(report)]
-    for kv in [f"task.seq_len={profile.seq_len}", f"task.batch_size={profile.batch_size}",
-               *Size(p.n_layer, p.n_embd, p.n_head).sets()]:
+    sets = [f"task.seq_len={profile.seq_len}", f"task.batch_size={profile.batch_size}",
+            *Size(p.n_layer, p.n_embd, p.n_head).sets()]
+    if lane == "cluster":
+        sets.append(f"algo.fragments={profile.cluster_fragments}")
+    for kv in sets:
         argv += ["--set", kv]
     return argv
 
@@ -240,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seeds", type=int, default=None, help="seeds of dp_emulated and diloco_sync below the "
                     "largest size (default 2; the largest gets 1)")
     ap.add_argument("--cluster-seeds", type=int, default=None, help="seeds of the decoupled cluster per size (default 1)")
+    ap.add_argument("--cluster-fragments", type=int, default=None,
+                    help="fragments of the decoupled cluster (default 4: its rounds keep up with learners that "
+                         "step every ~20 ms; the table marks a cluster more than 10 %% behind schedule)")
     ap.add_argument("--seed-start", type=int, default=0, help="first seed (a later run adds seeds 2, 3, ...)")
     ap.add_argument("--tokens-per-param", type=float, default=None,
                     help="the ceiling of R, tokens per parameter (default 20; --dry 0.5); the plan takes the "
@@ -264,6 +270,10 @@ def _profile(args: argparse.Namespace) -> Profile:
         prof = replace(prof, seeds=args.seeds)
     if args.cluster_seeds is not None:
         prof = replace(prof, cluster_seeds=args.cluster_seeds)
+    if args.cluster_fragments is not None:
+        if args.cluster_fragments < 1:
+            raise QualityError("--cluster-fragments must be >= 1")
+        prof = replace(prof, cluster_fragments=args.cluster_fragments)
     if prof.seeds < 1 or prof.cluster_seeds < 1 or args.seed_start < 0:
         raise QualityError("--seeds and --cluster-seeds must be >= 1, --seed-start >= 0")
     return prof
@@ -322,7 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {"device": device, "device_name": facts.get("gpu") or ("cpu" if device == "cpu" else device),
             "dry": args.dry, "budget_s": budget, "lane_s": round(lane_s, 1), "machine_model": asdict(machine),
             "profile": {"seq_len": profile.seq_len, "batch_size": profile.batch_size, "learners": LEARNERS,
-                        "tokens_per_step": profile.tokens_per_step(), "eval_points": profile.eval_points},
+                        "tokens_per_step": profile.tokens_per_step(), "eval_points": profile.eval_points,
+                        "cluster_fragments": profile.cluster_fragments},
             "env": facts, "notes": notes, "seed_start": args.seed_start,
             "command": "python3 -m ddloco.bench.gpu_quality " + " ".join(sys.argv[1:] if argv is None else argv)}
     sweep = Sweep(out, work, plans, meta, merged)

@@ -32,12 +32,38 @@ def collect(stage_dirs: Iterable[tuple[str, Path, int]]) -> dict[str, dict[str, 
                 out.setdefault(size, {}).setdefault(m.group(1), {})[m.group(2)] = _slim(r)
         for rep in sorted(runs.glob("decoupled-s*/report.json")):
             seed = rep.parent.name.rsplit("-s", 1)[1]
-            if seed in out.get(size, {}).get("decoupled", {}):
-                continue
-            r = _from_report(rep, tokens)
+            have = out.get(size, {}).get("decoupled", {}).get(seed)
+            r = have if have is not None else _from_report(rep, tokens)
             if r is not None:
+                r.update(cluster_health(rep))
                 out.setdefault(size, {}).setdefault("decoupled", {})[seed] = r
     return out
+
+
+BEHIND_LIMIT = 0.10
+"""A cluster run with more of its merges behind schedule than this trained on stale global values
+(its rounds could not keep up with its learners' steps): its ratio measures the harness, not the
+algorithm, and the table says so."""
+
+
+def cluster_health(report: Path) -> dict[str, Any]:
+    """From a cluster's report.json: the fraction of merges behind schedule (a round opened later
+    than its fragment's turn, ``rounds_behind`` ÷ merges) and of answers that came after their round
+    merged (``late_answers`` ÷ all answers), summed over the shards; and the fragments it ran with.
+    Empty when the report cannot be read."""
+    try:
+        rep = json.loads(report.read_text())
+        shards = list((rep.get("shard_stats") or {}).values())
+        count = lambda key: sum(float(h.get(key) or 0) for h in shards)   # noqa: E731
+        merges, late, answers = count("merges"), count("late_answers"), count("answers")
+        out = {"behind_fraction": round(count("rounds_behind") / merges, 4) if merges else None,
+               "late_fraction": round(late / (late + answers), 4) if late + answers else None}
+        fragments = (rep.get("config") or {}).get("algo", {}).get("fragments")
+        if fragments is not None:
+            out["fragments"] = int(fragments)
+        return out
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
 
 
 def _finite(x: Any) -> bool:
@@ -78,6 +104,10 @@ def table_rows(results: dict[str, dict[str, dict[str, dict[str, Any]]]], plans: 
             runs = by.get(system, {})
             row[system] = (sum(r["eval_loss_final"] for r in runs.values()) / len(runs)) if runs else None
             row[f"{system}_seeds"] = sorted(int(s) for s in runs)
+        health = [r.get("behind_fraction") for r in by.get("decoupled", {}).values()]
+        row["decoupled_behind"] = max((h for h in health if h is not None), default=None)
+        late = [r.get("late_fraction") for r in by.get("decoupled", {}).values()]
+        row["decoupled_late"] = max((x for x in late if x is not None), default=None)
         dp = by.get("dp_emulated", {})
         for system in ("diloco_sync", "decoupled"):
             paired = [by[system][s]["eval_loss_final"] / dp[s]["eval_loss_final"]
@@ -96,17 +126,28 @@ def markdown(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"# Quality with scale: {meta.get('device_name') or meta.get('device')}, M = {LEARNERS}", "",
              f"Command: `{meta.get('command', '')}`", "",
              "| size | params | tokens | tokens/param | dp (emulated) | diloco_sync | decoupled | "
-             "diloco_sync ÷ dp | decoupled ÷ dp | seeds (dp/sync/dec) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "diloco_sync ÷ dp | decoupled ÷ dp | cluster: merges behind / answers late | seeds (dp/sync/dec) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    stale = []
     for r in rows:
         seeds = "/".join(str(len(r[f"{s}_seeds"])) for s in SYSTEMS)
+        behind = r.get("decoupled_behind")
+        mark = ""
+        if behind is not None and behind > BEHIND_LIMIT:
+            mark, stale = " (stale)", [*stale, r["size"]]
+        health = "–" if behind is None else f"{behind:.1%} / {_fmt(r.get('decoupled_late'), '.1%')}"
         lines.append(f"| {r['size']} | {r['params'] / 1e6:.2f} M | {r['tokens']:,} | {r['tokens_per_param']:.2f} | "
                      f"{_fmt(r['dp_emulated'], '.4f')} | {_fmt(r['diloco_sync'], '.4f')} | "
                      f"{_fmt(r['decoupled'], '.4f')} | {_fmt(r['diloco_sync_ratio'], '.4f')} | "
-                     f"{_fmt(r['decoupled_ratio'], '.4f')} | {seeds} |")
+                     f"{_fmt(r['decoupled_ratio'], '.4f')}{mark} | {health} | {seeds} |")
     lines += ["", "Ratios: each system's final eval loss ÷ dp_emulated's at the same seed, mean over seeds. "
               "Published at 20 tokens/param, H = 30: DiLoCo M=4 1.020 (35 M), 1.015 (90 M); "
               "Streaming DiLoCo 1.026 (35 M), 1.019 (100 M)."]
+    if stale:
+        lines.append(f"- (stale) {', '.join(stale)}: more than {BEHIND_LIMIT:.0%} of the cluster's merges were behind "
+                     "schedule (its rounds did not keep up with its learners' steps; they trained on stale global "
+                     "values): that ratio measures the harness, not the algorithm. Fewer fragments "
+                     "(--cluster-fragments) or a slower step keep the rounds up.")
     for note in meta.get("notes", []):
         lines.append(f"- {note}")
     return "\n".join(lines) + "\n"

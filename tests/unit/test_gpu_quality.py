@@ -92,6 +92,56 @@ def test_collect_and_table_pair_ratios_by_seed(tmp_path: Path) -> None:
     assert len(short) == 3 and "1.0500" in short[1]
 
 
+def _shards(rep: Path, per_shard: list[dict], fragments: int) -> None:
+    rep.parent.mkdir(parents=True, exist_ok=True)
+    rep.write_text(json.dumps({"eval_loss_final": 4.2, "tokens_total": 1000, "timed_out": False,
+                               "eval_curve": [{"tokens": 0, "loss": 5.5}, {"tokens": 1000, "loss": 4.2}],
+                               "config": {"algo": {"fragments": fragments}},
+                               "shard_stats": {str(k): {k2: str(v) for k2, v in h.items()}
+                                               for k, h in enumerate(per_shard)}}))
+
+
+def test_a_cluster_behind_schedule_is_measured_and_marked_stale(tmp_path: Path) -> None:
+    """On an H200 the cluster's rounds fell behind its learners' steps at 10.8 M parameters (95 % of
+    merges late to schedule) and its ratio (1.33) read like the algorithm's: now each cluster run
+    carries its fractions of merges behind schedule and answers late, and the table marks a size
+    whose cluster was more than 10 % behind."""
+    a, b, c = tmp_path / "inproc-1x16", tmp_path / "cluster-1x16", tmp_path / "cluster-1x32"
+    for size, d in (("1x16", a), ("1x32", tmp_path / "inproc-1x32")):
+        _run(d, "dp_emulated", 0, 4.0, 1000)
+    _run(b, "decoupled", 0, 4.1, 1000)                     # compare's record, and the cluster's report
+    _shards(b / "runs" / "decoupled-s0" / "report.json",
+            [{"merges": 100, "rounds_behind": 2, "answers": 390, "late_answers": 10},
+             {"merges": 100, "rounds_behind": 0, "answers": 400, "late_answers": 0}], fragments=4)
+    _shards(c / "runs" / "decoupled-s0" / "report.json",     # only the report (compare failed after it)
+            [{"merges": 50, "rounds_behind": 45, "answers": 150, "late_answers": 50}], fragments=24)
+    results = gq.collect([("1x16", a, 1000), ("1x16", b, 1000), ("1x32", tmp_path / "inproc-1x32", 1000),
+                          ("1x32", c, 1000)])
+    ok, stale = results["1x16"]["decoupled"]["0"], results["1x32"]["decoupled"]["0"]
+    assert (ok["behind_fraction"], ok["late_fraction"], ok["fragments"]) == (0.01, 0.0125, 4)
+    assert (stale["behind_fraction"], stale["late_fraction"], stale["fragments"]) == (0.9, 0.25, 24)
+    plan = gq._size_plans(gq.replace(gq.DRY, sizes=(gq.parse_size("1x16"), gq.parse_size("1x32"))), gq.CPU, [10, 10])
+    rows = gq.table_rows(results, [gq.replace(p, tokens=1000) for p in plan])
+    assert rows[0]["decoupled_behind"] == 0.01 and rows[1]["decoupled_behind"] == 0.9
+    md = gq.markdown(rows, {"device": "cpu"})
+    line = {r.split("|")[1].strip(): r for r in md.splitlines() if r.startswith("| 1x")}
+    assert "(stale)" in line["1x32"] and "90.0% / 25.0%" in line["1x32"]
+    assert "(stale)" not in line["1x16"] and "1.0% / 1.2%" in line["1x16"]
+    assert "- (stale) 1x32:" in md
+
+
+def test_the_cluster_lane_runs_with_the_profiles_fragments(tmp_path: Path) -> None:
+    plan = gq._size_plans(gq.replace(gq.DRY, sizes=(gq.parse_size("1x16"),)), gq.CPU, [10])[0]
+    prof = gq.replace(gq.DRY, cluster_fragments=3)
+    kw = dict(device="cpu", config=tmp_path / "c.toml", report=tmp_path / "r", seed_start=0)
+    assert "algo.fragments=3" in gq.compare_argv(plan, "cluster", prof, **kw)
+    assert not any(a.startswith("algo.fragments") for a in gq.compare_argv(plan, "inproc", prof, **kw))
+    args = gq.build_parser().parse_args([str(tmp_path), "--dry", "--cluster-fragments", "2"])
+    assert gq._profile(args).cluster_fragments == 2
+    with pytest.raises(gq.QualityError, match="cluster-fragments"):
+        gq._profile(gq.build_parser().parse_args([str(tmp_path), "--dry", "--cluster-fragments", "0"]))
+
+
 def test_plot_has_ours_and_the_published_points(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     rows = [{"params": p, "tokens_per_param": 20.0, "diloco_sync_ratio": 1.03, "decoupled_ratio": r}
