@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "largest size (default 2; the largest gets 1)")
     ap.add_argument("--cluster-seeds", type=int, default=None, help="seeds of the decoupled cluster per size (default 1)")
     ap.add_argument("--cluster-fragments", type=int, default=None,
-                    help="fragments of the decoupled cluster (default 4: its rounds keep up with learners that "
+                    help="fragments of the decoupled cluster (default 2: its rounds keep up with learners that "
                          "step every ~20 ms; the table marks a cluster more than 10 %% behind schedule)")
     ap.add_argument("--seed-start", type=int, default=0, help="first seed (a later run adds seeds 2, 3, ...)")
     ap.add_argument("--tokens-per-param", type=float, default=None,

@@ -129,11 +129,11 @@ class Profile:
     eval_points: int
     min_steps: int
     """A size whose budget gives fewer steps than this is left out (reported)."""
-    cluster_fragments: int = 4
+    cluster_fragments: int = 2
     """Fragments of the cluster (``algo.fragments``; the in-process systems sync the whole model).
     Its learners step every 14-25 ms on a shared GPU: at the algorithm's default of 24, with H =
     12, that asks the two shards for ~100 merges a second, and on an H200 they made 19 (95 % of
-    merges behind schedule at 10.8 M parameters, docs/results/gpu.md). Four fragments ask ~17."""
+    merges behind schedule at 10.8 M parameters, docs/results/gpu.md). Two fragments ask ~8."""
 
     def tokens_per_step(self) -> int:
         """Tokens of one global step: M learners × batch × sequence."""
