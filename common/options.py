@@ -227,9 +227,13 @@ class UpOptions:
     replace_hung_s: float = 5.0
     """A learner process that is alive but whose heartbeat is older than this (frozen: a hung
     device, SIGSTOP) while the other learners' are fresh is killed and replaced (0: never)."""
+    learner_threads: int = 0
+    """Torch threads of each learner (0: this machine's cores shared among the learners). Fewer
+    leave cores to the shards, the broker and the learners' network threads on one machine."""
 
     def __post_init__(self) -> None:
         _check(self.replace_hung_s >= 0, "up.replace_hung_s must be >= 0")
+        _check(self.learner_threads >= 0, "up.learner_threads must be >= 0 (0: the cores shared among the learners)")
         _check(self.learners >= 1, "up.learners must be >= 1")
         _check(self.syncers >= 1, "up.syncers must be >= 1")
         _check(self.steps >= 0, "up.steps must be >= 0")

@@ -47,6 +47,7 @@ UP_FLAGS = (
     Flag("--syncers", UpOptions, "syncers"),
     Flag("--steps", UpOptions, "steps", note="none when --minutes is given"),
     Flag("--minutes", UpOptions, "minutes"),
+    Flag("--learner-threads", UpOptions, "learner_threads", metavar="N"),
     Flag("--eval-every-s", UpOptions, "eval_every_s", metavar="SECONDS",
          note="it fetches every fragment: make it rarer for a large model; 0: every second"),
     Flag("--report", UpOptions, "report_dir", metavar="DIR", note="DIR/report.json, PNG plots and "

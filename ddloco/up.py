@@ -208,7 +208,7 @@ class _UpRun:
             learners=self.up.learners, syncers=self.up.syncers, steps=self.up.steps,
             config_path=str(self.cfg_path), insecure=self.insecure, port=free_port, cpu_count=os.cpu_count() or 1,
             slowdowns=self.slowdowns, extra_learners=(self.extra[0] if self.extra else 0) + (SCAVENGERS if self.dashboard else 0),
-            step_time_floor_ms=self.step_time_floor_ms)
+            step_time_floor_ms=self.step_time_floor_ms, learner_threads=self.up.learner_threads)
 
     def _secure(self) -> None:
         """Secure by default: a key pair per member, CURVE on every socket, the allow list of this

@@ -74,7 +74,7 @@ class UpPlan:
 
 def plan_up(*, learners: int, syncers: int, steps: int, config_path: str, insecure: bool,
             port: Callable[[], int], cpu_count: int, slowdowns: list[float] | None = None,
-            extra_learners: int = 0, step_time_floor_ms: float | None = None,
+            extra_learners: int = 0, step_time_floor_ms: float | None = None, learner_threads: int = 0,
             python: str = sys.executable) -> UpPlan:
     """The plan of an `up` run of ``learners`` learners and ``syncers`` shards: learner i gets data
     shard i and slowdown ``slowdowns[i % len]``; every daemon a metrics port from ``port()``
@@ -88,7 +88,8 @@ def plan_up(*, learners: int, syncers: int, steps: int, config_path: str, insecu
              for i, lid in enumerate(learner_ids)}
     common_args = ("--config", config_path, "--log-format", "json") + (("--insecure",) if insecure else ())
     return UpPlan(learner_ids=learner_ids, extra_ids=extra_ids, syncers=syncers, steps=steps,
-                  threads_per_learner=max(1, cpu_count // learners), slots=slots, metrics_ports=ports,
+                  threads_per_learner=learner_threads or max(1, cpu_count // learners), slots=slots,
+                  metrics_ports=ports,
                   common_args=common_args, step_time_floor_ms=step_time_floor_ms, python=python)
 
 

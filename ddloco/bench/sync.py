@@ -57,6 +57,8 @@ def _up(tag: str, args: argparse.Namespace, out: Path, *, sync_every: int) -> di
            "--minutes", str(args.minutes), "--step-time-floor-ms", str(args.step_time_floor_ms),
            "--sync-every", str(sync_every), "--fragments", str(args.fragments), "--tau", str(args.tau),
            "--report", str(report), "--device", args.device]
+    if args.learner_threads:
+        cmd += ["--learner-threads", str(args.learner_threads)]
     if args.eval_every_s > 0:
         cmd += ["--eval-every-s", str(args.eval_every_s)]
     else:
@@ -273,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "the run's default)")
     ap.add_argument("--eval-every-s", type=float, default=0.0, help="up's periodic evaluation of the global "
                     "model, seconds (default 0: none, only the initial and final ones; it is not the sync path)")
+    ap.add_argument("--learner-threads", type=int, default=0, metavar="N",
+                    help="torch threads of each learner in both runs (default 0: up's, the cores shared among "
+                         "the learners)")
     ap.add_argument("--report", help="keep both runs' reports and bench.json here (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     return ap

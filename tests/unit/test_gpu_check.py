@@ -22,6 +22,10 @@ def test_verdicts_hold_each_target_of_the_issue_against_its_figure() -> None:
     assert bad["gpu_1b"]["rss<=2.5x_fp32+400MB"] is False
     assert bad["cpu_1e8"]["late<=2%"] is False and bad["cpu_1e8"]["down<=1.2xup"] is False
     assert bad["cpu_1e8"]["ratio>=0.97"] is True
+    # the lean variant (fewer training threads per learner) is judged apart, on its own figures
+    lean = verdicts({"bench_cpu": {"figures": {**good_cpu, "ratio": 0.94}},
+                     "bench_cpu_lean": {"figures": good_cpu}})
+    assert lean["cpu_1e8"]["ratio>=0.97"] is False and all(lean["cpu_1e8_lean"].values())
     # a stage that failed measured nothing: no verdict, rather than a pass
     assert verdicts({"bench_gpu": {"rc": "timeout"}}) == {}
     assert verdicts({"bench_gpu": {"figures": {"ratio": 0.99}}})["gpu_1b"]["no_stream_wait"] is None
@@ -32,7 +36,7 @@ def test_every_bench_stage_command_parses_with_the_bench_s_own_parser(sizes) -> 
     """A typo in a stage's flags would cost a GPU call: each bench stage's command (the GPU
     machine's and the dry run's) is parsed as `ddloco bench sync` parses it (the suite's dry run
     itself runs one bench stage: tests/integration/test_gpu_check_dry.py)."""
-    for stage in ("bench_gpu", "bench_cpu"):
+    for stage in ("bench_gpu", "bench_cpu", "bench_cpu_lean"):
         timeout, tail = sizes[stage]
         assert timeout > 0 and tail[:4] == ["-m", "ddloco", "bench", "sync"], (stage, tail)
         args = bench_sync.build_parser().parse_args([*tail[4:], "--report", "/tmp/x"])   # SystemExit on a typo

@@ -23,6 +23,9 @@ def test_every_daemon_gets_a_metrics_port_in_start_order_and_learners_share_the_
         ("learner-2", 9005), ("extra-0", 9006), ("extra-1", 9007)]
     assert plan.metrics_urls["shard1"] == "http://127.0.0.1:9002/metrics"
     assert plan.threads_per_learner == 2 and _plan(cpu_count=2).threads_per_learner == 1
+    assert _plan(learner_threads=5).threads_per_learner == 5       # up --learner-threads
+    assert "--threads" in (argv := _plan(learner_threads=5).learner_argv("learner-0", 0)) \
+        and argv[argv.index("--threads") + 1] == "5"
     assert dict(plan.slots["learner-1"]) == {"index": 1, "slowdown": None, "metrics_port": 9004}
     assert "extra-0" not in plan.slots   # a temporary learner has no slot: never replaced
 
