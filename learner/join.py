@@ -92,7 +92,10 @@ class Joining:
         self.plan_digest = plan_digest(self.plan)
         self._staging: HostStaging | None = staging_for(self.device, grouped=self.group is not None)
         if self._staging is not None:
-            self._staging.warm(max(f.numel for f in self.plan))
+            warmed = self._staging.warm(max(f.numel for f in self.plan), blocks=len(self.plan))
+            if warmed is not None:
+                self.log.warning("learner.pinned_warm_failed", reason=warmed[:200],
+                                 detail="copies take pinned memory as they go (slower step boundaries)")
         self.stream = data_stream(self.options, self.id)
         check_task(self.task, self.model, seed=self.run_cfg.task.seed, stream=self.stream)
         mark_boot(self._stats.boot_phases, "prepared", self._process_started_at)
@@ -103,18 +106,20 @@ class Joining:
         RSS); a model whose construction needs the host (a CPU ``torch.Generator`` for its init,
         as the built-in tasks use) is built on the host and moved."""
         seed = self.run_cfg.task.seed
+        model = None
         if self.device.type == "cuda":
             try:
                 model = build_model(self.task, seed, device=self.device)
-                stray = stray_tensors(model, self.device)
-                if stray:   # made on the host despite the context (skip_init, device=...): moved
-                    self.log.warning("learner.model_moved", tensors=len(stray), first=stray[:3], device=str(self.device),
-                                     detail="the task's model made these on another device; moved to the learner's")
-                    model = model.to(self.device)
-                return model
-            except RuntimeError as e:
+            except RuntimeError as e:   # e.g. a CPU generator's draw into a CUDA tensor
                 self.log.info("learner.model_built_on_host", reason=str(e)[:200])
-        return build_model(self.task, seed).to(self.device)
+        if model is None:
+            return build_model(self.task, seed).to(self.device)
+        stray = stray_tensors(model, self.device)
+        if stray:   # made on the host despite the context (skip_init, an explicit device=...): moved
+            self.log.warning("learner.model_moved", tensors=len(stray), first=stray[:3], device=str(self.device),
+                             detail="the task's model made these on another device; moved to the learner's")
+            model = model.to(self.device)
+        return model
 
     def _resolve_device(self) -> torch.device:
         """``options.device``; in a group on CUDA, this rank's GPU (cuda:LOCAL_RANK: one GPU per

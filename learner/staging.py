@@ -10,7 +10,9 @@ that was not prefetched is copied on a second side stream, ``to_device``). The s
 (ALGORITHM §6) stays on the device, so applying a merge reads nothing back; it costs GPU memory,
 up to one fp32 copy of the fragments answered and not merged yet. Pinned memory comes from
 PyTorch's caching host allocator, which keeps it for reuse: a few blocks of the largest fragment,
-taken at join (``warm``), serve every copy; the learner's bases stay in ordinary memory.
+taken at join (``warm``), serve the copies of fragments of its size class; the learner's bases stay
+in ordinary memory (a merge on a round the learner did not answer pins its base on the training
+thread, ``to_device``: counted in ``pin_ms``).
 
 On a CPU learner there is nothing to stage: ``staging_for`` returns None and the learner keeps
 its plain path (host tensors throughout). A torchrun group keeps the plain path too (its ranks
@@ -31,6 +33,9 @@ import torch
 WARM_BLOCKS = 4
 """Pinned blocks of the largest fragment taken at join (``HostStaging.warm``): answers copied to
 the host and merged values on their way to the device, at most a few of each in flight."""
+WARM_MAX_BYTES = 1 << 30
+"""At most this much pinned memory is taken at join (a model of a few large fragments gets fewer
+blocks: its copies pin the rest as they go)."""
 
 PENDING_MAX = 4096
 """Copies whose timing events are still waiting to be read: beyond this many, the oldest are
@@ -107,14 +112,25 @@ class HostStaging:
         released once the training thread adopted it, so a few blocks serve every copy)."""
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
-    def warm(self, numel: int, count: int = WARM_BLOCKS) -> None:
-        """Take ``count`` pinned blocks of ``numel`` float32 values and give them back: PyTorch's
-        caching host allocator keeps them, so the copies of answers and merges reuse them instead
-        of pinning new memory at a step boundary (tens of ms of the training thread's CPU for a
-        fragment of 10^8 bytes: the pages are zeroed and locked)."""
-        if numel > 0 and count > 0:
-            blocks = [torch.empty(numel, dtype=torch.float32, pin_memory=True) for _ in range(count)]
-            del blocks
+    def warm(self, numel: int, *, blocks: int = WARM_BLOCKS) -> str | None:
+        """Take pinned blocks of ``numel`` float32 values (the largest fragment) and give them back:
+        PyTorch's caching host allocator keeps them, so the copies of answers and merges (fragments
+        of one power-of-two size class: balanced fragments, as a rule) reuse them instead of
+        pinning new memory at a step boundary (tens of ms of the training thread's CPU for a
+        fragment of 10^8 bytes: the pages are zeroed and locked). At most ``WARM_BLOCKS``, no more
+        than ``blocks`` (the fragments), and ``WARM_MAX_BYTES`` in all (the allocator rounds a
+        block up to a power of two). Returns None, or why pinning failed (the copies then pin as
+        they go)."""
+        size = 1 << max(0, (4 * numel - 1).bit_length())
+        count = min(WARM_BLOCKS, blocks, WARM_MAX_BYTES // size)
+        if numel <= 0 or count <= 0:
+            return None
+        try:
+            taken = [torch.empty(numel, dtype=torch.float32, pin_memory=True) for _ in range(count)]
+        except RuntimeError as e:
+            return str(e)
+        del taken
+        return None
 
     def to_device(self, host: torch.Tensor | Prefetched) -> torch.Tensor:
         """``host`` on the device; the training stream waits for the copy on the GPU (the calling
@@ -127,7 +143,9 @@ class HostStaging:
             host.value.record_stream(current)  # allocated on the ahead stream, used on the training one
             self._track("h2d", host.start, host.end, reached)
             return host.value
+        started = time.perf_counter()   # a merge on a round this learner did not answer: its base
         pinned = host if host.is_pinned() else host.pin_memory()
+        self.pin_ms += (time.perf_counter() - started) * 1e3
         with torch.cuda.stream(self.down):
             start = _timed_event(self.down)
             value = pinned.to(self.device, non_blocking=True)

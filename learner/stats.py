@@ -126,7 +126,8 @@ class LearnerStats:
     stream_wait_ms: float = declare(0.0, doc="CUDA learner: the training stream's milliseconds of those waits.",
                                     redis="stream_wait_ms", digits=3)
     pin_ms: float = declare(0.0, doc="CUDA learner: wall milliseconds the training thread spent taking pinned "
-                            "host memory for answers (from PyTorch's cache: ~0 once warm).", redis="pin_ms", digits=3)
+                            "host memory for answers (from PyTorch's cache: ~0 once warm) and pinning the base of a merge "
+                            "on a round it did not answer.", redis="pin_ms", digits=3)
     pin_ms_net: float = declare(0.0, doc="CUDA learner: the same on the network thread, for merged values on their "
                                 "way to the device.", redis="pin_ms_net", digits=3)
     gpu_peak_mb: float = declare(0.0, doc="CUDA learner: the device's peak allocated memory (MiB).",

@@ -42,7 +42,7 @@ from ddloco.bench.quality_plan import (CPU, DRY, FULL, GPU, MAX_TOKENS_PER_PARAM
                                        train_flops)
 from ddloco.bench.quality_plan import (DRY_TOKENS_PER_PARAM, LEARNERS, LOG_FILE_LIMIT, NAMED_SIZES,  # noqa: F401
                                        Profile, QualityError, SizePlan, _size_plans, parse_size, parse_sizes, plan)
-from ddloco.bench.quality_table import collect, markdown, plot, short_table, table_rows  # noqa: F401
+from ddloco.bench.quality_table import cluster_health, collect, markdown, plot, short_table, table_rows  # noqa: F401
 
 # ------------------------------------------------------------------------------------ stages
 REPO = Path(__file__).resolve().parents[2]
@@ -191,9 +191,12 @@ class Sweep:
     def results(self) -> dict[str, Any]:
         tokens = {p.size: p.tokens for p in self.plans}
         res = collect((s.size, s.report, tokens[s.size]) for s in self.stages)
+        fragments = self.meta.get("profile", {}).get("cluster_fragments")
         for size, systems in self.merged.items():   # an earlier run's seeds at the same size and tokens
             for system, seeds in systems.items():
                 for seed, r in seeds.items():
+                    if system == "decoupled" and r.get("fragments") != fragments:
+                        continue   # another cluster shape (or one not recorded): not this sweep's system
                     res.setdefault(size, {}).setdefault(system, {}).setdefault(seed, r)
         return res
 
@@ -244,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "largest size (default 2; the largest gets 1)")
     ap.add_argument("--cluster-seeds", type=int, default=None, help="seeds of the decoupled cluster per size (default 1)")
     ap.add_argument("--cluster-fragments", type=int, default=None,
-                    help="fragments of the decoupled cluster (default 2: its rounds keep up with learners that "
+                    help="fragments of the decoupled cluster (default 4: fewer rounds a second for learners that "
                          "step every ~20 ms; the table marks a cluster more than 10 %% behind schedule)")
     ap.add_argument("--seed-start", type=int, default=0, help="first seed (a later run adds seeds 2, 3, ...)")
     ap.add_argument("--tokens-per-param", type=float, default=None,

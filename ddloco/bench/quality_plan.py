@@ -129,11 +129,14 @@ class Profile:
     eval_points: int
     min_steps: int
     """A size whose budget gives fewer steps than this is left out (reported)."""
-    cluster_fragments: int = 2
+    cluster_fragments: int = 4
     """Fragments of the cluster (``algo.fragments``; the in-process systems sync the whole model).
-    Its learners step every 14-25 ms on a shared GPU: at the algorithm's default of 24, with H =
-    12, that asks the two shards for ~100 merges a second, and on an H200 they made 19 (95 % of
-    merges behind schedule at 10.8 M parameters, docs/results/gpu.md). Two fragments ask ~8."""
+    Its learners step every 14-25 ms on a shared GPU, and each shard must merge F ÷ (S · H · step)
+    rounds a second, at most min(τ, F ÷ S) of them in flight (a fragment is never reopened while
+    in flight). At the default 24 fragments that asked each of the two shards for ~50 merges a
+    second at 20 ms steps, where an H200 run's rounds (~0.21 s each, 2 in flight) allowed ~9.5:
+    95 % of merges behind schedule at 10.8 M parameters (docs/results/gpu.md). Four ask ~8.3 with
+    2 in flight (two: ~4.2 with 1): little headroom; quality.md marks a size that fell behind."""
 
     def tokens_per_step(self) -> int:
         """Tokens of one global step: M learners × batch × sequence."""

@@ -53,17 +53,36 @@ def cluster_health(report: Path) -> dict[str, Any]:
     Empty when the report cannot be read."""
     try:
         rep = json.loads(report.read_text())
-        shards = list((rep.get("shard_stats") or {}).values())
-        count = lambda key: sum(float(h.get(key) or 0) for h in shards)   # noqa: E731
-        merges, late, answers = count("merges"), count("late_answers"), count("answers")
-        out = {"behind_fraction": round(count("rounds_behind") / merges, 4) if merges else None,
-               "late_fraction": round(late / (late + answers), 4) if late + answers else None}
-        fragments = (rep.get("config") or {}).get("algo", {}).get("fragments")
-        if fragments is not None:
-            out["fragments"] = int(fragments)
-        return out
-    except (OSError, ValueError, TypeError, AttributeError):
+    except (OSError, ValueError):
         return {}
+    if not isinstance(rep, dict):
+        return {}
+    shards = [h for h in (_dict(rep.get("shard_stats")) or {}).values() if isinstance(h, dict)]
+
+    def count(key: str) -> float | None:   # None when any shard's figure is unreadable
+        total = 0.0
+        for h in shards:
+            try:
+                v = float(h.get(key) or 0)
+            except (TypeError, ValueError):
+                return None
+            if not math.isfinite(v) or v < 0:
+                return None
+            total += v
+        return total
+    merges, behind, late, answers = count("merges"), count("rounds_behind"), count("late_answers"), count("answers")
+    out: dict[str, Any] = {
+        "behind_fraction": round(behind / merges, 4) if merges and behind is not None else None,
+        "late_fraction": round(late / (late + answers), 4)
+        if late is not None and answers is not None and late + answers else None}
+    fragments = (_dict(_dict(rep.get("config")).get("algo"))).get("fragments")
+    if isinstance(fragments, int) and fragments >= 1:
+        out["fragments"] = fragments
+    return out
+
+
+def _dict(x: Any) -> dict[str, Any]:
+    return x if isinstance(x, dict) else {}
 
 
 def _finite(x: Any) -> bool:
@@ -108,6 +127,8 @@ def table_rows(results: dict[str, dict[str, dict[str, dict[str, Any]]]], plans: 
         row["decoupled_behind"] = max((h for h in health if h is not None), default=None)
         late = [r.get("late_fraction") for r in by.get("decoupled", {}).values()]
         row["decoupled_late"] = max((x for x in late if x is not None), default=None)
+        row["decoupled_fragments"] = sorted({r.get("fragments") for r in by.get("decoupled", {}).values()},
+                                            key=lambda f: (f is None, f or 0))
         dp = by.get("dp_emulated", {})
         for system in ("diloco_sync", "decoupled"):
             paired = [by[system][s]["eval_loss_final"] / dp[s]["eval_loss_final"]
@@ -136,6 +157,9 @@ def markdown(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
         if behind is not None and behind > BEHIND_LIMIT:
             mark, stale = " (stale)", [*stale, r["size"]]
         health = "–" if behind is None else f"{behind:.1%} / {_fmt(r.get('decoupled_late'), '.1%')}"
+        frags = r.get("decoupled_fragments") or []
+        if frags:
+            health += " · " + ",".join("?" if f is None else str(f) for f in frags) + " fragments"
         lines.append(f"| {r['size']} | {r['params'] / 1e6:.2f} M | {r['tokens']:,} | {r['tokens_per_param']:.2f} | "
                      f"{_fmt(r['dp_emulated'], '.4f')} | {_fmt(r['diloco_sync'], '.4f')} | "
                      f"{_fmt(r['decoupled'], '.4f')} | {_fmt(r['diloco_sync_ratio'], '.4f')} | "

@@ -103,3 +103,30 @@ def test_every_staging_reading_is_a_declared_learner_stat(monkeypatch) -> None:
     s.device = torch.device("cuda", 0)
     declared = {f.name for f in dataclasses.fields(LearnerStats)}
     assert set(s.readings()) <= declared, set(s.readings()) - declared
+
+
+def test_warm_takes_a_few_pinned_blocks_within_its_cap_and_survives_a_failure(monkeypatch) -> None:
+    """A CUDA learner takes pinned blocks of its largest fragment at join (so its step boundaries
+    reuse them): at most 4, no more than its fragments, 1 GiB in all as the allocator rounds a
+    block up to a power of two; a failure to pin is returned, never raised (the join goes on)."""
+    from learner import staging as st
+    taken = []
+
+    def empty(n, dtype=None, pin_memory=False):
+        assert pin_memory
+        taken.append(n)
+        return object()
+    monkeypatch.setattr(st.torch, "empty", empty)
+    s = _staging()
+    assert s.warm(42_000_000, blocks=24) is None and taken == [42_000_000] * 4      # 168 MB: 256 MiB blocks
+    taken.clear()
+    assert s.warm(42_000_000, blocks=2) is None and len(taken) == 2
+    taken.clear()
+    assert s.warm(100_000_000, blocks=24) is None and len(taken) == 2               # 400 MB: 512 MiB blocks
+    taken.clear()
+    assert s.warm(500_000_000, blocks=1) is None and taken == []                    # 2 GB: past the cap
+
+    def fails(*a, **k):
+        raise RuntimeError("CUDA error: out of memory")
+    monkeypatch.setattr(st.torch, "empty", fails)
+    assert "out of memory" in s.warm(1 << 20)

@@ -128,6 +128,15 @@ def test_a_cluster_behind_schedule_is_measured_and_marked_stale(tmp_path: Path) 
     assert "(stale)" in line["1x32"] and "90.0% / 25.0%" in line["1x32"]
     assert "(stale)" not in line["1x16"] and "1.0% / 1.2%" in line["1x16"]
     assert "- (stale) 1x32:" in md
+    # a malformed report loses only what is malformed in it
+    bad = tmp_path / "bad" / "report.json"
+    _shards(bad, [{"merges": 10, "rounds_behind": 1, "answers": "nan", "late_answers": 0}], fragments=4)
+    doc = json.loads(bad.read_text())
+    doc["config"] = {"algo": None}
+    bad.write_text(json.dumps(doc))
+    assert gq.cluster_health(bad) == {"behind_fraction": 0.1, "late_fraction": None}
+    bad.write_text("[1, 2]")
+    assert gq.cluster_health(bad) == {} and gq.cluster_health(tmp_path / "none.json") == {}
 
 
 def test_the_cluster_lane_runs_with_the_profiles_fragments(tmp_path: Path) -> None:
@@ -185,6 +194,13 @@ def test_merge_takes_the_earlier_plan_with_this_runs_seeds(tmp_path: Path) -> No
     old.write_text("{}")
     with pytest.raises(gq.QualityError, match="not a quality.json"):
         gq.merged_plan(str(old), gq.FULL)
+    # an earlier cluster of another shape (the 24-fragment pilot, fragments not recorded) stays out
+    earlier = {"6x64": {"dp_emulated": {"0": {"eval_loss_final": 2.0}},
+                        "decoupled": {"0": {"eval_loss_final": 2.6}, "1": {"eval_loss_final": 2.1, "fragments": 4},
+                                      "2": {"eval_loss_final": 2.2, "fragments": 24}}}}
+    sweep = gq.Sweep(tmp_path, tmp_path, plans, {"profile": {"cluster_fragments": 4}}, earlier)
+    res = sweep.results()
+    assert set(res["6x64"]["decoupled"]) == {"1"} and set(res["6x64"]["dp_emulated"]) == {"0"}
 
 
 def test_a_stage_past_its_timeout_is_stopped_and_recorded(tmp_path: Path) -> None:
