@@ -46,6 +46,10 @@ BEHIND_LIMIT = 0.10
 algorithm, and the table says so."""
 
 
+STALE_MIN_MERGES = 20
+"""A cluster run with fewer merges is not judged (one start-up round behind of four is 25 %)."""
+
+
 def cluster_health(report: Path) -> dict[str, Any]:
     """From a cluster's report.json: the fraction of merges behind schedule (a round opened later
     than its fragment's turn, ``rounds_behind`` ÷ merges) and of answers that came after their round
@@ -72,6 +76,7 @@ def cluster_health(report: Path) -> dict[str, Any]:
         return total
     merges, behind, late, answers = count("merges"), count("rounds_behind"), count("late_answers"), count("answers")
     out: dict[str, Any] = {
+        "merges": int(merges) if merges is not None else None,
         "behind_fraction": round(behind / merges, 4) if merges and behind is not None else None,
         "late_fraction": round(late / (late + answers), 4)
         if late is not None and answers is not None and late + answers else None}
@@ -123,7 +128,8 @@ def table_rows(results: dict[str, dict[str, dict[str, dict[str, Any]]]], plans: 
             runs = by.get(system, {})
             row[system] = (sum(r["eval_loss_final"] for r in runs.values()) / len(runs)) if runs else None
             row[f"{system}_seeds"] = sorted(int(s) for s in runs)
-        health = [r.get("behind_fraction") for r in by.get("decoupled", {}).values()]
+        health = [r.get("behind_fraction") for r in by.get("decoupled", {}).values()
+                  if (r.get("merges") or 0) >= STALE_MIN_MERGES]   # a few merges (a dry run's) say nothing
         row["decoupled_behind"] = max((h for h in health if h is not None), default=None)
         late = [r.get("late_fraction") for r in by.get("decoupled", {}).values()]
         row["decoupled_late"] = max((x for x in late if x is not None), default=None)

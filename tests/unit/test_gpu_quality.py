@@ -118,8 +118,8 @@ def test_a_cluster_behind_schedule_is_measured_and_marked_stale(tmp_path: Path) 
     results = gq.collect([("1x16", a, 1000), ("1x16", b, 1000), ("1x32", tmp_path / "inproc-1x32", 1000),
                           ("1x32", c, 1000)])
     ok, stale = results["1x16"]["decoupled"]["0"], results["1x32"]["decoupled"]["0"]
-    assert (ok["behind_fraction"], ok["late_fraction"], ok["fragments"]) == (0.01, 0.0125, 4)
-    assert (stale["behind_fraction"], stale["late_fraction"], stale["fragments"]) == (0.9, 0.25, 24)
+    assert (ok["merges"], ok["behind_fraction"], ok["late_fraction"], ok["fragments"]) == (200, 0.01, 0.0125, 4)
+    assert (stale["merges"], stale["behind_fraction"], stale["late_fraction"], stale["fragments"]) == (50, 0.9, 0.25, 24)
     plan = gq._size_plans(gq.replace(gq.DRY, sizes=(gq.parse_size("1x16"), gq.parse_size("1x32"))), gq.CPU, [10, 10])
     rows = gq.table_rows(results, [gq.replace(p, tokens=1000) for p in plan])
     assert rows[0]["decoupled_behind"] == 0.01 and rows[1]["decoupled_behind"] == 0.9
@@ -134,7 +134,11 @@ def test_a_cluster_behind_schedule_is_measured_and_marked_stale(tmp_path: Path) 
     doc = json.loads(bad.read_text())
     doc["config"] = {"algo": None}
     bad.write_text(json.dumps(doc))
-    assert gq.cluster_health(bad) == {"behind_fraction": 0.1, "late_fraction": None}
+    assert gq.cluster_health(bad) == {"merges": 10, "behind_fraction": 0.1, "late_fraction": None}
+    # too few merges to judge (a dry run's): the figures stay, no mark
+    few = {"6x64": {"decoupled": {"0": {"eval_loss_final": 2.0, "merges": 4, "behind_fraction": 0.25}}}}
+    row = gq.table_rows(few, [gq.replace(plan[0], size="6x64")])[0]
+    assert row["decoupled_behind"] is None
     bad.write_text("[1, 2]")
     assert gq.cluster_health(bad) == {} and gq.cluster_health(tmp_path / "none.json") == {}
 
