@@ -173,7 +173,8 @@ class AlgoConfig:
     extra version costs the shard one more copy of its share of the model."""
     lockstep: bool = False
     """Lock-step baseline: learners stop every H steps until every fragment is merged, and each
-    round waits for every live learner (K = M whatever ``quorum`` says). This is Decoupled DiLoCo
+    round waits for every learner (K = M whatever ``quorum`` says: a killed learner's replacement
+    is waited for; one that finished its budget and left is not). This is Decoupled DiLoCo
     with K = M (token weights, RDA, the outer step), not the plain-average synchronous DiLoCo."""
 
     def __post_init__(self) -> None:

@@ -216,6 +216,18 @@ def life_fields(r: redis.Redis, keys: Keys, fields: tuple[str, ...], *,
     return dict(zip(found, pipe.execute())) if found else {}
 
 
+def left_learners(r: redis.Redis, keys: Keys, ids: Iterable[str]) -> set[str]:
+    """Those of ``ids`` whose entry says they left (a graceful stop: ``leave``); a killed learner's
+    entry keeps its last status."""
+    ids = sorted(ids)
+    if not ids:
+        return set()
+    pipe = r.pipeline(transaction=False)
+    for m in ids:
+        pipe.hget(keys.learner(m), "status")
+    return {m for m, st in zip(ids, pipe.execute()) if st in ("left", b"left")}
+
+
 def leave(pipe: Any, keys: Keys, learner_id: str) -> None:
     """Deregister a learner (graceful stop): no longer counted live (its own keys only)."""
     pipe.delete(keys.heartbeat(learner_id))

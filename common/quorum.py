@@ -43,9 +43,12 @@ class RoundView:
     answering: int | None = None
     """Live learners past their join (training, blocked at a barrier, flushing): those that answer
     rounds (None: ``live_learners``)."""
+    departed: int = 0
+    """Learners that sent their final answer and are gone (their budget done): lock-step's K = M
+    no longer counts them (it waits for a killed learner's replacement, not for one that finished)."""
 
     def __post_init__(self) -> None:
-        if self.answers < 0 or self.live_learners < 0:
+        if self.answers < 0 or self.live_learners < 0 or self.departed < 0:
             raise ValueError(
                 f"answers and live_learners must be >= 0, got {self.answers}, "
                 f"{self.live_learners}"
@@ -65,7 +68,8 @@ class QuorumPolicy:
     grace_enabled: bool = True
     """Off: merge as soon as the quorum is reached."""
     all_live: bool = False
-    """Lock-step: a round waits for every live learner (K = M, at least ``quorum``)."""
+    """Lock-step: a round waits for every live learner and for ``quorum`` answers less the
+    learners that finished and left (``RoundView.departed``)."""
     min_answers: int = 1
     """Robust floor: a round merges only with answers from at least min(this, answering learners)
     members, so that no one member fills a quorum (with 3, a hostile answer is never the round's
@@ -115,7 +119,7 @@ def decide_round(
     reaching it at ``now_s``).
     """
     _check_duration("grace_s", grace_s)
-    k = max(policy.quorum, rnd.live_learners) if policy.all_live else policy.quorum
+    k = max(policy.quorum - rnd.departed, rnd.live_learners, 1) if policy.all_live else policy.quorum
     if policy.min_answers > 1 and now_s - rnd.opened_at_s < policy.min_answers_wait_s:
         answering = rnd.live_learners if rnd.answering is None else rnd.answering
         k = max(k, min(policy.min_answers, answering))

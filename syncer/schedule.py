@@ -34,6 +34,8 @@ class Learners:
     """The live learners' step-time EMAs (plausible ones only)."""
     finishing: bool = False
     """A live learner sent its final answer (its steps are done): rounds open back to back."""
+    departed: int = 0
+    """Learners whose last answer was final and that are no longer live: done, not dead."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,8 @@ class RoundSchedule:
         calls = []
         for p, rnd in rounds.items():
             view = RoundView(opened_at_s=rnd.opened_at, answers=len(rnd.answers), quorum_reached_at_s=rnd.quorum_at,
-                             live_learners=learners.live, answering=learners.answering)
+                             live_learners=learners.live, answering=learners.answering,
+                             departed=learners.departed)
             decision, reason = decide_round(now, view, policy, grace_s=grace_s)
             reopen = (decision is Decision.WAIT_QUORUM
                       and now - rnd.last_sent_at >= self.reopen_after_s(rnd.attempt, xi_step))

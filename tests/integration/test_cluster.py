@@ -530,6 +530,24 @@ def test_lockstep_from_the_run_config_waits_for_every_live_learner(make_cluster)
     assert not cluster.errors, cluster.errors
 
 
+def test_lockstep_goes_on_without_a_learner_that_finished_and_left(make_cluster):
+    """Lock-step waits for every learner (K = M): for a killed one's replacement, but not for one
+    that finished its budget and left. Before, every round after it left waited for it, and the
+    other learner blocked at its barrier (or, done too, flushed for 30 s and never had its last
+    steps merged): seen under `ddloco compare --chaos`, whose kills leave budgets uneven."""
+    run = RunConfig(algo=AlgoConfig(fragments=2, sync_every_steps=3, quorum=2, lockstep=True, inner_warmup_steps=1))
+    cluster = make_cluster(run)
+    cluster.start_shard(0, 1)
+    short = cluster.learner("short", 0, max_steps=9, step_time_floor_ms=5, flush_timeout_s=20.0)
+    long = cluster.learner("long", 1, max_steps=60, step_time_floor_ms=5, flush_timeout_s=20.0)
+    threads = [cluster.start_learner(short), cluster.start_learner(long)]
+    wait_until(lambda: not threads[0].is_alive(), 60, what="the short learner to finish and leave")
+    wait_until(lambda: not threads[1].is_alive(), 30, what="the long learner to finish its 60 steps without it")
+    assert not cluster.errors, cluster.errors
+    assert (short.stats.steps, long.stats.steps) == (9, 60)
+    assert long.stats.unflushed == 0 and long.stats.flushed == 2 and long.stats.flush_s < 10, long.stats
+
+
 def test_a_learner_with_a_stale_base_fetches_first_and_never_answers_against_it(make_cluster):
     from learner.network import Answer, RoundOpened
 

@@ -1,9 +1,9 @@
 """Round policy at fixed `now` values: quorum, grace window, fragment scheduling, EMAs."""
 from __future__ import annotations
 
-from typing import Callable
-
+import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import pytest
 
@@ -199,6 +199,24 @@ def test_lockstep_policy_waits_for_every_live_learner_whatever_the_quorum() -> N
     assert decide_round(5.0, view, K1, grace_s=0.0)[0] is Decision.MERGE
     done = RoundView(opened_at_s=0.0, answers=3, quorum_reached_at_s=1.0, live_learners=3)
     assert decide_round(5.0, done, lock, grace_s=0.0) == (Decision.MERGE, "all 3 live learners answered")
+
+
+def test_lockstep_waits_for_a_killed_learners_replacement_not_for_one_that_finished() -> None:
+    """`up --lockstep` sets K = M. A killed learner (not live, not finished) is waited for: its
+    replacement answers. One that sent its final answer and left is not: before, every later round
+    waited for it until the others' flushes timed out (30 s, their last steps never merged; seen in
+    `ddloco compare --chaos` of lock-step, where kills leave the learners' budgets uneven)."""
+    lock = QuorumPolicy(quorum=4, tau=2, grace_gamma=0.8, all_live=True)
+    killed = RoundView(opened_at_s=0.0, answers=3, quorum_reached_at_s=None, live_learners=3)
+    assert decide_round(5.0, killed, lock, grace_s=0.0) == (Decision.WAIT_QUORUM,
+                                                            "waiting for quorum: 3/4 answers, 3 live")
+    finished = dataclasses.replace(killed, departed=1)
+    assert decide_round(5.0, finished, lock, grace_s=0.0) == (Decision.MERGE, "all 3 live learners answered")
+    both = RoundView(opened_at_s=0.0, answers=2, quorum_reached_at_s=None, live_learners=2, departed=1)
+    assert decide_round(5.0, both, lock, grace_s=0.0)[0] is Decision.WAIT_QUORUM   # 3 expected: one is dead
+    gone = RoundView(opened_at_s=0.0, answers=0, quorum_reached_at_s=None, live_learners=0, departed=4)
+    assert decide_round(5.0, gone, lock, grace_s=0.0)[0] is Decision.WAIT_QUORUM   # never K = 0
+    assert decide_round(5.0, dataclasses.replace(finished, departed=3), K1, grace_s=0.0)[0] is Decision.MERGE
 
 
 def _simulate(tick: Callable[[], float], *, round_s: Callable[[], float] | None = None,
