@@ -50,8 +50,8 @@ class RoundView:
     def __post_init__(self) -> None:
         if self.answers < 0 or self.live_learners < 0 or self.departed < 0:
             raise ValueError(
-                f"answers and live_learners must be >= 0, got {self.answers}, "
-                f"{self.live_learners}"
+                f"answers, live_learners and departed must be >= 0, got {self.answers}, "
+                f"{self.live_learners}, {self.departed}"
             )
 
 

@@ -6,9 +6,10 @@ event the network thread queries (never waits on) before it computes the delta a
 merged value goes the other way: the network thread copies it into pinned memory as soon as it is
 decoded and starts its copy to the device on a third stream (``prefetch``); the training thread
 adopts the device value, its stream waiting for that copy on the GPU, not on the host (a value
-that was not prefetched is copied on a second side stream, ``to_device``). The snapshot the learner keeps to carry its uncontributed steps
-(ALGORITHM §6) stays on the device, so applying a merge reads nothing back; it costs GPU memory,
-up to one fp32 copy of the fragments answered and not merged yet. Pinned memory comes from
+that was not prefetched is copied on a second side stream, ``to_device``). The snapshot the
+learner keeps to carry its uncontributed steps (ALGORITHM §6) stays on the device, so applying a
+merge reads nothing back; it costs GPU memory, up to one fp32 copy of the fragments answered and
+not merged yet. Pinned memory comes from
 PyTorch's caching host allocator, which keeps it for reuse: a few blocks of the largest fragment,
 taken at join (``warm``), serve the copies of fragments of its size class; the learner's bases stay
 in ordinary memory (a merge on a round the learner did not answer pins its base on the training

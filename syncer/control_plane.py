@@ -37,8 +37,8 @@ class ControlPlane:
                                         f"{self.redis.get(self.keys.shard_lease(self.options.shard))!r}")
             control.sync_members(self.redis, self.keys)   # the membership set is ours to keep
             self.live = control.live_learners(self.redis, self.keys)
-            # done, not dead: sent its final answer, then left (lock-step stops waiting for it)
-            self._departed = control.left_learners(self.redis, self.keys, self._finished - self.live.keys())
+            if self.policy.all_live:   # done, not dead: sent its final answer, then left (lock-step stops waiting)
+                self._departed = control.left_learners(self.redis, self.keys, self._finished - self.live.keys())
             self._remember_step_times()
             self._accept_token_claims()
             self._live_read_unix = time.time()

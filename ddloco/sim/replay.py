@@ -12,8 +12,11 @@ Model (ALGORITHM §9's accounting, per system):
   last answer, (H − 1) / 2 on average over the staggered fragments, and takes that learner out
   for ``rejoin_s``; the others go on.
 - ``decoupled_lockstep`` (K = M): every round waits for all M, and a learner answers only after a
-  whole block of H steps (the barrier), so a kill stops every learner for ``rejoin_s`` plus the
-  replacement's first H steps; the group runs at the slowest learner's pace.
+  whole block of H steps (the barrier). A kill k steps into a block loses those k steps, and its
+  replacement trains a whole block from ``rejoin_s`` after the kill while the others finish theirs
+  (H − k steps) and wait: the group stops for ``rejoin_s`` + k steps, (H − 1) / 2 on average; it
+  runs at the slowest learner's pace. (A first model charged ``rejoin_s`` + H steps: −6.6 and −6.5
+  points on two seeds, docs/results/side_by_side.md.)
 
 With ``noise`` a group that waits for every rank steps at the mean of the slowest noisy rank
 (per step for DP and torchft, per H-step block for sync DiLoCo and lock-step).
@@ -102,7 +105,7 @@ def predict(system: str, faults: Sequence[Any], *, learners: int, steps: int, st
     lost_per_kill = (sync_every - 1) / 2
     if system == "decoupled_lockstep":
         T = paced_step(step_r, noise, sync_every)
-        stop_s = rejoin_s + sync_every * T     # the others wait at the barrier meanwhile
+        stop_s = rejoin_s + lost_per_kill * T   # the others finish their block, then wait at the barrier
         end, hit = steps * T, 0
         for tk in sorted(t for ks in kills for t in ks):   # in time order: each hit pushes the end
             if tk >= min(end, cap_s):

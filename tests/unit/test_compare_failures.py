@@ -53,16 +53,17 @@ def test_replay_charges_the_elastic_group_for_every_kill_and_ours_for_one_learne
     assert late["lost_steps"] == 45 * 4 and late["span_s"] == pytest.approx(39.0 + 5.0 + (1000 - 150) * 0.2)
     ours = predict("decoupled", kills, **kw)
     assert ours["span_s"] == pytest.approx(201.0) and ours["goodput"] > dp["goodput"]
-    # lock-step: everyone waits for the replacement's rejoin and its first H-step block; kills in
-    # time order, each pushing the end (one past the end hits nothing), the cap where it binds
+    # lock-step: a kill (H - 1) / 2 steps into a block, on average, stops everyone for the rejoin and
+    # those steps (the replacement's whole block less the others' rest of theirs); kills in time
+    # order, each pushing the end (one past the end hits nothing), the cap where it binds
     lockstep = predict("decoupled_lockstep", kills, **kw)
-    assert lockstep["span_s"] == pytest.approx(200.0 + 1.0 + 12 * 0.2) and lockstep["lost_steps"] == 5.5
-    after = [*kills, {**kills[0], "at_s": 202.0}, {**kills[0], "at_s": 204.0}]   # 202 < 203.4, then 204 < 206.8
+    assert lockstep["span_s"] == pytest.approx(200.0 + 1.0 + 5.5 * 0.2) and lockstep["lost_steps"] == 5.5
+    after = [*kills, {**kills[0], "at_s": 202.0}, {**kills[0], "at_s": 204.0}]   # 202 < 202.1, then 204 < 204.2
     assert predict("decoupled_lockstep", after, **kw)["lost_steps"] == 5.5 * 3
     past = [*kills, {**kills[0], "at_s": 210.0}]                                  # after the pushed end: missed
-    assert predict("decoupled_lockstep", past, **kw)["span_s"] == pytest.approx(203.4)
+    assert predict("decoupled_lockstep", past, **kw)["span_s"] == pytest.approx(202.1)
     lcap = predict("decoupled_lockstep", kills, **kw, cap_s=100.0)
-    assert lcap["span_s"] == 100.0 and lcap["goodput"] == pytest.approx(((100 - 3.4) / 0.2 - 5.5 / 4) / 500, abs=1e-6)
+    assert lcap["span_s"] == 100.0 and lcap["goodput"] == pytest.approx(((100 - 2.1) / 0.2 - 5.5 / 4) / 500, abs=1e-6)
     capped = predict("dp_elastic", kills, **kw, cap_s=100.0)
     assert capped["span_s"] == 100.0 and capped["goodput"] == pytest.approx(((100 - 35) / 0.2 + 150) * 0.2 / 100)
 
