@@ -174,7 +174,7 @@ class AlgoConfig:
     lockstep: bool = False
     """Lock-step baseline: learners stop every H steps until every fragment is merged, and each
     round waits for every learner (K = M whatever ``quorum`` says: a killed learner's replacement
-    is waited for; one that finished its budget and left is not). This is Decoupled DiLoCo
+    is waited for; one that left after its training ended on its own is not). This is Decoupled DiLoCo
     with K = M (token weights, RDA, the outer step), not the plain-average synchronous DiLoCo."""
 
     def __post_init__(self) -> None:

@@ -216,22 +216,31 @@ def life_fields(r: redis.Redis, keys: Keys, fields: tuple[str, ...], *,
     return dict(zip(found, pipe.execute())) if found else {}
 
 
-def left_learners(r: redis.Redis, keys: Keys, ids: Iterable[str]) -> set[str]:
-    """Those of ``ids`` whose entry says they left (a graceful stop: ``leave``); a killed learner's
-    entry keeps its last status."""
+def finished_learners(r: redis.Redis, keys: Keys, ids: Iterable[str]) -> set[str]:
+    """Those of ``ids`` that left after their training ended on its own (their budget or data done:
+    ``leave(..., finished=True)``); a killed learner's entry keeps its last status, one stopped
+    mid-run says it did not finish."""
     ids = sorted(ids)
     if not ids:
         return set()
     pipe = r.pipeline(transaction=False)
     for m in ids:
-        pipe.hget(keys.learner(m), "status")
-    return {m for m, st in zip(ids, pipe.execute()) if st in ("left", b"left")}
+        pipe.hmget(keys.learner(m), "status", "finished")
+    return {m for m, (st, done) in zip(ids, pipe.execute()) if st == "left" and done == "1"}
 
 
-def leave(pipe: Any, keys: Keys, learner_id: str) -> None:
-    """Deregister a learner (graceful stop): no longer counted live (its own keys only)."""
+def learner_ids(r: redis.Redis, keys: Keys) -> set[str]:
+    """Every learner id with an entry in Redis (one SCAN): who was in the run before this process
+    started watching it."""
+    prefix = keys.learner("")
+    return {k[len(prefix):] for k in r.scan_iter(match=prefix + "*", count=1000)}
+
+
+def leave(pipe: Any, keys: Keys, learner_id: str, *, finished: bool = False) -> None:
+    """Deregister a learner (graceful stop): no longer counted live (its own keys only).
+    ``finished``: its training ended on its own (lock-step stops waiting for it)."""
     pipe.delete(keys.heartbeat(learner_id))
-    pipe.hset(keys.learner(learner_id), "status", "left")
+    pipe.hset(keys.learner(learner_id), mapping={"status": "left", "finished": int(finished)})
 
 
 def live_learners(r: redis.Redis, keys: Keys) -> dict[str, dict[str, str]]:

@@ -44,8 +44,8 @@ class RoundView:
     """Live learners past their join (training, blocked at a barrier, flushing): those that answer
     rounds (None: ``live_learners``)."""
     departed: int = 0
-    """Learners that sent their final answer and are gone (their budget done): lock-step's K = M
-    no longer counts them (it waits for a killed learner's replacement, not for one that finished)."""
+    """Learners that left after their training ended (their budget done): lock-step's K = M no
+    longer counts them (it waits for a killed learner's replacement, not for one that finished)."""
 
     def __post_init__(self) -> None:
         if self.answers < 0 or self.live_learners < 0 or self.departed < 0:

@@ -245,6 +245,7 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
                 deferred, self._deferred = self._deferred, []
                 for item in deferred:
                     self._apply(item)
+        self._ended = ended
         if ended:
             self._flush()
         self._drain_inbox()
@@ -453,7 +454,7 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
             final = {**self._counters(), "stopped_at": time.time()}
             pipe.hset(self.keys.learner(self.id), mapping=final)
             pipe.hset(self.keys.life(self.id, self.incarnation), mapping=final)
-            control.leave(pipe, self.keys, self.id)
+            control.leave(pipe, self.keys, self.id, finished=getattr(self, "_ended", False))
             control.add_learner_event(pipe, self.keys, self.id, "leave", steps=self._stats.steps)
             pipe.execute()
         except (redis.RedisError, AttributeError):

@@ -37,8 +37,11 @@ class ControlPlane:
                                         f"{self.redis.get(self.keys.shard_lease(self.options.shard))!r}")
             control.sync_members(self.redis, self.keys)   # the membership set is ours to keep
             self.live = control.live_learners(self.redis, self.keys)
-            if self.policy.all_live:   # done, not dead: sent its final answer, then left (lock-step stops waiting)
-                self._departed = control.left_learners(self.redis, self.keys, self._finished - self.live.keys())
+            if self.policy.all_live:   # done, not dead: left after its training ended (lock-step stops waiting)
+                if self._known_learners is None:   # the run's learners before this shard (a restart)
+                    self._known_learners = control.learner_ids(self.redis, self.keys)
+                seen = (self._known_learners | self._first_seen.keys()) - self.live.keys()
+                self._departed = control.finished_learners(self.redis, self.keys, seen)
             self._remember_step_times()
             self._accept_token_claims()
             self._live_read_unix = time.time()

@@ -35,7 +35,7 @@ class Learners:
     finishing: bool = False
     """A live learner sent its final answer (its steps are done): rounds open back to back."""
     departed: int = 0
-    """Learners whose last answer was final and that are no longer live: done, not dead."""
+    """Learners no longer live that left after their training ended: done, not dead."""
 
 
 @dataclass(frozen=True)

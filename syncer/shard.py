@@ -125,7 +125,10 @@ class Shard(SetUp, ControlPlane, Intake, Merging, Recovering, Checkpointing, Ser
         self._finished: set[str] = set()
         """Learners whose last answer was final (sent after their last step, ``wire.Message.final``)."""
         self._departed: set[str] = set()
-        """Of those, the ones no longer live whose entry says they left (read with the live learners)."""
+        """Lock-step: learners no longer live whose entry says they left after their training ended
+        (read with the live learners; from Redis, so a restarted shard knows them too)."""
+        self._known_learners: set[str] | None = None
+        """Lock-step: the learner ids Redis held when this shard first read it."""
         self._first_seen: dict[str, float] = {}
         """Learner id -> the earliest it can have joined, as this shard saw it (the claims bound of its
         first answer): the read of the live learners before the one that first listed it."""
@@ -272,7 +275,7 @@ class Shard(SetUp, ControlPlane, Intake, Merging, Recovering, Checkpointing, Ser
         return Learners(live=len(self.live), answering=sum(1 for h in self.live.values() if h.get("status") in HOLDING),
                         step_times_s=tuple(t for t in map(step_time_of, self.live.values()) if t is not None),
                         finishing=bool(self._finished & self.live.keys()),
-                        departed=len((self._departed & self._finished) - self.live.keys()))
+                        departed=len(self._departed - self.live.keys()))
 
     def _xi_step(self, *, slowest: bool) -> float:
         return self.schedule.xi_step_s(self._learners(), slowest=slowest)

@@ -548,6 +548,25 @@ def test_lockstep_goes_on_without_a_learner_that_finished_and_left(make_cluster)
     assert long.stats.unflushed == 0 and long.stats.flushed == 2 and long.stats.flush_s < 10, long.stats
 
 
+def test_a_restarted_lockstep_shard_knows_who_finished_from_redis(make_cluster):
+    """Who finished is read from Redis (the learner's entry: left, finished), not kept in a shard's
+    memory: a shard restarted after a learner finished and left does not wait for it."""
+    run = RunConfig(algo=AlgoConfig(fragments=2, sync_every_steps=3, quorum=2, lockstep=True, inner_warmup_steps=1))
+    cluster = make_cluster(run)
+    cluster.start_shard(0, 1)
+    first_life = cluster.threads[-1]
+    short = cluster.learner("short", 0, max_steps=9, step_time_floor_ms=5, flush_timeout_s=20.0)
+    long = cluster.learner("long", 1, max_steps=150, step_time_floor_ms=10, flush_timeout_s=20.0)
+    threads = [cluster.start_learner(short), cluster.start_learner(long)]
+    wait_until(lambda: not threads[0].is_alive(), 60, what="the short learner to finish and leave")
+    cluster.stop_shard(0)
+    wait_until(lambda: not first_life.is_alive(), 30, what="the shard to stop")
+    cluster.start_shard(0, 1)   # from its checkpoint, knowing nothing of who answered what
+    wait_until(lambda: not threads[1].is_alive(), 60, what="the long learner to finish its steps without it")
+    assert not cluster.errors, cluster.errors
+    assert long.stats.steps == 150 and long.stats.unflushed == 0, long.stats
+
+
 def test_a_learner_with_a_stale_base_fetches_first_and_never_answers_against_it(make_cluster):
     from learner.network import Answer, RoundOpened
 
