@@ -50,9 +50,6 @@ FULL = {
                         "--syncers", "4", "--step-time-floor-ms", "1000", "--minutes", "1.0", "--json"]),
     "bench_cpu": (130, ["-m", "ddloco", "bench", "sync", "--params", "1e8", "--learners", "2",
                         "--step-time-floor-ms", "250", "--minutes", "0.7", "--json"]),
-    "bench_cpu_lean": (130, ["-m", "ddloco", "bench", "sync", "--params", "1e8", "--learners", "2",
-                             "--step-time-floor-ms", "250", "--minutes", "0.7", "--json",
-                             "--learner-threads", LEAN_THREADS["full"]]),
 }
 # 15 s caps: a cap landing on a learner's join on a loaded machine made `up` report the learner
 # killed at the stop (exit 1; seen with 6-9 s caps, noted in docs/results/gpu.md)
@@ -64,10 +61,9 @@ DRY = {
                        "--step-time-floor-ms", "50", "--minutes", "0.25", "--json"]),
     "bench_cpu": (90, ["-m", "ddloco", "bench", "sync", "--params", "1e5", "--learners", "1",
                        "--step-time-floor-ms", "50", "--minutes", "0.25", "--json"]),
-    "bench_cpu_lean": (90, ["-m", "ddloco", "bench", "sync", "--params", "1e5", "--learners", "1",
-                            "--step-time-floor-ms", "50", "--minutes", "0.25", "--json",
-                            "--learner-threads", LEAN_THREADS["dry"]]),
 }
+for _sizes, _threads in ((FULL, LEAN_THREADS["full"]), (DRY, LEAN_THREADS["dry"])):   # bench_cpu, leaner learners
+    _sizes["bench_cpu_lean"] = (_sizes["bench_cpu"][0], [*_sizes["bench_cpu"][1], "--learner-threads", _threads])
 
 
 def verdicts(results: dict[str, Any]) -> dict[str, Any]:
