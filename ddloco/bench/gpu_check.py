@@ -11,7 +11,10 @@ machine (one H100 or H200, 16 CPU cores), in one command of a few minutes, stage
 4. ``bench_cpu``: ``ddloco bench sync --params 1e8 --learners 2 --step-time-floor-ms 250`` on the
    CPU cores;
 5. ``bench_cpu_lean``: the same with 6 torch threads per learner (``--learner-threads 6``, against
-   ``up``'s 8 of 16 cores each), cores left to the shards and the learners' network threads.
+   ``up``'s 8 of 16 cores each), cores left to the shards and the learners' network threads;
+6. ``bench_cpu_serial``: ``bench_cpu`` with the step boundary's copies and carries on one thread
+   (``DDLOCO_BOUNDARY_THREADS=1``, the code before they were split over the learner's torch
+   threads): the A/B of that split on the same machine.
 
 Each stage runs as its own process under its own timeout; a stage that fails or runs out of time
 is recorded and the next one runs. ``OUT/gpu_check.json`` is rewritten after every stage (a cut
@@ -36,7 +39,7 @@ from typing import Any, Sequence
 
 from ddloco.bench import gpu_env
 
-STAGES = ("env", "cuda_tests", "bench_gpu", "bench_cpu", "bench_cpu_lean")
+STAGES = ("env", "cuda_tests", "bench_gpu", "bench_cpu", "bench_cpu_lean", "bench_cpu_serial")
 LEAN_THREADS = {"full": "6", "dry": "1"}
 """``bench_cpu_lean``'s torch threads per learner: (16 cores − 2 shards − 2 network threads) ÷ 2
 learners, against ``up``'s 8 (16 ÷ 2) in ``bench_cpu``: whether the learners' training threads,
@@ -64,6 +67,9 @@ DRY = {
 }
 for _sizes, _threads in ((FULL, LEAN_THREADS["full"]), (DRY, LEAN_THREADS["dry"])):   # bench_cpu, leaner learners
     _sizes["bench_cpu_lean"] = (_sizes["bench_cpu"][0], [*_sizes["bench_cpu"][1], "--learner-threads", _threads])
+    _sizes["bench_cpu_serial"] = _sizes["bench_cpu"]
+STAGE_ENV = {"bench_cpu_serial": {"DDLOCO_BOUNDARY_THREADS": "1"}}
+"""A stage's environment beyond the prepared one (``common.quant.boundary_threads``)."""
 
 
 def verdicts(results: dict[str, Any]) -> dict[str, Any]:
@@ -78,7 +84,8 @@ def verdicts(results: dict[str, Any]) -> dict[str, Any]:
             "rounds_within_1.2H": _le(g.get("behind_fraction"), 0.0),
             "late<=2%": _le(g.get("late_fraction"), 0.02),
             "rss<=2.5x_fp32+400MB": gpu.get("rss_within_bound") if gpu else None}
-    for stage, key in (("bench_cpu", "cpu_1e8"), ("bench_cpu_lean", "cpu_1e8_lean")):
+    for stage, key in (("bench_cpu", "cpu_1e8"), ("bench_cpu_lean", "cpu_1e8_lean"),
+                       ("bench_cpu_serial", "cpu_1e8_serial")):
         c = results.get(stage, {}).get("figures")
         if c:
             out[key] = {
@@ -166,7 +173,8 @@ def main(argv: Sequence[str]) -> int:
             report = Path("/tmp") / f"ddloco-gpu-check-{stage}" if not args.dry else work / stage
             shutil.rmtree(report, ignore_errors=True)
             cmd += ["--report", str(report)]
-        results[stage] = _run(stage, cmd, timeout=timeout, env=env, log=work / f"{stage}.log")
+        results[stage] = _run(stage, cmd, timeout=timeout, env={**env, **STAGE_ENV.get(stage, {})},
+                              log=work / f"{stage}.log")
         if stage.startswith("bench"):
             _keep_reports(report, work / stage)
         results["verdicts"] = verdicts(results)

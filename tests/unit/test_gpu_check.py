@@ -6,7 +6,7 @@ import types
 import pytest
 
 from ddloco.bench import sync as bench_sync
-from ddloco.bench.gpu_check import DRY, FULL, verdicts
+from ddloco.bench.gpu_check import DRY, FULL, STAGE_ENV, verdicts
 
 
 def test_verdicts_hold_each_target_of_the_issue_against_its_figure() -> None:
@@ -26,6 +26,10 @@ def test_verdicts_hold_each_target_of_the_issue_against_its_figure() -> None:
     lean = verdicts({"bench_cpu": {"figures": {**good_cpu, "ratio": 0.94}},
                      "bench_cpu_lean": {"figures": good_cpu}})
     assert lean["cpu_1e8"]["ratio>=0.97"] is False and all(lean["cpu_1e8_lean"].values())
+    # so is the A/B of the split boundary passes: bench_cpu's command, the boundary on one thread
+    serial = verdicts({"bench_cpu_serial": {"figures": {**good_cpu, "ratio": 0.93}}})
+    assert set(serial) == {"cpu_1e8_serial"} and serial["cpu_1e8_serial"]["ratio>=0.97"] is False
+    assert FULL["bench_cpu_serial"] == FULL["bench_cpu"] and STAGE_ENV["bench_cpu_serial"] == {"DDLOCO_BOUNDARY_THREADS": "1"}
     # a stage that failed measured nothing: no verdict, rather than a pass
     assert verdicts({"bench_gpu": {"rc": "timeout"}}) == {}
     assert verdicts({"bench_gpu": {"figures": {"ratio": 0.99}}})["gpu_1b"]["no_stream_wait"] is None
@@ -36,7 +40,7 @@ def test_every_bench_stage_command_parses_with_the_bench_s_own_parser(sizes) -> 
     """A typo in a stage's flags would cost a GPU call: each bench stage's command (the GPU
     machine's and the dry run's) is parsed as `ddloco bench sync` parses it (the suite's dry run
     itself runs one bench stage: tests/integration/test_gpu_check_dry.py)."""
-    for stage in ("bench_gpu", "bench_cpu", "bench_cpu_lean"):
+    for stage in ("bench_gpu", "bench_cpu", "bench_cpu_lean", "bench_cpu_serial"):
         timeout, tail = sizes[stage]
         assert timeout > 0 and tail[:4] == ["-m", "ddloco", "bench", "sync"], (stage, tail)
         args = bench_sync.build_parser().parse_args([*tail[4:], "--report", "/tmp/x"])   # SystemExit on a typo

@@ -5,7 +5,9 @@ they replace (learners and shards must hold bit-identical replicas), with the C 
 the torch fallback (``impl``)."""
 from __future__ import annotations
 
+import os
 import queue
+from typing import Any
 
 import numpy as np
 import pytest
@@ -226,3 +228,51 @@ def test_a_carry_in_place_keeps_the_counters_of_the_steps_not_answered(impl: str
     theta = torch.full((4,), 0.7)
     carry_into({"x": theta}, plan_fragments([TensorSpec("x", (4,))], 1)[0], got)
     assert torch.equal(theta, value)
+
+
+@pytest.mark.parametrize("threads", ["1", "3", "8"])
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+def test_the_boundary_passes_split_over_threads_give_the_same_bits(threads: str, offset: int, impl: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot's copy and the carry, split in slices over ``DDLOCO_BOUNDARY_THREADS`` threads
+    (a many-core learner's idle training threads at a step boundary), write what one pass writes."""
+    if impl == "torch":
+        pytest.skip("the split runs the C kernels")
+    monkeypatch.setenv("DDLOCO_BOUNDARY_THREADS", threads)
+    n = 3 * quant.SPLIT_MIN_BYTES // 4 + 37                  # 3 slices' worth and a tail
+    theta, ref = _pair(n + offset, 11)
+    theta, ref = theta[offset:], ref[offset:]
+    merged = ref + 1e-2
+    want = carry_local_steps(merged, theta, ref)
+    before = quant._SPLITTER.split_calls
+    got = theta.clone()
+    carry_local_steps_(got, merged, ref)
+    dst = torch.full((n,), float("nan"))
+    assert quant.copy_into(dst, theta)
+    assert quant._SPLITTER.split_calls - before == (0 if threads == "1" else 2)
+    assert torch.equal(_bits(got), _bits(want)) and torch.equal(_bits(dst), _bits(theta))
+
+
+def test_a_forked_process_makes_its_own_boundary_threads(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hot spare is forked from a factory that may have split a pass already: the pool it inherits
+    has no threads, so the spare makes its own (else its first split pass would wait forever)."""
+    import multiprocessing
+    if impl == "torch":
+        pytest.skip("the split runs the C kernels")
+    monkeypatch.setenv("DDLOCO_BOUNDARY_THREADS", "2")
+    n = quant.SPLIT_MIN_BYTES // 2
+    src = torch.randn(n)
+    assert quant.copy_into(torch.empty(n), src) and quant._SPLITTER._pool is not None
+
+    def child(q: Any) -> None:   # numpy only: torch's OpenMP pool may not be usable after a fork
+        dst, values = np.empty(n, dtype=np.float32), src.numpy()
+        quant.split_run(quant._kernels.copy, dst, values)
+        q.put(bool(np.array_equal(dst, values)) and quant._SPLITTER._pid == os.getpid())
+
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    assert q.get(timeout=30) is True
+    p.join(30)
+    assert p.exitcode == 0
