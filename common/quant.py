@@ -492,29 +492,32 @@ class _Splitter:
         with self._lock:
             if self._pool is None or self._pid != os.getpid() or self._workers < workers:
                 from concurrent.futures import ThreadPoolExecutor
-                old = self._pool if self._pid == os.getpid() else None
+                # a smaller pool is dropped, not shut down: a caller that holds it still submits to
+                # it; its threads end once it is collected
                 self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ddloco-boundary")
                 self._workers, self._pid = workers, os.getpid()
-                if old is not None:
-                    old.shutdown(wait=False)
             return self._pool
 
     def run(self, kernel: Any, *arrays: Any) -> None:
         n = len(arrays[0])
         parts = max(1, min(boundary_threads(), 4 * n // SPLIT_MIN_BYTES))
-        if parts == 1:
-            kernel(*arrays)
+        if parts == 1 or any(len(a) != n for a in arrays):
+            kernel(*arrays)       # (arrays of other lengths: the kernel refuses them whole, writing nothing)
             return
+        from concurrent.futures import wait
         # slice bounds at multiples of 16 values: every slice keeps the 64-byte alignment of its start
         bounds = [0, *(n * i // parts // 16 * 16 for i in range(1, parts)), n]
         pool = self._get(parts - 1)
-        futures = [pool.submit(kernel, *(a[bounds[i]:bounds[i + 1]] for a in arrays)) for i in range(1, parts)]
+        futures: list[Any] = []
         self.split_calls += 1
         try:
+            for i in range(1, parts):
+                futures.append(pool.submit(kernel, *(a[bounds[i]:bounds[i + 1]] for a in arrays)))
             kernel(*(a[:bounds[1]] for a in arrays))
         finally:
-            for f in futures:
-                f.result()
+            wait(futures)         # every slice done before this returns or raises
+        for f in futures:
+            f.result()
 
 
 _SPLITTER = _Splitter()

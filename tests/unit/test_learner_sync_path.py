@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import queue
+import threading
 from typing import Any
 
 import numpy as np
@@ -235,22 +236,52 @@ def test_a_carry_in_place_keeps_the_counters_of_the_steps_not_answered(impl: str
 def test_the_boundary_passes_split_over_threads_give_the_same_bits(threads: str, offset: int, impl: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A snapshot's copy and the carry, split in slices over ``DDLOCO_BOUNDARY_THREADS`` threads
-    (a many-core learner's idle training threads at a step boundary), write what one pass writes."""
+    (a many-core learner's idle training threads at a step boundary), write what one pass writes,
+    into destinations aligned for streaming stores or not."""
     if impl == "torch":
         pytest.skip("the split runs the C kernels")
     monkeypatch.setenv("DDLOCO_BOUNDARY_THREADS", threads)
-    n = 3 * quant.SPLIT_MIN_BYTES // 4 + 37                  # 3 slices' worth and a tail
+    n = 8 * quant.SPLIT_MIN_BYTES // 4 + 37                  # room for 8 slices, and a tail
     theta, ref = _pair(n + offset, 11)
     theta, ref = theta[offset:], ref[offset:]
     merged = ref + 1e-2
     want = carry_local_steps(merged, theta, ref)
     before = quant._SPLITTER.split_calls
-    got = theta.clone()
+    got = torch.empty(n + offset)[offset:]
+    got.copy_(theta)
     carry_local_steps_(got, merged, ref)
-    dst = torch.full((n,), float("nan"))
+    dst = torch.full((n + 1,), float("nan"))[offset:offset + n]
     assert quant.copy_into(dst, theta)
     assert quant._SPLITTER.split_calls - before == (0 if threads == "1" else 2)
+    assert threads == "1" or quant._SPLITTER._workers >= int(threads) - 1
     assert torch.equal(_bits(got), _bits(want)) and torch.equal(_bits(dst), _bits(theta))
+
+
+def test_a_split_pass_refuses_mismatched_vectors_whole_and_waits_for_every_slice(impl: str,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    if impl == "torch":
+        pytest.skip("the split runs the C kernels")
+    monkeypatch.setenv("DDLOCO_BOUNDARY_THREADS", "4")
+    n = 4 * quant.SPLIT_MIN_BYTES // 4
+    dst = np.full(n, 7.0, dtype=np.float32)
+    with pytest.raises(ValueError):
+        quant.split_run(quant._kernels.copy, dst, np.zeros(n - 16, dtype=np.float32))
+    assert (dst == 7.0).all()                                   # nothing written
+    done: list[int] = []
+    failed = threading.Event()
+
+    def kernel(out: Any, src: Any) -> None:   # the main thread's slice fails; the others go on after it
+        if out.__array_interface__["data"][0] == dst.ctypes.data:
+            failed.set()
+            raise ValueError("first slice")
+        assert failed.wait(30)
+        quant._kernels.copy(out, src)
+        done.append(len(out))
+
+    with pytest.raises(ValueError, match="first slice"):
+        quant.split_run(kernel, dst, np.ones(n, dtype=np.float32))
+    assert sum(done) == n - len(dst[:n // 4 // 16 * 16])        # the other slices finished before it raised
+    assert (dst[n // 4 // 16 * 16:] == 1.0).all()
 
 
 def test_a_forked_process_makes_its_own_boundary_threads(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
