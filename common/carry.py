@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from common import quant
+from common.boundary import split_run
 
 
 def carry_local_steps(merged: torch.Tensor, local: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
@@ -22,12 +23,12 @@ def carry_local_steps_(local: torch.Tensor, merged: torch.Tensor, reference: tor
     """``carry_local_steps`` written into ``local`` (a view of the learner's tensor; all three 1-D
     float32 of one length): local ← merged + (local − reference), the same values, with no
     temporary vector: one pass with the C kernels (split over the boundary's threads where large:
-    ``quant.split_run``), else two in-place torch passes. Returns ``local``."""
+    ``common.boundary.split_run``), else two in-place torch passes. Returns ``local``."""
     kernel = getattr(quant._kernels, "carry", None) if quant._kernels is not None else None
     with torch.no_grad():
         if kernel is not None and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
                                       for t in (local, merged, reference)):
-            quant.split_run(kernel, local.detach().numpy(), merged.detach().numpy(), reference.detach().numpy())
+            split_run(kernel, local.detach().numpy(), merged.detach().numpy(), reference.detach().numpy())
             return local
         return local.sub_(reference).add_(merged)   # (θ − ref) + Θ_new: the sum of the same two terms
 

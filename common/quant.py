@@ -36,12 +36,13 @@ from __future__ import annotations
 import math
 import os
 import sys
-import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import torch
+
+from common.boundary import split_run
 
 if sys.byteorder != "little":   # the frame layout and the int16 views of the nibble packing assume it
     raise ImportError("common.quant: the wire format is little-endian; this machine is big-endian")
@@ -452,79 +453,5 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> bool:
         return False
     if dst.numel() != src.numel() or 4 * dst.numel() < STREAM_MIN_BYTES:
         return False
-    split_run(kernel, dst.detach().numpy(), src.detach().numpy())
+    split_run(kernel, dst.detach().numpy(), src.detach().numpy())   # over the boundary's threads
     return True
-
-
-SPLIT_MIN_BYTES = 2 << 20
-"""The learner's step-boundary passes (a snapshot's copy, ``copy_into``; the carry,
-``common.carry.carry_local_steps_``) are split in slices of at least this many bytes over as many
-threads as the process's torch threads (``boundary_threads``): training's threads are idle at a
-step boundary, and one core alone does not reach a many-core host's memory bandwidth."""
-
-
-def boundary_threads() -> int:
-    """Threads a boundary pass may use: ``DDLOCO_BOUNDARY_THREADS`` where set (1: one thread),
-    else the process's torch threads (``learner --threads``; ``up`` gives each learner its share of
-    the cores)."""
-    env = os.environ.get("DDLOCO_BOUNDARY_THREADS", "").strip()
-    if env:
-        try:
-            return max(1, int(env))
-        except ValueError:
-            pass
-    return max(1, torch.get_num_threads())
-
-
-class _Splitter:
-    """A pool of worker threads (made at first use, again after a fork: a forked hot spare's copy
-    of its parent's pool has no threads) that runs a C kernel over slices of its arrays; the kernels
-    release the GIL."""
-
-    def __init__(self) -> None:
-        self._pool: Any = None
-        self._workers = 0
-        self._pid = 0
-        self._lock = threading.Lock()
-        self.split_calls = 0
-
-    def _get(self, workers: int) -> Any:
-        with self._lock:
-            if self._pool is None or self._pid != os.getpid() or self._workers < workers:
-                from concurrent.futures import ThreadPoolExecutor
-                # a smaller pool is dropped, not shut down: a caller that holds it still submits to
-                # it; its threads end once it is collected
-                self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ddloco-boundary")
-                self._workers, self._pid = workers, os.getpid()
-            return self._pool
-
-    def run(self, kernel: Any, *arrays: Any) -> None:
-        n = len(arrays[0])
-        parts = max(1, min(boundary_threads(), 4 * n // SPLIT_MIN_BYTES))
-        if parts == 1 or any(len(a) != n for a in arrays):
-            kernel(*arrays)       # (arrays of other lengths: the kernel refuses them whole, writing nothing)
-            return
-        from concurrent.futures import wait
-        # slice bounds at multiples of 16 values: every slice keeps the 64-byte alignment of its start
-        bounds = [0, *(n * i // parts // 16 * 16 for i in range(1, parts)), n]
-        pool = self._get(parts - 1)
-        futures: list[Any] = []
-        self.split_calls += 1
-        try:
-            for i in range(1, parts):
-                futures.append(pool.submit(kernel, *(a[bounds[i]:bounds[i + 1]] for a in arrays)))
-            kernel(*(a[:bounds[1]] for a in arrays))
-        finally:
-            wait(futures)         # every slice done before this returns or raises
-        for f in futures:
-            f.result()
-
-
-_SPLITTER = _Splitter()
-
-
-def split_run(kernel: Any, *arrays: Any) -> None:
-    """``kernel(*arrays)`` (an elementwise C kernel over numpy vectors of one length: ``copy``,
-    ``carry``), split over ``boundary_threads`` where the vectors are large (``SPLIT_MIN_BYTES`` a
-    slice); the same values either way."""
-    _SPLITTER.run(kernel, *arrays)

@@ -69,7 +69,7 @@ for _sizes, _threads in ((FULL, LEAN_THREADS["full"]), (DRY, LEAN_THREADS["dry"]
     _sizes["bench_cpu_lean"] = (_sizes["bench_cpu"][0], [*_sizes["bench_cpu"][1], "--learner-threads", _threads])
     _sizes["bench_cpu_serial"] = _sizes["bench_cpu"]
 STAGE_ENV = {"bench_cpu_serial": {"DDLOCO_BOUNDARY_THREADS": "1"}}
-"""A stage's environment beyond the prepared one (``common.quant.boundary_threads``)."""
+"""A stage's environment beyond the prepared one (``common.boundary.boundary_threads``)."""
 
 
 def verdicts(results: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from common import quant, wire
+from common import boundary, quant, wire
 from common.fragments import TensorSpec, gather, model_plan, plan_fragments, state_tensors
 from common.merge import Contribution, carry_local_steps, carry_local_steps_, receive_merged
 from learner.exchange import Exchange, carry_into
@@ -241,19 +241,19 @@ def test_the_boundary_passes_split_over_threads_give_the_same_bits(threads: str,
     if impl == "torch":
         pytest.skip("the split runs the C kernels")
     monkeypatch.setenv("DDLOCO_BOUNDARY_THREADS", threads)
-    n = 8 * quant.SPLIT_MIN_BYTES // 4 + 37                  # room for 8 slices, and a tail
+    n = 8 * boundary.SPLIT_MIN_BYTES // 4 + 37                  # room for 8 slices, and a tail
     theta, ref = _pair(n + offset, 11)
     theta, ref = theta[offset:], ref[offset:]
     merged = ref + 1e-2
     want = carry_local_steps(merged, theta, ref)
-    before = quant._SPLITTER.split_calls
+    before = boundary._SPLITTER.split_calls
     got = torch.empty(n + offset)[offset:]
     got.copy_(theta)
     carry_local_steps_(got, merged, ref)
     dst = torch.full((n + 1,), float("nan"))[offset:offset + n]
     assert quant.copy_into(dst, theta)
-    assert quant._SPLITTER.split_calls - before == (0 if threads == "1" else 2)
-    assert threads == "1" or quant._SPLITTER._workers >= int(threads) - 1
+    assert boundary._SPLITTER.split_calls - before == (0 if threads == "1" else 2)
+    assert threads == "1" or boundary._SPLITTER._workers >= int(threads) - 1
     assert torch.equal(_bits(got), _bits(want)) and torch.equal(_bits(dst), _bits(theta))
 
 
@@ -262,10 +262,10 @@ def test_a_split_pass_refuses_mismatched_vectors_whole_and_waits_for_every_slice
     if impl == "torch":
         pytest.skip("the split runs the C kernels")
     monkeypatch.setenv("DDLOCO_BOUNDARY_THREADS", "4")
-    n = 4 * quant.SPLIT_MIN_BYTES // 4
+    n = 4 * boundary.SPLIT_MIN_BYTES // 4
     dst = np.full(n, 7.0, dtype=np.float32)
     with pytest.raises(ValueError):
-        quant.split_run(quant._kernels.copy, dst, np.zeros(n - 16, dtype=np.float32))
+        boundary.split_run(quant._kernels.copy, dst, np.zeros(n - 16, dtype=np.float32))
     assert (dst == 7.0).all()                                   # nothing written
     done: list[int] = []
     failed = threading.Event()
@@ -279,7 +279,7 @@ def test_a_split_pass_refuses_mismatched_vectors_whole_and_waits_for_every_slice
         done.append(len(out))
 
     with pytest.raises(ValueError, match="first slice"):
-        quant.split_run(kernel, dst, np.ones(n, dtype=np.float32))
+        boundary.split_run(kernel, dst, np.ones(n, dtype=np.float32))
     assert sum(done) == n - len(dst[:n // 4 // 16 * 16])        # the other slices finished before it raised
     assert (dst[n // 4 // 16 * 16:] == 1.0).all()
 
@@ -291,14 +291,14 @@ def test_a_forked_process_makes_its_own_boundary_threads(impl: str, monkeypatch:
     if impl == "torch":
         pytest.skip("the split runs the C kernels")
     monkeypatch.setenv("DDLOCO_BOUNDARY_THREADS", "2")
-    n = quant.SPLIT_MIN_BYTES // 2
+    n = boundary.SPLIT_MIN_BYTES // 2
     src = torch.randn(n)
-    assert quant.copy_into(torch.empty(n), src) and quant._SPLITTER._pool is not None
+    assert quant.copy_into(torch.empty(n), src) and boundary._SPLITTER._pool is not None
 
     def child(q: Any) -> None:   # numpy only: torch's OpenMP pool may not be usable after a fork
         dst, values = np.empty(n, dtype=np.float32), src.numpy()
-        quant.split_run(quant._kernels.copy, dst, values)
-        q.put(bool(np.array_equal(dst, values)) and quant._SPLITTER._pid == os.getpid())
+        boundary.split_run(quant._kernels.copy, dst, values)
+        q.put(bool(np.array_equal(dst, values)) and boundary._SPLITTER._pid == os.getpid())
 
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
