@@ -107,6 +107,8 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
         self._outbox = Outbox()
         self._failures: queue.SimpleQueue = queue.SimpleQueue()
         self._threads_stop = threading.Event()
+        self._ended = False
+        """The training ended on its own (budget or data done): its leave says so (lock-step stops waiting)."""
         self._started_at = time.time()
         self.joined_versions: dict[int, int] = {}
         self._process_started_at = process_start_time() or self._started_at
@@ -454,7 +456,7 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
             final = {**self._counters(), "stopped_at": time.time()}
             pipe.hset(self.keys.learner(self.id), mapping=final)
             pipe.hset(self.keys.life(self.id, self.incarnation), mapping=final)
-            control.leave(pipe, self.keys, self.id, finished=getattr(self, "_ended", False))
+            control.leave(pipe, self.keys, self.id, finished=self._ended)
             control.add_learner_event(pipe, self.keys, self.id, "leave", steps=self._stats.steps)
             pipe.execute()
         except (redis.RedisError, AttributeError):
