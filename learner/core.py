@@ -36,6 +36,7 @@ from common import control, metrics
 from common.config import Endpoints, LearnerOptions, RunConfig
 from common.keys import Keys
 from common.lifecycle import process_start_time, tune_allocator
+from common.thread_cpu import threads_cpu_s
 from common.log import get_logger
 from common.task import Task, batch_to, count_tokens, scalar_loss
 from learner import ownership
@@ -230,6 +231,7 @@ class Learner(Published, Joining, PeerBootstrap, GroupMember, Exchange):
         self._stats.cpu_s_at_joined = time.process_time()
         if self.net is not None:
             self._stats.net_cpu_s_at_joined = _thread_cpu_s(self.net)
+        self._stats.io_cpu_s_at_joined = threads_cpu_s() or 0.0
         mark_boot(self._stats.boot_phases, "joined", self._process_started_at)
         self.joined_versions = rc.versions()
         self._publish()

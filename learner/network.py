@@ -34,6 +34,7 @@ from common.config import Endpoints
 from common.links import keep_alive
 from common.rpc import FragmentClient
 from common.security import Security, sent_by_owner
+from common.thread_cpu import threads_cpu_s
 from learner.messages import (Answer, AskPeer, Fetch, FragmentArrived, Have, PeerState,  # noqa: F401 (importable here)
                               PeerStateArrived, PeerStateWanted, RoundOpened, StateRequested)
 from learner.outbox import Outbox
@@ -47,6 +48,8 @@ POLL_MS = 100
 pipe wake it at once."""
 STAGED_POLL_MS = 1
 """The poll while an answer's snapshot is still on its way to the host (a CUDA learner)."""
+IO_CPU_EVERY_S = 1.0
+"""How often the network thread reads libzmq's I/O threads' CPU (``io_cpu_s``) from /proc."""
 
 
 class NetworkThread(PeerLink):
@@ -74,6 +77,7 @@ class NetworkThread(PeerLink):
         self.codec = codec
         self.numels = list(numels)
         """Flat length of each fragment: anything else is malformed."""
+        self._io_read_at = float("-inf")
         self.inbox = inbox
         self.outbox = outbox
         self._wake: Outbox | None = outbox if isinstance(outbox, Outbox) else None
@@ -168,6 +172,10 @@ class NetworkThread(PeerLink):
                 self.stats.malformed = self.malformed + client.malformed
                 self.stats.chunks_fetched = client.chunks
                 self.stats.net_cpu_s = time.thread_time()
+                now = time.monotonic()
+                if now >= self._io_read_at + IO_CPU_EVERY_S:   # /proc: ~0.1 ms, not every loop
+                    self._io_read_at = now
+                    self.stats.io_cpu_s = threads_cpu_s() or 0.0
                 self.published = NetworkReadings.of(self.stats)
         finally:
             client.close()

@@ -97,11 +97,17 @@ class LearnerStats:
                                     "boundaries (merged fragments applied, answers snapshotted).",
                                     redis="boundary_cpu_s", digits=3)
     net_cpu_s: float = declare(0.0, doc="The network thread's CPU seconds (encoding and decoding fragments, "
-                               "handing them to and taking them from ZeroMQ, whose own I/O threads are not "
-                               "counted; its join fetches included).", redis="net_cpu_s", digits=3)
+                               "handing them to and taking them from ZeroMQ, whose own I/O threads are "
+                               "``io_cpu_s``; its join fetches included).", redis="net_cpu_s", digits=3)
     net_cpu_s_at_joined: float = declare(0.0, doc="``net_cpu_s`` when the learner joined: the sync path's CPU "
-                                         "since is ``boundary_cpu_s + net_cpu_s - net_cpu_s_at_joined``.",
+                                         "since is ``boundary_cpu_s + net_cpu_s - net_cpu_s_at_joined`` (+ ``io_cpu_s - "
+                                         "io_cpu_s_at_joined``, libzmq's).",
                                          redis="net_cpu_s_at_joined", digits=3)
+    io_cpu_s: float = declare(0.0, doc="The CPU seconds of libzmq's I/O threads in the learner's process (the "
+                              "bytes on the wire: socket copies, CURVE), read from /proc about once a second "
+                              "(0 where there is no /proc).", redis="io_cpu_s", digits=3)
+    io_cpu_s_at_joined: float = declare(0.0, doc="``io_cpu_s`` when the learner joined.",
+                                        redis="io_cpu_s_at_joined", digits=3)
     boot_phases: dict[str, float] = declare(dict, doc="Seconds from the process start to: init (interpreter, "
                                             "imports), prepared (run config, task, model, checks), joined "
                                             "(every fragment fetched), first_answer; each also as PHASE_cpu, the process's "
@@ -171,6 +177,7 @@ class NetworkReadings:
     malformed: int = 0
     nonfinite_answers: int = 0
     net_cpu_s: float = 0.0
+    io_cpu_s: float = 0.0
 
     @classmethod
     def of(cls, counters: Any) -> NetworkReadings:

@@ -23,8 +23,9 @@ from joined to stopped. Reports:
 - the learners' extra CPU per step (``learner_extra_cpu``: with ÷ without − 1, which also counts
   what the shards' memory traffic costs training on shared cores, and moves with the run without
   rounds), and the sync path's own CPU over the rest of the learners' CPU in the same run
-  (``learner_sync_cpu_share``: the training thread's at step boundaries, the network thread's; a
-  lower bound, libzmq's I/O threads not counted).
+  (``learner_sync_cpu_share``: the training thread's at step boundaries, the network thread's and
+  libzmq's I/O threads'; ``learner_sync_cpu_share_own_threads`` leaves libzmq's out, as reports
+  before 2026-11-27 did).
 
 This machine runs everything on the same cores: the syncers' merges and the learners' network
 threads compete with training, which a deployment (syncers on their own CPU boxes) does not.
@@ -127,18 +128,21 @@ def _cpu(rep: dict[str, Any]) -> tuple[float, float, float]:
     return cpu, steps, cores
 
 
-def _sync_cpu_share(rep: dict[str, Any]) -> float | None:
+def _sync_cpu_share(rep: dict[str, Any], *, io: bool = True) -> float | None:
     """The learners' sync path's CPU over the rest of their CPU since joined, from their own clocks
-    in the same run (the training thread's at step boundaries, the network thread's): what the run
-    without rounds cannot give as steadily (its CPU per step moves ±15 % from run to run). A lower
-    bound: libzmq's I/O threads (the bytes on the wire, CURVE), torch's worker threads where a
+    in the same run (the training thread's at step boundaries, the network thread's, and with
+    ``io`` libzmq's I/O threads': the bytes on the wire, CURVE): what the run without rounds cannot
+    give as steadily (its CPU per step moves ±15 % from run to run). torch's worker threads where a
     learner has several, and the lock-step barrier's and the final flush's merges count as the
-    rest. None: reports of a version that did not record it."""
-    if any("boundary_cpu_s" not in h for h in rep.get("learner_stats", {}).values()):
+    rest. None: reports of a version that did not record it (with ``io``: no ``io_cpu_s``)."""
+    hashes = rep.get("learner_stats", {}).values()
+    if any("boundary_cpu_s" not in h or (io and "io_cpu_s" not in h) for h in hashes):
         return None
     sync = rest = 0.0
     for h, used, _ in _trained(rep):
         own = _f(h, "boundary_cpu_s") + _f(h, "net_cpu_s") - _f(h, "net_cpu_s_at_joined")
+        if io:
+            own += _f(h, "io_cpu_s") - _f(h, "io_cpu_s_at_joined")
         sync, rest = sync + own, rest + used - own
     return round(sync / rest, 4) if rest > 0 else None
 
@@ -249,6 +253,7 @@ def _cpu_figures(with_sync: dict[str, Any], without: dict[str, Any], shards: dic
         "learner_cpu_s_per_step_with": round(per_step_w, 4), "learner_cpu_s_per_step_without": round(per_step_o, 4),
         "learner_extra_cpu": round(per_step_w / per_step_o - 1, 4),
         "learner_sync_cpu_share": _sync_cpu_share(with_sync),
+        "learner_sync_cpu_share_own_threads": _sync_cpu_share(with_sync, io=False),
         "shard_cpu_s_per_learner_step": round(shard_per_step, 4),
         "cores_needed_for_ratio_1": round(steps_per_s_without * (per_step_w + shard_per_step), 3),
         "cores": os.cpu_count(), **checkpoint}}

@@ -53,18 +53,28 @@ def test_cpu_figures_bound_what_the_machine_can_give() -> None:
 
 
 def test_the_sync_path_s_own_cpu_is_read_off_the_learners_clocks_in_the_same_run() -> None:
-    """The training thread's boundary CPU and the network thread's since joined (its join fetches
-    left out), over the rest of the learners' CPU since joined."""
-    def learner(cpu: float, boundary: float, net: float, net_at_joined: float) -> dict:
-        return {**_learner(100, 100.0, 1, 1, 0), "cpu_s": str(cpu + 7.0), "cpu_s_at_joined": "7.0",
-                "boundary_cpu_s": str(boundary), "net_cpu_s": str(net), "net_cpu_s_at_joined": str(net_at_joined)}
-    with_sync = {"wall_s": 200.0, "learner_stats": {"a": learner(60.0, 2.0, 9.0, 3.0), "b": learner(60.0, 1.0, 5.0, 1.0)},
-                 "shard_stats": {"0": {"merges": "50", "answers": "95", "cpu_s": "34.0"}}}
+    """The training thread's boundary CPU, the network thread's and libzmq's I/O threads' since
+    joined (the join's fetches left out), over the rest of the learners' CPU since joined; and
+    without libzmq's, as reports before it was recorded."""
+    def learner(cpu: float, boundary: float, net: float, net_at_joined: float, io: float | None = None,
+                io_at_joined: float = 0.0) -> dict:
+        h = {**_learner(100, 100.0, 1, 1, 0), "cpu_s": str(cpu + 7.0), "cpu_s_at_joined": "7.0",
+             "boundary_cpu_s": str(boundary), "net_cpu_s": str(net), "net_cpu_s_at_joined": str(net_at_joined)}
+        return h if io is None else {**h, "io_cpu_s": str(io), "io_cpu_s_at_joined": str(io_at_joined)}
     without = {"wall_s": 200.0, "learner_stats": {"a": learner(50.0, 0.0, 3.1, 3.0), "b": learner(50.0, 0.0, 1.0, 1.0)},
                "shard_stats": {}}
-    cpu = summarise(with_sync, without, params=1000, sync_every=10, fragments=4, syncers=1)["cpu"]
-    assert cpu["learner_sync_cpu_share"] == pytest.approx(13.0 / (120.0 - 13.0), abs=1e-4)   # (2+6) + (1+4)
+    shards = {"0": {"merges": "50", "answers": "95", "cpu_s": "34.0"}}
+    old = {"wall_s": 200.0, "learner_stats": {"a": learner(60.0, 2.0, 9.0, 3.0), "b": learner(60.0, 1.0, 5.0, 1.0)},
+           "shard_stats": shards}
+    cpu = summarise(old, without, params=1000, sync_every=10, fragments=4, syncers=1)["cpu"]
+    assert cpu["learner_sync_cpu_share"] is None                              # no io_cpu_s: not the whole path
+    assert cpu["learner_sync_cpu_share_own_threads"] == pytest.approx(13.0 / (120.0 - 13.0), abs=1e-4)   # (2+6) + (1+4)
     assert cpu["learner_extra_cpu"] == pytest.approx(0.2)
+    new = {"wall_s": 200.0, "learner_stats": {"a": learner(60.0, 2.0, 9.0, 3.0, 2.5, 0.5),
+                                              "b": learner(60.0, 1.0, 5.0, 1.0, 1.0, 0.0)}, "shard_stats": shards}
+    cpu = summarise(new, without, params=1000, sync_every=10, fragments=4, syncers=1)["cpu"]
+    assert cpu["learner_sync_cpu_share"] == pytest.approx(16.0 / (120.0 - 16.0), abs=1e-4)  # + (2.5-0.5) + 1
+    assert cpu["learner_sync_cpu_share_own_threads"] == pytest.approx(13.0 / (120.0 - 13.0), abs=1e-4)
 
 
 def test_gpu_figures_of_cuda_learners_and_the_rss_bound() -> None:

@@ -1,0 +1,60 @@
+"""common.thread_cpu: libzmq's I/O threads' CPU, read from /proc (a learner's ``io_cpu_s``)."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+import zmq
+
+from common.thread_cpu import ZMQ_IO_PREFIX, threads_cpu_s
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc")
+
+
+def _busy_thread(name: str, seconds: float) -> threading.Thread:
+    def spin() -> None:
+        if sys.platform.startswith("linux"):    # the name /proc shows (this Python does not set it)
+            import ctypes
+            ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)   # PR_SET_NAME
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+    t = threading.Thread(target=spin)
+    t.start()
+    return t
+
+
+def test_counts_only_the_threads_of_that_name_and_their_cpu() -> None:
+    before = threads_cpu_s("ddloco-spin")
+    assert before == 0.0                                  # no such thread yet
+    t = _busy_thread("ddloco-spin", 0.3)
+    other = _busy_thread("other-spin", 0.3)
+    while t.is_alive():
+        seen = threads_cpu_s("ddloco-spin")
+        assert seen is not None and seen <= 0.3 + 0.05
+        t.join(0.05)
+    other.join()
+    assert threads_cpu_s("ddloco-spin") == 0.0            # an ended thread is no longer counted
+
+
+def test_libzmq_io_threads_are_found_and_charged_for_the_bytes_they_move() -> None:
+    ctx = zmq.Context()
+    try:
+        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push.connect(f"tcp://127.0.0.1:{port}")
+        start = threads_cpu_s(ZMQ_IO_PREFIX)
+        assert start is not None
+        payload = b"x" * (8 << 20)
+        end = time.monotonic() + 20
+        while threads_cpu_s(ZMQ_IO_PREFIX) - start < 0.05:   # ticks of 10 ms: a few of them
+            assert time.monotonic() < end, "libzmq's I/O threads moved 8 MB messages and charged no CPU"
+            push.send(payload)
+            assert len(pull.recv()) == len(payload)
+        push.close(0)
+        pull.close(0)
+    finally:
+        ctx.term()
