@@ -41,7 +41,10 @@ class ControlPlane:
                 if self._known_learners is None:   # the run's learners before this shard (a restart)
                     self._known_learners = control.learner_ids(self.redis, self.keys)
                 seen = (self._known_learners | self._first_seen.keys()) - self.live.keys()
-                self._departed = control.finished_learners(self.redis, self.keys, seen)
+                # kept across refreshes: an empty Redis restart loses the entries that said so (one
+                # that is live again, a restart under the same id, is no longer finished)
+                self._departed = ((self._departed - self.live.keys())
+                                  | control.finished_learners(self.redis, self.keys, seen - self._departed))
             self._remember_step_times()
             self._accept_token_claims()
             self._live_read_unix = time.time()
