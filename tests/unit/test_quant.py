@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import subprocess
+import sys
 import sysconfig
 
 import numpy as np
@@ -308,6 +310,31 @@ def test_c_kernels_match_the_torch_implementation_byte_for_byte(codec: str, impl
             m.setattr(quant, "_kernels", None)
             t = decode([values, scales], codec, n)
         assert torch.equal(c.view(torch.int32), t.view(torch.int32)), (codec, n)
+
+
+def test_the_portable_quantiser_matches_torch_too(impl: str) -> None:
+    """The C quantiser has two bodies: AVX-512F intrinsics where the CPU has them (what the test
+    above checks on such a machine) and the portable loop (``DDLOCO_KERNELS_AVX512=0``, read at
+    import): the byte-for-byte comparison again, in a process that uses the other one."""
+    if impl != "c":
+        pytest.skip("compares the C kernels against torch")
+    ours = quant._kernels.QUANTISER
+    other = "portable" if ours == "avx512f" else ("avx512f" if _cpu_has_avx512f() else "portable")
+    env = {**os.environ, "DDLOCO_KERNELS_AVX512": "0" if ours == "avx512f" else "1"}
+    which = subprocess.run([sys.executable, "-c", "from common import quant; print(quant._kernels.QUANTISER)"],
+                           capture_output=True, text=True, env=env, timeout=60)
+    assert which.stdout.strip() == other, which
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                          "-k", "byte_for_byte"], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0 and "2 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+
+
+def _cpu_has_avx512f() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512f" in f.read()
+    except OSError:
+        return False
 
 
 def test_the_c_kernels_are_built_where_a_compiler_is(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
