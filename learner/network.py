@@ -34,7 +34,7 @@ from common.config import Endpoints
 from common.links import keep_alive
 from common.rpc import FragmentClient
 from common.security import Security, sent_by_owner
-from common.thread_cpu import threads_cpu_s
+from common.thread_cpu import ThreadCpu
 from learner.messages import (Answer, AskPeer, Fetch, FragmentArrived, Have, PeerState,  # noqa: F401 (importable here)
                               PeerStateArrived, PeerStateWanted, RoundOpened, StateRequested)
 from learner.outbox import Outbox
@@ -78,6 +78,7 @@ class NetworkThread(PeerLink):
         self.numels = list(numels)
         """Flat length of each fragment: anything else is malformed."""
         self._io_read_at = float("-inf")
+        self._io_cpu = ThreadCpu()
         self.inbox = inbox
         self.outbox = outbox
         self._wake: Outbox | None = outbox if isinstance(outbox, Outbox) else None
@@ -175,7 +176,7 @@ class NetworkThread(PeerLink):
                 now = time.monotonic()
                 if now >= self._io_read_at + IO_CPU_EVERY_S:   # /proc: ~0.1 ms, not every loop
                     self._io_read_at = now
-                    self.stats.io_cpu_s = threads_cpu_s() or 0.0
+                    self.stats.io_cpu_s = self._io_cpu.seconds() or 0.0
                 self.published = NetworkReadings.of(self.stats)
         finally:
             client.close()

@@ -9,7 +9,9 @@ import time
 import pytest
 import zmq
 
-from common.thread_cpu import ZMQ_IO_PREFIX, threads_cpu_s
+from common import thread_cpu
+from tests.conftest import wait_until
+from common.thread_cpu import ZMQ_IO_PREFIX, ThreadCpu, threads_cpu_s
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc")
 
@@ -58,3 +60,21 @@ def test_libzmq_io_threads_are_found_and_charged_for_the_bytes_they_move() -> No
         pull.close(0)
     finally:
         ctx.term()
+
+
+def test_a_reader_remembers_its_threads_and_looks_again_when_one_ends_or_later(monkeypatch) -> None:
+    reader = ThreadCpu("ddloco-memo")
+    assert reader.seconds() == 0.0                        # none yet: remembered as none
+    t = _busy_thread("ddloco-memo", 0.2)
+    while t.is_alive():
+        assert reader.seconds() == 0.0                    # not listed again within RESCAN_S
+        t.join(0.05)
+    monkeypatch.setattr(thread_cpu, "RESCAN_S", 0.0)
+    wait_until(lambda: reader.seconds() == 0.0, 10, what="a listing without the ended thread")
+    u = _busy_thread("ddloco-memo", 0.3)
+    wait_s = time.monotonic() + 10
+    while (reader.seconds() or 0.0) < 0.1:                # found at the next listing, and counted
+        assert time.monotonic() < wait_s and u.is_alive(), "the new thread was never counted"
+    monkeypatch.setattr(thread_cpu, "RESCAN_S", 3600.0)
+    u.join()      # (the OS thread exits just after Python's join returns)
+    wait_until(lambda: reader.seconds() == 0.0, 10, what="the ended thread's stat file to go and it to be dropped")
