@@ -78,6 +78,10 @@ def prepare(out: Path, *, python: str = sys.executable, site: Path | None = None
                                capture_output=True, text=True, timeout=300)
         facts["c_kernels_built"] = built.returncode == 0
     facts["c_kernels"] = subprocess.run(have, cwd=REPO, env=env, capture_output=True, timeout=60).returncode == 0
+    if facts["c_kernels"]:   # the quantiser's body: AVX-512F intrinsics where the CPU has them, else portable
+        which = subprocess.run([python, "-c", "import common._qkernels as k; print(getattr(k, 'QUANTISER', '?'))"],
+                               cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        facts["quantiser"] = which.stdout.strip() or None
     facts.update(_facts(python, env))
     facts["prepare_s"] = round(time.monotonic() - t0, 1)
     (out / "env.json").write_text(json.dumps(facts, indent=2))
