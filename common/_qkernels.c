@@ -18,6 +18,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <strings.h>
 #include <float.h>
 #include <stdarg.h>
 #include <math.h>
@@ -850,7 +851,8 @@ PyMODINIT_FUNC PyInit__qkernels(void) {
     if (have_avx512f < 0) {
         const char *env = getenv("DDLOCO_KERNELS_AVX512");   /* "0": the portable loop (tests compare both) */
         __builtin_cpu_init();
-        have_avx512f = (env && env[0] == '0') ? 0 : __builtin_cpu_supports("avx512f");
+        int off = env && (!strcmp(env, "0") || !strcasecmp(env, "false") || !strcasecmp(env, "off") || !strcasecmp(env, "no"));
+        have_avx512f = off ? 0 : __builtin_cpu_supports("avx512f");
     }
 #endif
     PyObject *m = PyModule_Create(&module);

@@ -44,8 +44,8 @@ class ThreadCpu:
         the prefix; None where there is no ``/proc``. A thread that ended is no longer counted
         (libzmq's I/O threads live as long as their context)."""
         now = time.monotonic()
-        if self._tids is None or now - self._scanned_at >= RESCAN_S:
-            self._tids, self._scanned_at = self._scan(), now
+        if not self._tids or now - self._scanned_at >= RESCAN_S:   # none found yet: look each time
+            self._tids, self._scanned_at = self._scan(), now          # (a new thread names itself late)
             if self._tids is None:
                 return None
         ticks = 0

@@ -179,6 +179,8 @@ class NetworkThread(PeerLink):
                     self.stats.io_cpu_s = self._io_cpu.seconds() or 0.0
                 self.published = NetworkReadings.of(self.stats)
         finally:
+            self.stats.io_cpu_s = self._io_cpu.seconds() or self.stats.io_cpu_s   # the last second's too
+            self.published = NetworkReadings.of(self.stats)
             client.close()
             if sec is not None:
                 sec.stop_zap(ctx)

@@ -549,8 +549,8 @@ def test_lockstep_goes_on_without_a_learner_that_finished_and_left(make_cluster)
 
 
 def test_a_restarted_lockstep_shard_knows_who_finished_from_redis(make_cluster):
-    """Who finished is read from Redis (the learner's entry: left, finished), not kept in a shard's
-    memory: a shard restarted after a learner finished and left does not wait for it."""
+    """Who finished is read from Redis (the learner's entry: left, finished), not only kept in a
+    shard's memory: a shard restarted after a learner finished and left does not wait for it."""
     run = RunConfig(algo=AlgoConfig(fragments=2, sync_every_steps=3, quorum=2, lockstep=True, inner_warmup_steps=1))
     cluster = make_cluster(run)
     cluster.start_shard(0, 1)
@@ -580,6 +580,7 @@ def test_lockstep_remembers_who_finished_when_redis_restarts_empty(make_cluster,
     threads = [cluster.start_learner(short), cluster.start_learner(long)]
     wait_until(lambda: not threads[0].is_alive(), 60, what="the short learner to finish and leave")
     wait_until(lambda: "short" in shard._departed, 30, what="the shard to see that it finished")
+    assert threads[1].is_alive() and long.stats.steps < 150, "the long learner ended before the restart"
     redis_server.restart_empty()
     wait_until(lambda: not threads[1].is_alive(), 60, what="the long learner to finish its steps without it")
     assert not cluster.errors, cluster.errors

@@ -39,7 +39,7 @@ def test_counts_only_the_threads_of_that_name_and_their_cpu() -> None:
         assert seen is not None and seen <= 0.3 + 0.05
         t.join(0.05)
     other.join()
-    assert threads_cpu_s("ddloco-spin") == 0.0            # an ended thread is no longer counted
+    wait_until(lambda: threads_cpu_s("ddloco-spin") == 0.0, 10, what="the ended thread to be no longer counted")
 
 
 def test_libzmq_io_threads_are_found_and_charged_for_the_bytes_they_move() -> None:
@@ -64,11 +64,14 @@ def test_libzmq_io_threads_are_found_and_charged_for_the_bytes_they_move() -> No
 
 def test_a_reader_remembers_its_threads_and_looks_again_when_one_ends_or_later(monkeypatch) -> None:
     reader = ThreadCpu("ddloco-memo")
-    assert reader.seconds() == 0.0                        # none yet: remembered as none
+    assert reader.seconds() == 0.0                        # none yet: listed again at each reading
     t = _busy_thread("ddloco-memo", 0.2)
-    while t.is_alive():
-        assert reader.seconds() == 0.0                    # not listed again within RESCAN_S
-        t.join(0.05)
+    wait_until(lambda: (reader.seconds() or 0.0) > 0.0, 10, what="the new thread to be found")
+    other = _busy_thread("ddloco-memo", 0.2)              # found above: the reader keeps its list
+    while other.is_alive():
+        assert (reader.seconds() or 0.0) <= 0.2 + 0.05    # the second thread not listed within RESCAN_S
+        other.join(0.05)
+    t.join()
     monkeypatch.setattr(thread_cpu, "RESCAN_S", 0.0)
     wait_until(lambda: reader.seconds() == 0.0, 10, what="a listing without the ended thread")
     u = _busy_thread("ddloco-memo", 0.3)
