@@ -30,7 +30,7 @@ from typing import Collection, Mapping, Sequence
 
 import torch
 
-from common import quant
+from common import hostmem, quant
 
 KINDS = ("param", "embedding", "buffer", "int_buffer")
 """Kinds of tensors in a fragment (see the module docstring)."""
@@ -294,7 +294,8 @@ def gather(tensors: Mapping[str, torch.Tensor], fragment: Fragment,
     pieces past the caches, ``quant.copy_into``)."""
     spans = fragment.spans                  # computed once: ``numel`` would compute it again
     numel = spans[-1][1] if spans else 0
-    flat = torch.empty(numel, dtype=torch.float32, device=device)
+    flat = hostmem.empty(numel) if torch.device(device).type == "cpu" else \
+        torch.empty(numel, dtype=torch.float32, device=device)
     end = 0
     for piece, (start, stop, _) in zip(fragment.pieces, spans):
         if start > end:                     # an alignment gap before this piece

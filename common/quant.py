@@ -42,6 +42,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from common import hostmem
 from common.boundary import split_run
 
 if sys.byteorder != "little":   # the frame layout and the int16 views of the nibble packing assume it
@@ -291,7 +292,7 @@ def decode(frames: Sequence[Any], codec: str, numel: int) -> torch.Tensor:
     if codec == "bf16":
         return _finite(_to_tensor(views[0], np.dtype("<i2")).view(torch.bfloat16)).float()
     if _kernels is not None:
-        out = torch.empty(numel, dtype=torch.float32)
+        out = hostmem.empty(numel)
         if not _kernels.decode(views[0], views[1], _LEVELS[codec], out.numpy()):
             raise NonFiniteError("non-finite values")
         return out
@@ -386,7 +387,7 @@ def encode_update(master: torch.Tensor, replica: torch.Tensor, codec: str) -> tu
     kernels do not serve it; ``NonFiniteError`` if master − replica holds NaN/inf."""
     if codec not in ("int8", "int4") or _kernels is None:
         return None
-    out = torch.empty_like(master)
+    out = hostmem.empty_like(master)
     return out, _encode_pair(_kernels.encode_update, master, replica, codec, out.numpy())
 
 
@@ -424,7 +425,7 @@ def decode_add(frames: Sequence[Any], codec: str, numel: int, base: torch.Tensor
     if kernel is None:
         return None
     _check_input(base)
-    out = torch.empty_like(base) if out is None else out
+    out = hostmem.empty_like(base) if out is None else out
     _check_input(out)
     if base.numel() != numel or out.numel() != numel:
         raise CodecError(f"base and out must hold {numel} values, got {base.numel()} and {out.numel()}")

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 import zmq
 
-from common import control, wire
+from common import control, hostmem, wire
 from common import entries
 from common.fragments import owner
 from common.keys import Keys
@@ -30,7 +30,7 @@ class _Assembly:
     def __init__(self, msg: wire.Message) -> None:
         self.key = (msg.epoch, msg.version)
         self.first = msg
-        self.values = torch.empty(msg.of, dtype=torch.float32)
+        self.values = hostmem.empty(msg.of)
         self.parts: dict[int, int] = {}
         """offset -> element count of each chunk here."""
         self.filled = 0
