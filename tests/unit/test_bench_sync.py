@@ -97,3 +97,19 @@ def test_gpu_figures_of_cuda_learners_and_the_rss_bound() -> None:
     cpu = summarise({"wall_s": 1.0, "learner_stats": {"a": _learner(1, 1.0, 1, 1, 0)}, "shard_stats": shards},
                     {"learner_stats": {}}, params=params, sync_every=10, fragments=4, syncers=1)
     assert "gpu" not in cpu
+
+
+def test_a_bench_run_s_checkpoints_are_removed_and_its_logs_kept(tmp_path) -> None:
+    from ddloco.bench.sync import drop_checkpoints
+    runs = tmp_path / "runs"
+    for name in ("bsync-sync-7-20261127-100000", "bsync-sync-7-20261127-100500", "bsync-sync-70-20261127-100000",
+                 "demo-abc-20261127-100000"):
+        (runs / name / "checkpoints").mkdir(parents=True)
+        (runs / name / "checkpoints" / "shard0of2.pt").write_bytes(b"x" * 1000)
+        (runs / name / "logs").mkdir()
+    assert drop_checkpoints("bsync-sync-7", runs) == 2
+    assert not (runs / "bsync-sync-7-20261127-100000" / "checkpoints").exists()
+    assert not (runs / "bsync-sync-7-20261127-100500" / "checkpoints").exists()
+    assert (runs / "bsync-sync-7-20261127-100000" / "logs").is_dir()                   # logs stay
+    assert (runs / "bsync-sync-70-20261127-100000" / "checkpoints" / "shard0of2.pt").exists()   # another run's
+    assert (runs / "demo-abc-20261127-100000" / "checkpoints" / "shard0of2.pt").exists()
