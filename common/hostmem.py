@@ -1,16 +1,19 @@
 """Large float32 host vectors from ``malloc`` (numpy's allocator) instead of torch's.
 
 torch's CPU allocator asks glibc for 64-byte-aligned blocks (``posix_memalign``). A freed block
-of a fragment's size is then too small for the next aligned request of the same size (which
-needs the alignment's slack on top), so glibc carves each new one from fresh memory, zero-filled
-page by page on first touch, and the freed ones pile up until they coalesce. A learner makes such a
-vector at every merge it receives (the new base) and every answer (the snapshot); a shard at every
-merge (the new replica). Measured at 10^8 parameters in ``ddloco bench sync`` (session 7,
-docs/results/scale.md): the network thread's decode of a merge took 4.3 ms of CPU, 70 % of it in
-the kernel's page faults (299 faults per merge), against 1.6 ms from ``malloc``, whose freed block
-of the same size is simply reused (13 faults per merge). The values and every torch operation on
-the tensor are the same; the alignment is malloc's 16 bytes (the C kernels need 4, their
-streaming stores 16)."""
+of exactly a fragment's size can be too small for the next aligned request of the same size (it
+needs the alignment's slack on top); glibc then carves the new one from fresh memory, zero-filled
+page by page on first touch (16 MB: 4,096 page faults), and reuses the freed blocks only once they
+coalesce. ``malloc`` of the same size reuses a freed block of that size at once. A learner makes
+such a vector at every merge it receives (the new base) and every answer (the snapshot); a shard
+at every merge (the new replica). Measured (session 7, docs/results/scale.md): alone, one thread,
+eight 16 MB allocations with three kept alive, ``posix_memalign`` took fresh pages every time and
+``malloc`` none after the first four; in ``ddloco bench sync --params 1e8`` the learners' network
+threads took 299 page faults per merge in one run (most of that decode's CPU in the kernel) and
+114 faults in 10 s in another: how often torch's blocks get reused depends on the order of the
+allocations, and this module takes that out of it. The values and every torch operation on the
+tensor are the same; the alignment is malloc's 16 bytes (the C kernels need 4, their streaming
+stores 16)."""
 from __future__ import annotations
 
 import numpy as np
