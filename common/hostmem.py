@@ -8,7 +8,7 @@ coalesce. ``malloc`` of the same size reuses a freed block of that size at once.
 such a vector at every merge it receives (the new base) and every answer (the snapshot); a shard
 at every merge (the new replica). Measured (session 7, docs/results/scale.md): alone, one thread,
 eight 16 MB allocations with three kept alive, ``posix_memalign`` took fresh pages every time and
-``malloc`` none after the first four; in ``ddloco bench sync --params 1e8`` the learners' network
+``malloc`` none after the first four (``python docs/results/alloc_reuse.py``); in ``ddloco bench sync --params 1e8`` the learners' network
 threads took 299 page faults per merge in one run (most of that decode's CPU in the kernel) and
 114 faults in 10 s in another: how often torch's blocks get reused depends on the order of the
 allocations, and this module takes that out of it. The values and every torch operation on the
