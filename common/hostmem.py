@@ -9,8 +9,8 @@ such a vector at every merge it receives (the new base) and every answer (the sn
 at every merge (the new replica). Measured (session 7, docs/results/scale.md): alone, one thread,
 eight 16 MB allocations with three kept alive, ``posix_memalign`` took fresh pages every time and
 ``malloc`` none after the first four (``python docs/results/alloc_reuse.py``); in ``ddloco bench sync --params 1e8`` the learners' network
-threads took 299 page faults per merge in one run (most of that decode's CPU in the kernel) and
-114 faults in 10 s in another: how often torch's blocks get reused depends on the order of the
+threads took 299 page faults per merge in one run (a temporary instrumentation; most of that
+decode's CPU in the kernel) and ~114 faults in 10 s in another: how often torch's blocks get reused depends on the order of the
 allocations, and this module takes that out of it. The values and every torch operation on the
 tensor are the same; the alignment is malloc's 16 bytes (the C kernels need 4, their streaming
 stores 16)."""
