@@ -849,7 +849,7 @@ static int add_learner_kernels(PyObject *m);   /* the learner's sync path: at th
 PyMODINIT_FUNC PyInit__qkernels(void) {
 #ifdef HAVE_QUANTISE_512
     if (have_avx512f < 0) {
-        const char *env = getenv("DDLOCO_KERNELS_AVX512");   /* "0": the portable loop (tests compare both) */
+        const char *env = getenv("DDLOCO_KERNELS_AVX512");   /* 0/false/off/no: the portable loop (tests compare both) */
         __builtin_cpu_init();
         int off = env && (!strcmp(env, "0") || !strcasecmp(env, "false") || !strcasecmp(env, "off") || !strcasecmp(env, "no"));
         have_avx512f = off ? 0 : __builtin_cpu_supports("avx512f");

@@ -59,7 +59,8 @@ class _Splitter:
             kernel(*arrays)       # (arrays of other lengths: the kernel refuses them whole, writing nothing)
             return
         from concurrent.futures import wait
-        # slice bounds at multiples of 16 values: every slice keeps the 64-byte alignment of its start
+        # slice bounds at multiples of 16 values (64 bytes): every slice keeps its start's alignment (16 bytes from
+        # common.hostmem, 64 from torch: enough for the streaming stores either way)
         bounds = [0, *(n * i // parts // 16 * 16 for i in range(1, parts)), n]
         pool = self._get(parts - 1)
         futures: list[Any] = []
