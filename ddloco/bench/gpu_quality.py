@@ -1,6 +1,6 @@
 """``make gpu-quality OUT=DIR``: quality with scale (issue 34) on one GPU in a few minutes.
 
-    python3 -m ddloco.bench.gpu_quality OUT [--dry] [--budget-s 240] [--sizes s,m,l] [--seeds 2]
+    python3 -m ddloco.bench.gpu_quality OUT [--dry] [--budget-s 300] [--sizes s,m,l] [--seeds 2]
                                             [--only inproc|cluster] [--tokens-per-param R]
 
 A size sweep of the built-in ``gpt`` task through ``ddloco compare``, M = 4 learners, three
@@ -40,7 +40,7 @@ from typing import Any, Sequence
 # the pure parts (also what the tests read here)
 from ddloco.bench.quality_plan import (CPU, DRY, FULL, GPU, MAX_TOKENS_PER_PARAM, PUBLISHED, Size, param_count,  # noqa: F401
                                        train_flops)
-from ddloco.bench.quality_plan import (DRY_TOKENS_PER_PARAM, LEARNERS, LOG_FILE_LIMIT, NAMED_SIZES,  # noqa: F401
+from ddloco.bench.quality_plan import (DRY_TOKENS_PER_PARAM, LEARNERS, LOG_FILE_LIMIT, NAMED_SIZES, lane_cost,  # noqa: F401
                                        Profile, QualityError, SizePlan, _size_plans, parse_size, parse_sizes, plan)
 from ddloco.bench.quality_table import cluster_health, collect, markdown, plot, short_table, table_rows  # noqa: F401
 
@@ -95,6 +95,8 @@ def compare_argv(p: SizePlan, lane: str, profile: Profile, *, device: str, confi
             *Size(p.n_layer, p.n_embd, p.n_head).sets()]
     if lane == "cluster":
         sets.append(f"algo.fragments={profile.cluster_fragments}")
+        if profile.cluster_step_floor_ms:
+            argv += ["--step-time-floor-ms", f"{profile.cluster_step_floor_ms:g}"]
     for kv in sets:
         argv += ["--set", kv]
     return argv
@@ -191,12 +193,14 @@ class Sweep:
     def results(self) -> dict[str, Any]:
         tokens = {p.size: p.tokens for p in self.plans}
         res = collect((s.size, s.report, tokens[s.size]) for s in self.stages)
-        fragments = self.meta.get("profile", {}).get("cluster_fragments")
+        prof = self.meta.get("profile", {})
+        fragments, floor = prof.get("cluster_fragments"), prof.get("cluster_step_floor_ms")
         for size, systems in self.merged.items():   # an earlier run's seeds at the same size and tokens
             for system, seeds in systems.items():
                 for seed, r in seeds.items():
-                    if system == "decoupled" and r.get("fragments") != fragments:
-                        continue   # another cluster shape (or one not recorded): not this sweep's system
+                    if system == "decoupled" and (r.get("fragments") != fragments
+                                                  or r.get("step_time_floor_ms") != floor):
+                        continue   # another cluster setting (or one not recorded): not this sweep's system
                     res.setdefault(size, {}).setdefault(system, {}).setdefault(seed, r)
         return res
 
@@ -240,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("out", metavar="OUT", help="results directory (quality.json, .md, .png, quality_logs.tar.gz)")
     ap.add_argument("--dry", action="store_true", help="tiny sizes on the CPU, in seconds (the suite runs it)")
     ap.add_argument("--budget-s", type=float, default=None, help="wall seconds for everything, env set-up "
-                    "included (default 240; --dry 90, a cap: it takes ~35 s)")
+                    "included (default 300; --dry 90, a cap: it takes ~35 s)")
     ap.add_argument("--sizes", default=None, help="comma list of names (" + ", ".join(
         f"{k}={v}" for k, v in NAMED_SIZES.items()) + ") or LAYERSxWIDTH[hHEADS] (default s,m,l)")
     ap.add_argument("--seeds", type=int, default=None, help="seeds of dp_emulated and diloco_sync below the "
@@ -249,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cluster-fragments", type=int, default=None,
                     help="fragments of the decoupled cluster (default 4: fewer rounds a second for learners that "
                          "step every ~20 ms; the table marks a cluster more than 10 %% behind schedule)")
+    ap.add_argument("--cluster-step-floor-ms", type=float, default=None,
+                    help="every cluster learner's step takes at least this long (default 60; --dry 20; 0: none): "
+                         "four learners sharing one GPU otherwise step unevenly, 10-30 ms, and the slow ones' "
+                         "answers miss rounds")
     ap.add_argument("--seed-start", type=int, default=0, help="first seed (a later run adds seeds 2, 3, ...)")
     ap.add_argument("--tokens-per-param", type=float, default=None,
                     help="the ceiling of R, tokens per parameter (default 20; --dry 0.5); the plan takes the "
@@ -277,6 +285,10 @@ def _profile(args: argparse.Namespace) -> Profile:
         if args.cluster_fragments < 1:
             raise QualityError("--cluster-fragments must be >= 1")
         prof = replace(prof, cluster_fragments=args.cluster_fragments)
+    if args.cluster_step_floor_ms is not None:
+        if not args.cluster_step_floor_ms >= 0:
+            raise QualityError("--cluster-step-floor-ms must be >= 0 (0: no floor)")
+        prof = replace(prof, cluster_step_floor_ms=args.cluster_step_floor_ms or None)
     if prof.seeds < 1 or prof.cluster_seeds < 1 or args.seed_start < 0:
         raise QualityError("--seeds and --cluster-seeds must be >= 1, --seed-start >= 0")
     return prof
@@ -300,7 +312,7 @@ def merged_plan(path: str, profile: Profile) -> tuple[list[SizePlan], dict[str, 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     t0 = time.monotonic()
-    budget = args.budget_s if args.budget_s is not None else (90.0 if args.dry else 240.0)
+    budget = args.budget_s if args.budget_s is not None else (90.0 if args.dry else 300.0)
     deadline = t0 + budget - END_RESERVE_S
     out = Path(args.out)
     try:
@@ -336,7 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "dry": args.dry, "budget_s": budget, "lane_s": round(lane_s, 1), "machine_model": asdict(machine),
             "profile": {"seq_len": profile.seq_len, "batch_size": profile.batch_size, "learners": LEARNERS,
                         "tokens_per_step": profile.tokens_per_step(), "eval_points": profile.eval_points,
-                        "cluster_fragments": profile.cluster_fragments},
+                        "cluster_fragments": profile.cluster_fragments,
+                        "cluster_step_floor_ms": profile.cluster_step_floor_ms},
             "env": facts, "notes": notes, "seed_start": args.seed_start,
             "command": "python3 -m ddloco.bench.gpu_quality " + " ".join(sys.argv[1:] if argv is None else argv)}
     sweep = Sweep(out, work, plans, meta, merged)

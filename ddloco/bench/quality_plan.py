@@ -137,6 +137,14 @@ class Profile:
     second at 20 ms steps, where an H200 run's rounds (~0.21 s each, 2 in flight) allowed ~9.5:
     95 % of merges behind schedule at 10.8 M parameters (docs/results/gpu.md). Four ask ~8.3 with
     2 in flight (two: ~4.2 with 1): little headroom; quality.md marks a size that fell behind."""
+    cluster_step_floor_ms: float | None = None
+    """Every cluster learner's step takes at least this long (``ddloco compare --step-time-floor-ms``).
+    Four learners sharing one GPU step unevenly (an H200 run: 10-28 ms within one run at 2.7 M and
+    10.8 M parameters), so the slow ones' answers missed the rounds the fast ones closed (21-39 %
+    late, 78 % of the steps merged at 10.8 M): a real cluster's GPUs each step at their own steady
+    pace. A floor above every learner's own step gives them one pace, and rounds time to spare
+    (at 60 ms, 4 fragments, 2 shards and H = 12, each shard is asked ~2.8 merges a second).
+    None: no floor."""
 
     def tokens_per_step(self) -> int:
         """Tokens of one global step: M learners × batch × sequence."""
@@ -149,9 +157,9 @@ class Profile:
 
 
 FULL = Profile(sizes=tuple(parse_sizes("s,m,l")), seq_len=128, batch_size=64, seeds=2, cluster_seeds=1,
-               eval_points=4, min_steps=24)
+               eval_points=4, min_steps=24, cluster_step_floor_ms=60.0)
 DRY = Profile(sizes=tuple(parse_sizes("1x16,1x24,1x32")), seq_len=16, batch_size=2, seeds=2, cluster_seeds=1,
-              eval_points=2, min_steps=8)
+              eval_points=2, min_steps=8, cluster_step_floor_ms=20.0)
 DRY_TOKENS_PER_PARAM = 0.5
 
 
@@ -167,9 +175,11 @@ def lane_cost(machine: Machine, lane: str, params: int, tokens: int, seeds: int,
         compute = flop_s * jobs if machine.shared else flop_s * jobs / min(jobs, os.cpu_count() or 1)
         overhead = (machine.step_s * (1 + LEARNERS)) / per_step_tokens   # diloco_sync: M steps per step
         return machine.compare_start_s, (compute + overhead)
-    compute = flop_s * seeds if machine.shared else flop_s * seeds / min(LEARNERS, os.cpu_count() or 1)
-    overhead = machine.learner_step_s * seeds / per_step_tokens
-    return machine.compare_start_s + machine.cluster_start_s * seeds, compute + overhead
+    # a global step (every learner's batch) takes the learners' compute, or the floor if longer
+    compute = flop_s if machine.shared else flop_s / min(LEARNERS, os.cpu_count() or 1)
+    overhead = machine.learner_step_s / per_step_tokens
+    floor = (profile.cluster_step_floor_ms or 0.0) / 1000.0 / per_step_tokens
+    return machine.compare_start_s + machine.cluster_start_s * seeds, max(compute + overhead, floor) * seeds
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,10 @@ BEHIND_LIMIT = 0.10
 """A cluster run with more of its merges behind schedule than this trained on stale global values
 (its rounds could not keep up with its learners' steps): its ratio measures the harness, not the
 algorithm, and the table says so."""
+LATE_LIMIT = 0.10
+"""Nor one with more of its answers late than this: uneven learners (several sharing one GPU)
+whose slow ones miss the rounds the fast ones closed; their steps reach the model late or not at
+all (an H200 run: 39 % late, 78 % of the learners' steps merged)."""
 
 
 STALE_MIN_MERGES = 20
@@ -83,7 +87,24 @@ def cluster_health(report: Path) -> dict[str, Any]:
     fragments = (_dict(_dict(rep.get("config")).get("algo"))).get("fragments")
     if isinstance(fragments, int) and fragments >= 1:
         out["fragments"] = fragments
+    steps, merged = _learner_steps(rep)
+    if steps:
+        out["merged_share"] = round(merged / steps, 4)
     return out
+
+
+def _learner_steps(rep: dict[str, Any]) -> tuple[float, float]:
+    """(steps the learners took, of them merged into the global model) summed over learners;
+    (0, 0) when either is unreadable."""
+    stats, merged = _dict(rep.get("learner_stats")), _dict(rep.get("merged_steps"))
+    try:
+        steps = sum(float(_dict(h).get("steps") or 0) for h in stats.values())
+        done = sum(float(v) for v in merged.values())
+    except (TypeError, ValueError):
+        return 0.0, 0.0
+    if not (math.isfinite(steps) and math.isfinite(done)) or steps <= 0 or done < 0:
+        return 0.0, 0.0
+    return steps, min(done, steps)
 
 
 def _dict(x: Any) -> dict[str, Any]:
@@ -98,7 +119,7 @@ def _slim(r: dict[str, Any]) -> dict[str, Any]:
     keep = ("eval_loss_final", "tokens", "steps", "wall_s", "bytes_per_token", "curve")
     out = {k: r[k] for k in keep if k in r}
     extra = r.get("extra", {})
-    out.update({k: extra[k] for k in ("device", "merges", "goodput", "backend") if k in extra})
+    out.update({k: extra[k] for k in ("device", "merges", "goodput", "backend", "step_time_floor_ms") if k in extra})
     return out
 
 
@@ -131,10 +152,15 @@ def table_rows(results: dict[str, dict[str, dict[str, dict[str, Any]]]], plans: 
         health = [r.get("behind_fraction") for r in by.get("decoupled", {}).values()
                   if (r.get("merges") or 0) >= STALE_MIN_MERGES]   # a few merges (a dry run's) say nothing
         row["decoupled_behind"] = max((h for h in health if h is not None), default=None)
-        late = [r.get("late_fraction") for r in by.get("decoupled", {}).values()]
+        late = [r.get("late_fraction") for r in by.get("decoupled", {}).values()
+                if (r.get("merges") or 0) >= STALE_MIN_MERGES]
         row["decoupled_late"] = max((x for x in late if x is not None), default=None)
         row["decoupled_fragments"] = sorted({r.get("fragments") for r in by.get("decoupled", {}).values()},
                                             key=lambda f: (f is None, f or 0))
+        shares = [r.get("merged_share") for r in by.get("decoupled", {}).values()]
+        row["decoupled_merged_share"] = min((x for x in shares if x is not None), default=None)
+        row["decoupled_floor_ms"] = sorted({r.get("step_time_floor_ms") for r in by.get("decoupled", {}).values()},
+                                           key=lambda f: (f is None, f or 0))
         dp = by.get("dp_emulated", {})
         for system in ("diloco_sync", "decoupled"):
             paired = [by[system][s]["eval_loss_final"] / dp[s]["eval_loss_final"]
@@ -153,19 +179,25 @@ def markdown(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"# Quality with scale: {meta.get('device_name') or meta.get('device')}, M = {LEARNERS}", "",
              f"Command: `{meta.get('command', '')}`", "",
              "| size | params | tokens | tokens/param | dp (emulated) | diloco_sync | decoupled | "
-             "diloco_sync ÷ dp | decoupled ÷ dp | cluster: merges behind / answers late | seeds (dp/sync/dec) |",
+             "diloco_sync ÷ dp | decoupled ÷ dp | cluster: merges behind / answers late / steps merged | "
+             "seeds (dp/sync/dec) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     stale = []
     for r in rows:
         seeds = "/".join(str(len(r[f"{s}_seeds"])) for s in SYSTEMS)
         behind = r.get("decoupled_behind")
+        late = r.get("decoupled_late")
         mark = ""
-        if behind is not None and behind > BEHIND_LIMIT:
+        if (behind is not None and behind > BEHIND_LIMIT) or (late is not None and late > LATE_LIMIT):
             mark, stale = " (stale)", [*stale, r["size"]]
-        health = "–" if behind is None else f"{behind:.1%} / {_fmt(r.get('decoupled_late'), '.1%')}"
+        health = "–" if behind is None else (f"{behind:.1%} / {_fmt(late, '.1%')} / "
+                                               f"{_fmt(r.get('decoupled_merged_share'), '.1%')}")
         frags = r.get("decoupled_fragments") or []
         if frags:
             health += " · " + ",".join("?" if f is None else str(f) for f in frags) + " fragments"
+        floors = [f for f in r.get("decoupled_floor_ms") or [] if f]
+        if floors:
+            health += " · steps ≥ " + ",".join(f"{f:g}" for f in floors) + " ms"
         lines.append(f"| {r['size']} | {r['params'] / 1e6:.2f} M | {r['tokens']:,} | {r['tokens_per_param']:.2f} | "
                      f"{_fmt(r['dp_emulated'], '.4f')} | {_fmt(r['diloco_sync'], '.4f')} | "
                      f"{_fmt(r['decoupled'], '.4f')} | {_fmt(r['diloco_sync_ratio'], '.4f')} | "
@@ -175,9 +207,11 @@ def markdown(rows: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
               "Streaming DiLoCo 1.026 (35 M), 1.019 (100 M)."]
     if stale:
         lines.append(f"- (stale) {', '.join(stale)}: more than {BEHIND_LIMIT:.0%} of the cluster's merges were behind "
-                     "schedule (its rounds did not keep up with its learners' steps; they trained on stale global "
-                     "values): that ratio measures the harness, not the algorithm. Fewer fragments "
-                     "(--cluster-fragments) or a slower step keep the rounds up.")
+                     f"schedule (its rounds did not keep up with its learners' steps; they trained on stale global "
+                     f"values) or more than {LATE_LIMIT:.0%} of its answers late (learners stepping unevenly on a "
+                     "shared device; their steps reached the model late or not at all): that ratio measures the "
+                     "harness, not the algorithm. Fewer fragments (--cluster-fragments) or a step-time floor "
+                     "(--cluster-step-floor-ms) keep the rounds up.")
     for note in meta.get("notes", []):
         lines.append(f"- {note}")
     return "\n".join(lines) + "\n"

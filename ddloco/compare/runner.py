@@ -109,8 +109,11 @@ def run_dp(run: RunConfig, *, learners: int, steps: int, seed: int, eval_points:
 
 
 def run_cluster(system: str, cfg: ConfigFile, *, learners: int, steps: int, seed: int, workdir: Path,
-                syncers: int, per_batch: int, insecure: bool = False) -> dict[str, Any]:
-    """Our cluster through ``ddloco up`` (separate processes, real sockets and Redis)."""
+                syncers: int, per_batch: int, insecure: bool = False,
+                step_time_floor_ms: float | None = None) -> dict[str, Any]:
+    """Our cluster through ``ddloco up`` (separate processes, real sockets and Redis); every
+    learner's step takes at least ``step_time_floor_ms`` when given (``ddloco learner
+    --step-time-floor-ms``: the pace of an accelerator, where several learners share one)."""
     from ddloco.up import run_up
     run = system_run(system, cfg.run, learners)
     up = override(cfg.up, learners=learners, syncers=syncers, steps=steps, report_dir=str(workdir),
@@ -119,7 +122,7 @@ def run_cluster(system: str, cfg: ConfigFile, *, learners: int, steps: int, seed
     c = replace(cfg, run=run, up=up, endpoints=override(cfg.endpoints, run_id=run_id))
     rep_path = workdir / "report.json"
     rep_path.unlink(missing_ok=True)
-    rc = run_up(c, external_redis=False, quiet=True, insecure=insecure)
+    rc = run_up(c, external_redis=False, quiet=True, insecure=insecure, step_time_floor_ms=step_time_floor_ms)
     if rc == 130:
         raise KeyboardInterrupt
     if not rep_path.exists():
@@ -144,7 +147,8 @@ def run_cluster(system: str, cfg: ConfigFile, *, learners: int, steps: int, seed
             "wall_s": rep["wall_s"], "eval_loss_final": float(rep["eval_loss_final"]), "curve": curve,
             "bytes_per_token": cluster_bytes_per_token(rep),
             "extra": {"merges": rep["merges"], "goodput": rep["goodput"], "dropped": rep["dropped_messages"],
-                      "unflushed_fragments": unflushed, "report": str(rep_path)}}
+                      "unflushed_fragments": unflushed, "step_time_floor_ms": step_time_floor_ms,
+                      "report": str(rep_path)}}
 
 
 # ------------------------------------------------------------------------------------ summary
@@ -184,7 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     side.add_argument("--hetero", metavar="SPEC", help="mixed hardware, e.g. slow=2,factor=1.2,noise=0.1: the last "
                       "`slow` learners (default half) that much slower, every step time x (1 + noise N(0,1))")
     side.add_argument("--step-time-floor-ms", type=float, default=None,
-                      help="with --chaos/--hetero: the emulated accelerator step time of every system (default 200)")
+                      help="with --chaos/--hetero: the emulated accelerator step time of every system (default 200); "
+                           "otherwise the cluster systems' learners' step floor (default none), e.g. where their "
+                           "learners share one GPU and would step unevenly and faster than a real cluster's")
     side.add_argument("--checkpoint-every", type=int, default=50, metavar="STEPS",
                       help="the elastic baselines' checkpoint interval (default 50 steps)")
     side.add_argument("--wall-cap", type=float, default=3.0, metavar="X",
@@ -236,6 +242,8 @@ class _Comparison:
         if steps < 1:
             raise ConfigError(f"--tokens {args.tokens} is less than one step of {args.learners} learners "
                               f"x {per_batch} tokens")
+        if args.step_time_floor_ms is not None and not args.step_time_floor_ms > 0:
+            raise ConfigError(f"--step-time-floor-ms must be > 0, got {args.step_time_floor_ms:g}")
         if steps * args.learners * per_batch != args.tokens:
             print(f"note: {args.tokens:,} tokens is not a whole number of steps; using {steps} steps "
                   f"= {steps * args.learners * per_batch:,} tokens", flush=True)
@@ -257,6 +265,8 @@ class _Comparison:
             ident["delay_steps"] = args.delay_steps
         if system in CLUSTER:
             ident.update(syncers=args.syncers, learner=asdict(self.cfg.learner), syncer=asdict(self.cfg.syncer))
+            if args.step_time_floor_ms is not None:
+                ident["step_time_floor_ms"] = args.step_time_floor_ms
         if system == "dp" or (args.device != "auto" and system in IN_PROCESS + CLUSTER):
             ident["device"] = args.device
         return ident
@@ -328,7 +338,7 @@ class _Comparison:
                     else:
                         res = run_cluster(s, replace(self.cfg, run=r), learners=args.learners, steps=self.steps,
                                           seed=seed, workdir=workdir, syncers=args.syncers, per_batch=self.per_batch,
-                                          insecure=args.insecure)
+                                          insecure=args.insecure, step_time_floor_ms=args.step_time_floor_ms)
                     self.done(s, seed, res)
                 except KeyboardInterrupt:
                     print("interrupted: the finished runs are in DIR/runs (--resume goes on from them)",
@@ -347,6 +357,7 @@ class _Comparison:
         meta = {"task": run.task.spec, "learners": args.learners,
                 "tokens": self.steps * args.learners * self.per_batch,
                 "steps_per_learner": self.steps, "seeds": self.seeds, "algo": asdict(run.algo),
+                "cluster_step_time_floor_ms": args.step_time_floor_ms,
                 "task_config": asdict(run.task),
                 "command": "ddloco compare " + " ".join(a for a in self.argv if a not in ("--render-only", "--resume")),
                 "wall_s": round(time.time() - self.t_start, 1),

@@ -109,6 +109,8 @@ def write_markdown(path: Path, summary: dict[str, Any], meta: dict[str, Any]) ->
               "one learner at equal steps), mean and 95 % CI over seeds; \"CIs apart\" when the system's CI "
               "lies wholly below one learner's.", "",
               "Algorithm config (all systems): `" + json.dumps(meta["algo"], sort_keys=True) + "`", "",
+              *([f"The cluster systems' learners stepped no faster than {meta['cluster_step_time_floor_ms']:g} ms "
+                 "(--step-time-floor-ms).", ""] if meta.get("cluster_step_time_floor_ms") else []),
               "Wall times of in-process systems run side by side (`--jobs`) share the cores; "
               "compare them only within one system.", ""]
     path.write_text("\n".join(lines))

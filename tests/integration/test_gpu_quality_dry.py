@@ -37,5 +37,11 @@ def test_dry_run_writes_the_four_files_with_finite_rows(tmp_path: Path) -> None:
     assert last[0].split()[:2] == ["size", "params"] and len(last) == 4       # the short table, last
     with tarfile.open(out / "quality_logs.tar.gz") as tar:
         names = tar.getnames()
+        reports = [json.load(tar.extractfile(n)) for n in names if n.endswith("decoupled-s0/report.json")]
     assert "env.json" in names and sum(n.endswith("stage.log") for n in names) == 6
+    # the cluster's learners kept the dry profile's step floor (20 ms): their step EMA is not under it
+    assert len(reports) == 3 and all(r["decoupled_floor_ms"] == [20.0] for r in doc["rows"])
+    for rep in reports:
+        emas = [float(h["step_ema_s"]) for h in rep["learner_stats"].values()]
+        assert len(emas) == 4 and min(emas) >= 0.0195, emas
     assert (out / "quality.png").read_bytes()[:4] == b"\x89PNG"

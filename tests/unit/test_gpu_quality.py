@@ -40,7 +40,7 @@ def test_the_full_sweep_spans_30x_with_a_largest_over_10m() -> None:
 
 
 def test_plan_fits_both_lanes_and_keeps_tokens_whole_steps() -> None:
-    plans, notes = gq.plan(gq.FULL, gq.GPU, 150.0)
+    plans, notes = gq.plan(gq.FULL, gq.GPU, 200.0)
     step = gq.FULL.tokens_per_step()
     assert [p.size for p in plans] == ["6x64", "6x192", "6x384"]
     for p in plans:
@@ -48,7 +48,7 @@ def test_plan_fits_both_lanes_and_keeps_tokens_whole_steps() -> None:
         assert 0 < p.tokens_per_param <= gq.MAX_TOKENS_PER_PARAM
         assert p.flops == 6 * p.params * p.tokens
     for lane in ("inproc", "cluster"):
-        assert sum(p.est_s[lane] for p in plans) <= 150.0 + 1e-6
+        assert sum(p.est_s[lane] for p in plans) <= 200.0 + 1e-6
     assert plans[0].tokens_per_param > 19.9 and plans[-1].tokens_per_param < plans[0].tokens_per_param
     assert [p.seeds for p in plans] == [2, 2, 1] and all(p.cluster_seeds == 1 for p in plans)
     assert any("tokens per parameter" in n for n in notes)
@@ -59,10 +59,11 @@ def test_plan_fits_both_lanes_and_keeps_tokens_whole_steps() -> None:
     assert [(p.size, p.steps) for p in plans] == [("6x64", gq.FULL.min_steps)] and any("over budget" in n for n in notes)
 
 
-def _run(d: Path, system: str, seed: int, loss: float, tokens: int) -> None:
+def _run(d: Path, system: str, seed: int, loss: float, tokens: int, extra: dict | None = None) -> None:
     (d / "runs").mkdir(parents=True, exist_ok=True)
     (d / "runs" / f"{system}-s{seed}.json").write_text(json.dumps(
-        {"system": system, "seed": seed, "eval_loss_final": loss, "tokens": tokens, "wall_s": 1.0, "curve": []}))
+        {"system": system, "seed": seed, "eval_loss_final": loss, "tokens": tokens, "wall_s": 1.0, "curve": [],
+         **({"extra": extra} if extra else {})}))
 
 
 def test_collect_and_table_pair_ratios_by_seed(tmp_path: Path) -> None:
@@ -153,6 +154,60 @@ def test_the_cluster_lane_runs_with_the_profiles_fragments(tmp_path: Path) -> No
     assert gq._profile(args).cluster_fragments == 2
     with pytest.raises(gq.QualityError, match="cluster-fragments"):
         gq._profile(gq.build_parser().parse_args([str(tmp_path), "--dry", "--cluster-fragments", "0"]))
+
+
+def test_a_cluster_whose_answers_came_late_is_marked_stale_with_its_merged_steps(tmp_path: Path) -> None:
+    """An H200 run with 4 fragments: rounds mostly on schedule (13.5 % behind) but four learners on
+    one GPU stepping unevenly, 39 % of answers late and 78 % of the steps merged; the table called
+    that size's ratio (1.26) the algorithm's unless it was behind. Now late answers mark it too,
+    and the steps merged are in the table."""
+    d = tmp_path / "cluster-1x16"
+    _run(d, "decoupled", 0, 4.1, 1000, extra={"merges": 200, "step_time_floor_ms": 60.0})
+    rep = d / "runs" / "decoupled-s0" / "report.json"
+    _shards(rep, [{"merges": 100, "rounds_behind": 5, "answers": 300, "late_answers": 100},
+                  {"merges": 100, "rounds_behind": 5, "answers": 310, "late_answers": 90}], fragments=4)
+    doc = json.loads(rep.read_text())
+    doc["learner_stats"] = {"learner-0": {"steps": "496"}, "learner-1": {"steps": "496"}}
+    doc["merged_steps"] = {"learner-0": 387.25, "learner-1": 386.5}
+    rep.write_text(json.dumps(doc))
+    results = gq.collect([("1x16", d, 1000)])
+    r = results["1x16"]["decoupled"]["0"]
+    assert (r["behind_fraction"], r["late_fraction"], r["merged_share"]) == (0.05, 0.2375, 0.78)
+    assert r["step_time_floor_ms"] == 60.0
+    plan = gq._size_plans(gq.replace(gq.DRY, sizes=(gq.parse_size("1x16"),)), gq.CPU, [10])
+    rows = gq.table_rows(results, [gq.replace(p, tokens=1000) for p in plan])
+    assert rows[0]["decoupled_merged_share"] == 0.78 and rows[0]["decoupled_floor_ms"] == [60.0]
+    md = gq.markdown(rows, {"device": "cpu"})
+    line = next(x for x in md.splitlines() if x.startswith("| 1x16"))
+    assert "(stale)" in line and "5.0% / 23.8% / 78.0%" in line and "steps ≥ 60 ms" in line
+    assert "- (stale) 1x16:" in md and "answers late" in md
+    # unreadable step counts: no share, nothing else lost
+    doc["merged_steps"] = {"learner-0": "x"}
+    rep.write_text(json.dumps(doc))
+    assert "merged_share" not in gq.cluster_health(rep) and gq.cluster_health(rep)["late_fraction"] == 0.2375
+
+
+def test_the_cluster_lane_steps_no_faster_than_the_floor(tmp_path: Path) -> None:
+    size = gq.parse_size("6x64")
+    plan = gq._size_plans(gq.replace(gq.FULL, sizes=(size,)), gq.GPU, [100])[0]
+    kw = dict(device="cuda", config=tmp_path / "c.toml", report=tmp_path / "r", seed_start=0)
+    argv = gq.compare_argv(plan, "cluster", gq.FULL, **kw)
+    assert argv[argv.index("--step-time-floor-ms") + 1] == "60"
+    assert "--step-time-floor-ms" not in gq.compare_argv(plan, "inproc", gq.FULL, **kw)
+    none = gq.replace(gq.FULL, cluster_step_floor_ms=None)
+    assert "--step-time-floor-ms" not in gq.compare_argv(plan, "cluster", none, **kw)
+    # the floor is the cluster's cost per token where it is slower than the learners' compute
+    params = gq.param_count(size, gq.FULL.seq_len)
+    fixed, per_token = gq.lane_cost(gq.GPU, "cluster", params, 0, 1, gq.FULL)
+    assert per_token == pytest.approx(0.060 / gq.FULL.tokens_per_step())
+    assert gq.lane_cost(gq.GPU, "cluster", params, 0, 1, none)[1] < per_token
+    assert gq.lane_cost(gq.GPU, "cluster", params, 0, 2, gq.FULL)[1] == pytest.approx(2 * per_token)
+    args = gq.build_parser().parse_args([str(tmp_path), "--cluster-step-floor-ms", "0"])
+    assert gq._profile(args).cluster_step_floor_ms is None
+    assert gq._profile(gq.build_parser().parse_args([str(tmp_path), "--cluster-step-floor-ms", "80"])
+                       ).cluster_step_floor_ms == 80.0
+    with pytest.raises(gq.QualityError, match="cluster-step-floor-ms"):
+        gq._profile(gq.build_parser().parse_args([str(tmp_path), "--cluster-step-floor-ms", "-1"]))
 
 
 def test_plot_has_ours_and_the_published_points(tmp_path: Path) -> None:
