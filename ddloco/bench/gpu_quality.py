@@ -63,6 +63,8 @@ class Stage:
     argv: list[str]
     timeout_s: float
     report: Path
+    seeds: tuple[int, ...] = ()
+    """The seeds it runs (of every system of its lane)."""
     status: str = "pending"
     rc: int | None = None
     wall_s: float = 0.0
@@ -79,21 +81,33 @@ STAGE_SLACK_S = {False: 20.0, True: 60.0}
 seconds, and on a loaded 2-core machine (the test suite's other workers) a cluster stage's start-up
 alone took 21 s."""
 
+def lane_seeds(p: SizePlan, lane: str, seed_start: int) -> tuple[int, ...]:
+    """The seeds a lane runs at one size: ``inproc`` every seed of its systems, ``cluster`` (the
+    first cluster lane) ``seed_start``, ``clusterK`` seed_start + K - 1."""
+    if lane == "inproc":
+        return tuple(seed_start + k for k in range(p.seeds))
+    k = int(lane[len("cluster"):] or 1) - 1
+    return (seed_start + k,)
+
+
+def cluster_lanes(p: SizePlan) -> list[str]:
+    """One lane per cluster seed (``cluster``, ``cluster2``, ...): they run side by side."""
+    return ["cluster" + (str(k + 1) if k else "") for k in range(p.cluster_seeds)]
+
+
 def compare_argv(p: SizePlan, lane: str, profile: Profile, *, device: str, config: Path, report: Path,
                  seed_start: int) -> list[str]:
     """The ``ddloco compare`` of one lane at one size."""
-    if lane == "inproc":
-        systems, seeds = "dp_emulated,diloco_sync", p.seeds
-    else:
-        systems, seeds = "decoupled", p.cluster_seeds
+    seeds = lane_seeds(p, lane, seed_start)
+    systems = "dp_emulated,diloco_sync" if lane == "inproc" else "decoupled"
     argv = [sys.executable, "-m", "ddloco", "compare", "--task", "gpt", "--learners", str(LEARNERS),
-            "--tokens", str(p.tokens), "--seed-list", ",".join(str(seed_start + k) for k in range(seeds)),
-            "--systems", systems, "--jobs", str(2 * seeds if lane == "inproc" else 1),
+            "--tokens", str(p.tokens), "--seed-list", ",".join(map(str, seeds)),
+            "--systems", systems, "--jobs", str(2 * len(seeds) if lane == "inproc" else 1),
             "--eval-points", str(profile.eval_points), "--device", device, "--insecure",
             "--config", str(config), "--report", str(report)]
     sets = [f"task.seq_len={profile.seq_len}", f"task.batch_size={profile.batch_size}",
             *Size(p.n_layer, p.n_embd, p.n_head).sets()]
-    if lane == "cluster":
+    if lane != "inproc":
         sets.append(f"algo.fragments={profile.cluster_fragments}")
         if profile.cluster_step_floor_ms:
             argv += ["--step-time-floor-ms", f"{profile.cluster_step_floor_ms:g}"]
@@ -182,10 +196,8 @@ class Sweep:
         for p in self.plans:
             for stage in (s for s in self.stages if s.size == p.size):
                 systems = ("dp_emulated", "diloco_sync") if stage.lane == "inproc" else ("decoupled",)
-                seeds = p.seeds if stage.lane == "inproc" else p.cluster_seeds
                 for system in systems:
-                    for k in range(seeds):
-                        seed = str(self.meta.get("seed_start", 0) + k)
+                    for seed in map(str, stage.seeds):
                         if seed not in res.get(p.size, {}).get(system, {}):
                             out.append(f"{p.size} {system} seed {seed}")
         return out
@@ -249,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"{k}={v}" for k, v in NAMED_SIZES.items()) + ") or LAYERSxWIDTH[hHEADS] (default s,m,l)")
     ap.add_argument("--seeds", type=int, default=None, help="seeds of dp_emulated and diloco_sync below the "
                     "largest size (default 2; the largest gets 1)")
-    ap.add_argument("--cluster-seeds", type=int, default=None, help="seeds of the decoupled cluster per size (default 1)")
+    ap.add_argument("--cluster-seeds", type=int, default=None,
+                    help="seeds of the decoupled cluster per size, each in a lane of its own, side by side (default 2)")
     ap.add_argument("--cluster-fragments", type=int, default=None,
                     help="fragments of the decoupled cluster (default 4: fewer rounds a second for learners that "
                          "step every ~20 ms; the table marks a cluster more than 10 %% behind schedule)")
@@ -354,14 +367,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             "command": "python3 -m ddloco.bench.gpu_quality " + " ".join(sys.argv[1:] if argv is None else argv)}
     sweep = Sweep(out, work, plans, meta, merged)
     for p in plans:
-        for lane in ("inproc", "cluster"):
-            if args.only and lane != args.only:
+        for lane in ("inproc", *cluster_lanes(p)):
+            if args.only and lane.rstrip("0123456789") != args.only:
                 continue
             report = work / f"{lane}-{p.size}"
+            est = p.est_s["inproc" if lane == "inproc" else "cluster"]
             sweep.stages.append(Stage(f"{lane}-{p.size}", lane, p.size,
                                       compare_argv(p, lane, profile, device=device, config=work / "config.toml",
                                                    report=report, seed_start=args.seed_start),
-                                      timeout_s=2.0 * p.est_s[lane] + STAGE_SLACK_S[args.dry], report=report))
+                                      timeout_s=2.0 * est + STAGE_SLACK_S[args.dry], report=report,
+                                      seeds=lane_seeds(p, lane, args.seed_start)))
     print(f"[gpu quality] device {meta['device_name']}, {len(plans)} size(s), lane budget {lane_s:.0f} s; "
           + "; ".join(f"{p.size}: {p.params / 1e6:.2f} M params, {p.tokens:,} tokens ({p.tokens_per_param:.2f}/param),"
                       f" est {p.est_s['inproc']:.0f}/{p.est_s['cluster']:.0f} s" for p in plans), file=sys.stderr,

@@ -125,7 +125,8 @@ class Profile:
     seeds: int
     """Seeds of the in-process systems at every size below the largest (the largest gets one)."""
     cluster_seeds: int
-    """Seeds of the cluster at every size (each is one ``ddloco up``: ~30 s of start and stop on a GPU)."""
+    """Seeds of the cluster at every size, each in a lane of its own (the lanes run side by side: at
+    the step floor the learners leave the GPU mostly idle)."""
     eval_points: int
     min_steps: int
     """A size whose budget gives fewer steps than this is left out (reported)."""
@@ -155,10 +156,14 @@ class Profile:
             return self.cluster_seeds
         return 1 if i == len(self.sizes) - 1 and len(self.sizes) > 1 else self.seeds
 
+    def lane_seeds(self, i: int, lane: str) -> int:
+        """Seeds one lane runs at size i: the in-process lane every seed at once, a cluster lane one."""
+        return 1 if lane == "cluster" else self.seeds_at(i)
 
-FULL = Profile(sizes=tuple(parse_sizes("s,m,l")), seq_len=128, batch_size=64, seeds=2, cluster_seeds=1,
+
+FULL = Profile(sizes=tuple(parse_sizes("s,m,l")), seq_len=128, batch_size=64, seeds=2, cluster_seeds=2,
                eval_points=4, min_steps=24, cluster_step_floor_ms=60.0)
-DRY = Profile(sizes=tuple(parse_sizes("1x16,1x24,1x32")), seq_len=16, batch_size=2, seeds=2, cluster_seeds=1,
+DRY = Profile(sizes=tuple(parse_sizes("1x16,1x24,1x32")), seq_len=16, batch_size=2, seeds=2, cluster_seeds=2,
               eval_points=2, min_steps=8, cluster_step_floor_ms=20.0)
 DRY_TOKENS_PER_PARAM = 0.5
 
@@ -239,7 +244,7 @@ def _fit_tokens(prof: Profile, machine: Machine, lane_s: float, max_tpp: float) 
     params = [param_count(s, prof.seq_len) for s in prof.sizes]
     best = [max_tpp * p for p in params]
     for lane in ("inproc", "cluster"):
-        costs = [lane_cost(machine, lane, p, 0, prof.seeds_at(i, lane), prof) for i, p in enumerate(params)]
+        costs = [lane_cost(machine, lane, p, 0, prof.lane_seeds(i, lane), prof) for i, p in enumerate(params)]
         avail = lane_s - sum(a for a, _ in costs)
         weights = [float(i + 1) for i in range(len(params))]
         tokens = [0.0] * len(params)
@@ -268,7 +273,7 @@ def _size_plans(prof: Profile, machine: Machine, steps: Sequence[int]) -> list[S
         p = param_count(s, prof.seq_len)
         est = {}
         for lane in ("inproc", "cluster"):
-            a, b = lane_cost(machine, lane, p, n * step, prof.seeds_at(i, lane), prof)
+            a, b = lane_cost(machine, lane, p, n * step, prof.lane_seeds(i, lane), prof)
             est[lane] = round(a + b * n * step, 1)
         out.append(SizePlan(s.name, s.n_layer, s.n_embd, s.n_head, p, n * step, n, round(n * step / p, 3),
                             prof.seeds_at(i), prof.seeds_at(i, "cluster"), est, train_flops(p, n * step)))

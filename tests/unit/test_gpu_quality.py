@@ -50,7 +50,7 @@ def test_plan_fits_both_lanes_and_keeps_tokens_whole_steps() -> None:
     for lane in ("inproc", "cluster"):
         assert sum(p.est_s[lane] for p in plans) <= 200.0 + 1e-6
     assert plans[0].tokens_per_param > 19.9 and plans[-1].tokens_per_param < plans[0].tokens_per_param
-    assert [p.seeds for p in plans] == [2, 2, 1] and all(p.cluster_seeds == 1 for p in plans)
+    assert [p.seeds for p in plans] == [2, 2, 1] and all(p.cluster_seeds == 2 for p in plans)
     assert any("tokens per parameter" in n for n in notes)
     # a smaller budget leaves the largest out (said), a tiny one keeps the smallest at its minimum
     plans, notes = gq.plan(gq.FULL, gq.GPU, 100.0)
@@ -185,6 +185,24 @@ def test_a_cluster_whose_answers_came_late_is_marked_stale_with_its_merged_steps
     doc["merged_steps"] = {"learner-0": "x"}
     rep.write_text(json.dumps(doc))
     assert "merged_share" not in gq.cluster_health(rep) and gq.cluster_health(rep)["late_fraction"] == 0.2375
+
+
+def test_each_cluster_seed_has_a_lane_of_its_own(tmp_path: Path) -> None:
+    """The done-when asks for two seeds below the largest size; two clusters one after the other
+    would halve every size's tokens, side by side they cost one cluster's time (the learners wait
+    on the step floor, the GPU mostly idle)."""
+    plan = gq._size_plans(gq.replace(gq.FULL, sizes=(gq.parse_size("6x64"),)), gq.GPU, [100])[0]
+    assert gq.cluster_lanes(plan) == ["cluster", "cluster2"]
+    kw = dict(device="cuda", config=tmp_path / "c.toml", report=tmp_path / "r", seed_start=3)
+    seeds = {lane: gq.compare_argv(plan, lane, gq.FULL, **kw) for lane in ("inproc", "cluster", "cluster2")}
+    seeds = {lane: argv[argv.index("--seed-list") + 1] for lane, argv in seeds.items()}
+    assert seeds == {"inproc": "3,4", "cluster": "3", "cluster2": "4"}
+    assert gq.lane_seeds(plan, "cluster2", 3) == (4,)
+    # a lane's estimate is one cluster's: the plan with two cluster seeds gives the tokens of one
+    one = gq.plan(gq.replace(gq.FULL, cluster_seeds=1), gq.GPU, 200.0)[0]
+    two = gq.plan(gq.FULL, gq.GPU, 200.0)[0]
+    assert [p.tokens for p in one] == [p.tokens for p in two]
+    assert [p.est_s for p in one] == [p.est_s for p in two]
 
 
 def test_the_cluster_lane_steps_no_faster_than_the_floor(tmp_path: Path) -> None:

@@ -16,7 +16,9 @@ from common.thread_cpu import ZMQ_IO_PREFIX, ThreadCpu, threads_cpu_s
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc")
 
 
-def _busy_thread(name: str, seconds: float) -> threading.Thread:
+def _busy_thread(name: str, seconds: float, hold: threading.Event | None = None) -> threading.Thread:
+    """A thread named ``name`` that spends ``seconds`` of CPU, then (``hold``) waits for that event
+    before it ends: on a loaded machine a reader may not look before a short-lived thread is gone."""
     def spin() -> None:
         if sys.platform.startswith("linux"):    # the name /proc shows (this Python does not set it)
             import ctypes
@@ -24,6 +26,8 @@ def _busy_thread(name: str, seconds: float) -> threading.Thread:
         end = time.thread_time() + seconds
         while time.thread_time() < end:
             pass
+        if hold is not None:
+            hold.wait(60)
     t = threading.Thread(target=spin)
     t.start()
     return t
@@ -65,8 +69,10 @@ def test_libzmq_io_threads_are_found_and_charged_for_the_bytes_they_move() -> No
 def test_a_reader_remembers_its_threads_and_looks_again_when_one_ends_or_later(monkeypatch) -> None:
     reader = ThreadCpu("ddloco-memo")
     assert reader.seconds() == 0.0                        # none yet: listed again at each reading
-    t = _busy_thread("ddloco-memo", 0.2)
+    found = threading.Event()
+    t = _busy_thread("ddloco-memo", 0.2, hold=found)
     wait_until(lambda: (reader.seconds() or 0.0) > 0.0, 10, what="the new thread to be found")
+    found.set()
     other = _busy_thread("ddloco-memo", 0.2)              # found above: the reader keeps its list
     while other.is_alive():
         assert (reader.seconds() or 0.0) <= 0.2 + 0.05    # the second thread not listed within RESCAN_S
@@ -74,10 +80,10 @@ def test_a_reader_remembers_its_threads_and_looks_again_when_one_ends_or_later(m
     t.join()
     monkeypatch.setattr(thread_cpu, "RESCAN_S", 0.0)
     wait_until(lambda: reader.seconds() == 0.0, 10, what="a listing without the ended thread")
-    u = _busy_thread("ddloco-memo", 0.3)
-    wait_s = time.monotonic() + 10
-    while (reader.seconds() or 0.0) < 0.1:                # found at the next listing, and counted
-        assert time.monotonic() < wait_s and u.is_alive(), "the new thread was never counted"
+    counted = threading.Event()
+    u = _busy_thread("ddloco-memo", 0.3, hold=counted)
+    wait_until(lambda: (reader.seconds() or 0.0) >= 0.1, 10, what="the new thread found at the next listing and counted")
     monkeypatch.setattr(thread_cpu, "RESCAN_S", 3600.0)
+    counted.set()
     u.join()      # (the OS thread exits just after Python's join returns)
     wait_until(lambda: reader.seconds() == 0.0, 10, what="the ended thread's stat file to go and it to be dropped")
