@@ -11,10 +11,10 @@ the shards on the CPU cores). Every size trains the same tokens per parameter R,
 that lets both lanes end inside the budget (at most 20, Chinchilla's); the plan says which.
 
 Standard library only at import time: it first calls ``gpu_env.prepare`` (wheels, C kernels),
-then runs every stage as a subprocess of ``sys.executable`` with that environment. Two lanes run
+then runs every stage as a subprocess of ``sys.executable`` with that environment. The lanes run
 side by side, sizes smallest first: the in-process systems (one ``ddloco compare`` per size,
-every seed and system at once) and the cluster (one ``ddloco compare --systems decoupled`` per
-size). Each stage has its own timeout from the plan, capped by the budget's end; a stage that
+every seed and system at once) and one lane per cluster seed (``cluster``, ``cluster2``: one
+``ddloco compare --systems decoupled`` per size, the learners stepping no faster than a floor). Each stage has its own timeout from the plan, capped by the budget's end; a stage that
 fails or times out is recorded and the lane goes on. After every stage OUT gets (at most four
 flat files): ``quality.json`` (every figure), ``quality.md`` (the table), ``quality.png``
 (ratio to DP vs parameters with the published points) and ``quality_logs.tar.gz`` (the stages'
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -109,8 +110,8 @@ def compare_argv(p: SizePlan, lane: str, profile: Profile, *, device: str, confi
             *Size(p.n_layer, p.n_embd, p.n_head).sets()]
     if lane != "inproc":
         sets.append(f"algo.fragments={profile.cluster_fragments}")
-        if profile.cluster_step_floor_ms:
-            argv += ["--step-time-floor-ms", f"{profile.cluster_step_floor_ms:g}"]
+        if profile.cluster_step_floor_ms:   # repr: the float itself, which the runs record and --merge compares
+            argv += ["--step-time-floor-ms", repr(float(profile.cluster_step_floor_ms))]
     for kv in sets:
         argv += ["--set", kv]
     return argv
@@ -207,11 +208,15 @@ class Sweep:
         res = collect((s.size, s.report, tokens[s.size]) for s in self.stages)
         prof = self.meta.get("profile", {})
         fragments, floor = prof.get("cluster_fragments"), prof.get("cluster_step_floor_ms")
+        for systems in res.values():     # this run's settings, also on a run read from its report alone
+            for r in systems.get("decoupled", {}).values():
+                r.setdefault("step_time_floor_ms", floor)
+        clusters = any(s.lane != "inproc" for s in self.stages)
         for size, systems in self.merged.items():   # an earlier run's seeds at the same size and tokens
             for system, seeds in systems.items():
                 for seed, r in seeds.items():
-                    if system == "decoupled" and (r.get("fragments") != fragments
-                                                  or r.get("step_time_floor_ms") != floor):
+                    if system == "decoupled" and clusters and (r.get("fragments") != fragments
+                                                               or r.get("step_time_floor_ms") != floor):
                         continue   # another cluster setting (or one not recorded): not this sweep's system
                     res.setdefault(size, {}).setdefault(system, {}).setdefault(seed, r)
         return res
@@ -256,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("out", metavar="OUT", help="results directory (quality.json, .md, .png, quality_logs.tar.gz)")
     ap.add_argument("--dry", action="store_true", help="tiny sizes on the CPU, in seconds (the suite runs it)")
     ap.add_argument("--budget-s", type=float, default=None, help="wall seconds for everything, env set-up "
-                    "included (default 300; --dry 90, a cap: it takes ~35 s)")
+                    "included (default 300; --dry 150, a cap: it takes ~45-60 s)")
     ap.add_argument("--sizes", default=None, help="comma list of names (" + ", ".join(
         f"{k}={v}" for k, v in NAMED_SIZES.items()) + ") or LAYERSxWIDTH[hHEADS] (default s,m,l)")
     ap.add_argument("--seeds", type=int, default=None, help="seeds of dp_emulated and diloco_sync below the "
@@ -264,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cluster-seeds", type=int, default=None,
                     help="seeds of the decoupled cluster per size, each in a lane of its own, side by side (default 2)")
     ap.add_argument("--cluster-fragments", type=int, default=None,
-                    help="fragments of the decoupled cluster (default 4: fewer rounds a second for learners that "
-                         "step every ~20 ms; the table marks a cluster more than 10 %% behind schedule)")
+                    help="fragments of the decoupled cluster (default 4: few rounds a second; the table marks a "
+                         "cluster more than 10 %% behind schedule or with more than 10 %% of its answers late)")
     ap.add_argument("--cluster-step-floor-ms", type=float, default=None,
                     help="every cluster learner's step takes at least this long (default 60; --dry 20; 0: none): "
                          "four learners sharing one GPU otherwise step unevenly, 10-30 ms, and the slow ones' "
@@ -275,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the ceiling of R, tokens per parameter (default 20; --dry 0.5); the plan takes the "
                          "largest R up to it that fits the budget")
     ap.add_argument("--only", choices=("inproc", "cluster"), default=None,
-                    help="one lane: inproc (dp_emulated, diloco_sync) or cluster (decoupled)")
+                    help="one kind of lane: inproc (dp_emulated, diloco_sync) or cluster (decoupled: every "
+                         "cluster lane)")
     ap.add_argument("--device", default="auto", help="auto (cuda when torch sees one; --dry: cpu), cpu, cuda")
     ap.add_argument("--keep-work", action="store_true",
                     help="keep the stages' directories (cluster reports, checkpoints) in /tmp; their logs are "
@@ -299,17 +305,17 @@ def _profile(args: argparse.Namespace) -> Profile:
             raise QualityError("--cluster-fragments must be >= 1")
         prof = replace(prof, cluster_fragments=args.cluster_fragments)
     if args.cluster_step_floor_ms is not None:
-        if not args.cluster_step_floor_ms >= 0:
-            raise QualityError("--cluster-step-floor-ms must be >= 0 (0: no floor)")
+        if not (math.isfinite(args.cluster_step_floor_ms) and args.cluster_step_floor_ms >= 0):
+            raise QualityError("--cluster-step-floor-ms must be a finite number >= 0 (0: no floor)")
         prof = replace(prof, cluster_step_floor_ms=args.cluster_step_floor_ms or None)
     if prof.seeds < 1 or prof.cluster_seeds < 1 or args.seed_start < 0:
         raise QualityError("--seeds and --cluster-seeds must be >= 1, --seed-start >= 0")
     return prof
 
 
-def merged_plan(path: str, profile: Profile) -> tuple[list[SizePlan], dict[str, Any]]:
-    """``--merge``: the earlier run's plan (its sizes and tokens, this run's seeds) and results,
-    so this run's seeds join them at equal tokens."""
+def merged_plan(path: str, profile: Profile, machine: Any = GPU) -> tuple[list[SizePlan], dict[str, Any]]:
+    """``--merge``: the earlier run's plan (its sizes and steps, this run's seeds and estimates: its
+    step floor, its lanes) and results, so this run's seeds join them at equal tokens."""
     try:
         doc = json.loads(Path(path).read_text())
         plans = [SizePlan(**p) for p in doc["plan"]]
@@ -318,14 +324,16 @@ def merged_plan(path: str, profile: Profile) -> tuple[list[SizePlan], dict[str, 
     if not plans:
         raise QualityError(f"--merge {path}: its plan is empty")
     prof = replace(profile, sizes=tuple(parse_size(p.size) for p in plans))
-    plans = [replace(p, seeds=prof.seeds_at(i), cluster_seeds=prof.cluster_seeds) for i, p in enumerate(plans)]
-    return plans, doc.get("results", {})
+    again = _size_plans(prof, machine, [p.steps for p in plans])
+    if [p.tokens for p in again] != [p.tokens for p in plans]:
+        raise QualityError(f"--merge {path}: its plan's tokens per step differ from this profile's")
+    return again, doc.get("results", {})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     t0 = time.monotonic()
-    budget = args.budget_s if args.budget_s is not None else (90.0 if args.dry else 300.0)
+    budget = args.budget_s if args.budget_s is not None else (150.0 if args.dry else 300.0)
     deadline = t0 + budget - END_RESERVE_S
     out = Path(args.out)
     try:
@@ -349,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     merged: dict[str, Any] = {}
     if args.merge:
         try:
-            plans, merged = merged_plan(args.merge, profile)
+            plans, merged = merged_plan(args.merge, profile, machine)
         except QualityError as e:
             print(f"gpu quality: {e}", file=sys.stderr)
             return 2

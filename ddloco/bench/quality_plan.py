@@ -125,8 +125,8 @@ class Profile:
     seeds: int
     """Seeds of the in-process systems at every size below the largest (the largest gets one)."""
     cluster_seeds: int
-    """Seeds of the cluster at every size, each in a lane of its own (the lanes run side by side: at
-    the step floor the learners leave the GPU mostly idle)."""
+    """Seeds of the cluster per size, each in a lane of its own, the lanes side by side (no more
+    than the in-process systems' seeds at that size: one at the largest)."""
     eval_points: int
     min_steps: int
     """A size whose budget gives fewer steps than this is left out (reported)."""
@@ -152,12 +152,14 @@ class Profile:
         return LEARNERS * self.batch_size * self.seq_len
 
     def seeds_at(self, i: int, lane: str = "inproc") -> int:
-        if lane == "cluster":
-            return self.cluster_seeds
-        return 1 if i == len(self.sizes) - 1 and len(self.sizes) > 1 else self.seeds
+        """Seeds of size i: the in-process systems' (one at the largest of several sizes), the
+        cluster's no more than those (a cluster seed without a dp_emulated run has no ratio)."""
+        inproc = 1 if i == len(self.sizes) - 1 and len(self.sizes) > 1 else self.seeds
+        return min(self.cluster_seeds, inproc) if lane == "cluster" else inproc
 
-    def lane_seeds(self, i: int, lane: str) -> int:
-        """Seeds one lane runs at size i: the in-process lane every seed at once, a cluster lane one."""
+    def seeds_per_lane(self, i: int, lane: str) -> int:
+        """How many seeds one lane runs at size i: the in-process lane every seed at once, a
+        cluster lane one."""
         return 1 if lane == "cluster" else self.seeds_at(i)
 
 
@@ -244,7 +246,7 @@ def _fit_tokens(prof: Profile, machine: Machine, lane_s: float, max_tpp: float) 
     params = [param_count(s, prof.seq_len) for s in prof.sizes]
     best = [max_tpp * p for p in params]
     for lane in ("inproc", "cluster"):
-        costs = [lane_cost(machine, lane, p, 0, prof.lane_seeds(i, lane), prof) for i, p in enumerate(params)]
+        costs = [lane_cost(machine, lane, p, 0, prof.seeds_per_lane(i, lane), prof) for i, p in enumerate(params)]
         avail = lane_s - sum(a for a, _ in costs)
         weights = [float(i + 1) for i in range(len(params))]
         tokens = [0.0] * len(params)
@@ -273,7 +275,7 @@ def _size_plans(prof: Profile, machine: Machine, steps: Sequence[int]) -> list[S
         p = param_count(s, prof.seq_len)
         est = {}
         for lane in ("inproc", "cluster"):
-            a, b = lane_cost(machine, lane, p, n * step, prof.lane_seeds(i, lane), prof)
+            a, b = lane_cost(machine, lane, p, n * step, prof.seeds_per_lane(i, lane), prof)
             est[lane] = round(a + b * n * step, 1)
         out.append(SizePlan(s.name, s.n_layer, s.n_embd, s.n_head, p, n * step, n, round(n * step / p, 3),
                             prof.seeds_at(i), prof.seeds_at(i, "cluster"), est, train_flops(p, n * step)))

@@ -96,7 +96,9 @@ def cluster_health(report: Path) -> dict[str, Any]:
 def _learner_steps(rep: dict[str, Any]) -> tuple[float, float]:
     """(steps the learners took, of them merged into the global model) summed over learners;
     (0, 0) when either is unreadable."""
-    stats, merged = _dict(rep.get("learner_stats")), _dict(rep.get("merged_steps"))
+    stats, merged = _dict(rep.get("learner_stats")), rep.get("merged_steps")
+    if not isinstance(merged, dict) or not merged:      # a report of a version that did not record it
+        return 0.0, 0.0
     try:
         steps = sum(float(_dict(h).get("steps") or 0) for h in stats.values())
         done = sum(float(v) for v in merged.values())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -242,8 +243,13 @@ class _Comparison:
         if steps < 1:
             raise ConfigError(f"--tokens {args.tokens} is less than one step of {args.learners} learners "
                               f"x {per_batch} tokens")
-        if args.step_time_floor_ms is not None and not args.step_time_floor_ms > 0:
-            raise ConfigError(f"--step-time-floor-ms must be > 0, got {args.step_time_floor_ms:g}")
+        if args.step_time_floor_ms is not None:
+            if not (math.isfinite(args.step_time_floor_ms) and args.step_time_floor_ms > 0):
+                raise ConfigError(f"--step-time-floor-ms must be a finite number > 0, got {args.step_time_floor_ms:g}")
+            if not any(s in CLUSTER for s in systems):
+                print(f"note: --step-time-floor-ms applies to the cluster systems ({', '.join(CLUSTER)}); none "
+                      "runs here, so it is ignored", flush=True)
+        self.cluster_floor_ms = (args.step_time_floor_ms if any(s in CLUSTER for s in systems) else None)
         if steps * args.learners * per_batch != args.tokens:
             print(f"note: {args.tokens:,} tokens is not a whole number of steps; using {steps} steps "
                   f"= {steps * args.learners * per_batch:,} tokens", flush=True)
@@ -357,7 +363,7 @@ class _Comparison:
         meta = {"task": run.task.spec, "learners": args.learners,
                 "tokens": self.steps * args.learners * self.per_batch,
                 "steps_per_learner": self.steps, "seeds": self.seeds, "algo": asdict(run.algo),
-                "cluster_step_time_floor_ms": args.step_time_floor_ms,
+                "cluster_step_time_floor_ms": self.cluster_floor_ms,
                 "task_config": asdict(run.task),
                 "command": "ddloco compare " + " ".join(a for a in self.argv if a not in ("--render-only", "--resume")),
                 "wall_s": round(time.time() - self.t_start, 1),

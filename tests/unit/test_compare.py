@@ -96,7 +96,7 @@ def test_emulated_single_learner_with_unit_outer_step_and_carry_is_plain_trainin
 def test_compare_refuses_unknown_systems_and_tiny_budgets(tmp_path) -> None:
     assert runner.main(["--systems", "dp,bogus", "--report", str(tmp_path)]) == 2
     assert runner.main(["--tokens", "10", "--report", str(tmp_path), "--systems", "single"]) == 2
-    for floor in ("0", "-5", "nan"):     # the cluster learners' floor must be a positive time
+    for floor in ("0", "-5", "nan", "inf"):     # the cluster learners' floor must be a positive time
         assert runner.main(["--systems", "decoupled", "--step-time-floor-ms", floor, "--report", str(tmp_path)]) == 2
 
 

@@ -50,7 +50,7 @@ def test_plan_fits_both_lanes_and_keeps_tokens_whole_steps() -> None:
     for lane in ("inproc", "cluster"):
         assert sum(p.est_s[lane] for p in plans) <= 200.0 + 1e-6
     assert plans[0].tokens_per_param > 19.9 and plans[-1].tokens_per_param < plans[0].tokens_per_param
-    assert [p.seeds for p in plans] == [2, 2, 1] and all(p.cluster_seeds == 2 for p in plans)
+    assert [p.seeds for p in plans] == [2, 2, 1] and [p.cluster_seeds for p in plans] == [2, 2, 1]
     assert any("tokens per parameter" in n for n in notes)
     # a smaller budget leaves the largest out (said), a tiny one keeps the smallest at its minimum
     plans, notes = gq.plan(gq.FULL, gq.GPU, 100.0)
@@ -185,6 +185,9 @@ def test_a_cluster_whose_answers_came_late_is_marked_stale_with_its_merged_steps
     doc["merged_steps"] = {"learner-0": "x"}
     rep.write_text(json.dumps(doc))
     assert "merged_share" not in gq.cluster_health(rep) and gq.cluster_health(rep)["late_fraction"] == 0.2375
+    del doc["merged_steps"]                      # a report of a version without it: no share, not 0 %
+    rep.write_text(json.dumps(doc))
+    assert "merged_share" not in gq.cluster_health(rep)
 
 
 def test_each_cluster_seed_has_a_lane_of_its_own(tmp_path: Path) -> None:
@@ -193,6 +196,9 @@ def test_each_cluster_seed_has_a_lane_of_its_own(tmp_path: Path) -> None:
     on the step floor, the GPU mostly idle)."""
     plan = gq._size_plans(gq.replace(gq.FULL, sizes=(gq.parse_size("6x64"),)), gq.GPU, [100])[0]
     assert gq.cluster_lanes(plan) == ["cluster", "cluster2"]
+    # the largest of several sizes: one dp_emulated seed, so one cluster seed (another has no ratio)
+    sweep = gq.plan(gq.FULL, gq.GPU, 200.0)[0]
+    assert [p.cluster_seeds for p in sweep] == [2, 2, 1] and gq.cluster_lanes(sweep[-1]) == ["cluster"]
     kw = dict(device="cuda", config=tmp_path / "c.toml", report=tmp_path / "r", seed_start=3)
     seeds = {lane: gq.compare_argv(plan, lane, gq.FULL, **kw) for lane in ("inproc", "cluster", "cluster2")}
     seeds = {lane: argv[argv.index("--seed-list") + 1] for lane, argv in seeds.items()}
@@ -210,7 +216,7 @@ def test_the_cluster_lane_steps_no_faster_than_the_floor(tmp_path: Path) -> None
     plan = gq._size_plans(gq.replace(gq.FULL, sizes=(size,)), gq.GPU, [100])[0]
     kw = dict(device="cuda", config=tmp_path / "c.toml", report=tmp_path / "r", seed_start=0)
     argv = gq.compare_argv(plan, "cluster", gq.FULL, **kw)
-    assert argv[argv.index("--step-time-floor-ms") + 1] == "60"
+    assert float(argv[argv.index("--step-time-floor-ms") + 1]) == 60.0
     assert "--step-time-floor-ms" not in gq.compare_argv(plan, "inproc", gq.FULL, **kw)
     none = gq.replace(gq.FULL, cluster_step_floor_ms=None)
     assert "--step-time-floor-ms" not in gq.compare_argv(plan, "cluster", none, **kw)
@@ -224,8 +230,9 @@ def test_the_cluster_lane_steps_no_faster_than_the_floor(tmp_path: Path) -> None
     assert gq._profile(args).cluster_step_floor_ms is None
     assert gq._profile(gq.build_parser().parse_args([str(tmp_path), "--cluster-step-floor-ms", "80"])
                        ).cluster_step_floor_ms == 80.0
-    with pytest.raises(gq.QualityError, match="cluster-step-floor-ms"):
-        gq._profile(gq.build_parser().parse_args([str(tmp_path), "--cluster-step-floor-ms", "-1"]))
+    for bad in ("-1", "inf", "nan"):
+        with pytest.raises(gq.QualityError, match="cluster-step-floor-ms"):
+            gq._profile(gq.build_parser().parse_args([str(tmp_path), "--cluster-step-floor-ms", bad]))
 
 
 def test_plot_has_ours_and_the_published_points(tmp_path: Path) -> None:
@@ -272,12 +279,23 @@ def test_merge_takes_the_earlier_plan_with_this_runs_seeds(tmp_path: Path) -> No
     with pytest.raises(gq.QualityError, match="not a quality.json"):
         gq.merged_plan(str(old), gq.FULL)
     # an earlier cluster of another shape (the 24-fragment pilot, fragments not recorded) stays out
+    # and so does one at another step floor; a sweep that runs no cluster keeps them all
     earlier = {"6x64": {"dp_emulated": {"0": {"eval_loss_final": 2.0}},
-                        "decoupled": {"0": {"eval_loss_final": 2.6}, "1": {"eval_loss_final": 2.1, "fragments": 4},
-                                      "2": {"eval_loss_final": 2.2, "fragments": 24}}}}
-    sweep = gq.Sweep(tmp_path, tmp_path, plans, {"profile": {"cluster_fragments": 4}}, earlier)
+                        "decoupled": {"0": {"eval_loss_final": 2.6},
+                                      "1": {"eval_loss_final": 2.1, "fragments": 4, "step_time_floor_ms": 60.0},
+                                      "2": {"eval_loss_final": 2.2, "fragments": 24, "step_time_floor_ms": 60.0},
+                                      "3": {"eval_loss_final": 2.3, "fragments": 4}}}}
+    meta = {"profile": {"cluster_fragments": 4, "cluster_step_floor_ms": 60.0}}
+    sweep = gq.Sweep(tmp_path, tmp_path, plans, meta, earlier)
+    sweep.stages.append(gq.Stage("cluster-6x64", "cluster", "6x64", [], 1.0, tmp_path / "none", seeds=(5,)))
     res = sweep.results()
     assert set(res["6x64"]["decoupled"]) == {"1"} and set(res["6x64"]["dp_emulated"]) == {"0"}
+    sweep.stages[0] = gq.Stage("inproc-6x64", "inproc", "6x64", [], 1.0, tmp_path / "none", seeds=(5,))
+    assert set(sweep.results()["6x64"]["decoupled"]) == {"0", "1", "2", "3"}
+    # the estimates are this run's (its floor): a slower floor, longer cluster stages
+    old.write_text(json.dumps({"plan": [gq.asdict(p) for p in plans], "results": {}}))
+    slow, _ = gq.merged_plan(str(old), gq.replace(gq.FULL, cluster_step_floor_ms=300.0))
+    assert all(a.est_s["cluster"] > b.est_s["cluster"] for a, b in zip(slow, plans))
 
 
 def test_a_stage_past_its_timeout_is_stopped_and_recorded(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ def _busy_thread(name: str, seconds: float, hold: threading.Event | None = None)
             pass
         if hold is not None:
             hold.wait(60)
-    t = threading.Thread(target=spin)
+    t = threading.Thread(target=spin, daemon=True)   # a failed test never waits on a held one
     t.start()
     return t
 
