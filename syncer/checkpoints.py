@@ -196,6 +196,8 @@ class Checkpointing:
                           for p, f in self.frags.items()},
             "merges": self.stats.merges, "saved_at": time.time(), "run_tokens": self.run_tokens,
             "token_shares": dict(self.token_shares), "data_positions": dict(self.data_positions),
+            # lock-step: who finished and left, which a restart with Redis lost too reads nowhere else
+            "departed": sorted(self._departed),
             "reason": reason,
         }
         self._merges_since_ckpt = 0
@@ -280,6 +282,11 @@ class Checkpointing:
                                                    {} if "token_shares" in state or not self.run_tokens
                                                    else {run_count.EARLIER: self.run_tokens})
         self.data_positions = positions.raised({}, (state.get("data_positions") or {}).items())
+        departed = state.get("departed") or []
+        if isinstance(departed, list) and all(isinstance(d, str) for d in departed):
+            self._departed = set(departed)       # one live again is dropped at the next refresh
+        else:
+            self.log.warning("syncer.checkpoint_bad_departed", path=str(path), detail="ignored")
         self.log.info("syncer.resumed", path=str(path), versions={p: f.version for p, f in self.frags.items()})
         return True
 

@@ -43,8 +43,11 @@ class ControlPlane:
                 seen = (self._known_learners | self._first_seen.keys()) - self.live.keys()
                 # kept across refreshes: an empty Redis restart loses the entries that said so (one
                 # that is live again, a restart under the same id, is no longer finished)
+                before = self._departed
                 self._departed = ((self._departed - self.live.keys())
                                   | control.finished_learners(self.redis, self.keys, seen - self._departed))
+                if self._departed - before:   # into the checkpoint now (a restart may find Redis empty too)
+                    self.checkpoint(reason="departed")
             self._remember_step_times()
             self._accept_token_claims()
             self._live_read_unix = time.time()

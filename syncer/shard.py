@@ -126,7 +126,8 @@ class Shard(SetUp, ControlPlane, Intake, Merging, Recovering, Checkpointing, Ser
         """Learners whose last answer was final (sent after their last step, ``wire.Message.final``)."""
         self._departed: set[str] = set()
         """Lock-step: learners no longer live whose entry says they left after their training ended
-        (read with the live learners; from Redis, so a restarted shard knows them too)."""
+        (read with the live learners; from Redis, so a restarted shard knows them too; and kept in
+        the checkpoint, for a restart whose Redis restarted empty as well)."""
         self._known_learners: set[str] | None = None
         """Lock-step: the learner ids Redis held when this shard first read it."""
         self._first_seen: dict[str, float] = {}

@@ -587,6 +587,29 @@ def test_lockstep_remembers_who_finished_when_redis_restarts_empty(make_cluster,
     assert long.stats.steps == 150 and long.stats.unflushed == 0, long.stats
 
 
+def test_a_restarted_lockstep_shard_whose_redis_restarted_empty_too_knows_who_finished(make_cluster, redis_server):
+    """Both at once: the shard restarts after a learner finished and left, and Redis restarted empty
+    meanwhile, so no entry says that learner finished. The shard's checkpoint keeps who finished:
+    before, every round of the restarted shard waited for the learner that had left."""
+    run = RunConfig(algo=AlgoConfig(fragments=2, sync_every_steps=3, quorum=2, lockstep=True, inner_warmup_steps=1))
+    cluster = make_cluster(run)
+    shard = cluster.start_shard(0, 1)
+    first_life = cluster.threads[-1]
+    short = cluster.learner("short", 0, max_steps=9, step_time_floor_ms=5, flush_timeout_s=20.0)
+    long = cluster.learner("long", 1, max_steps=150, step_time_floor_ms=10, flush_timeout_s=20.0)
+    threads = [cluster.start_learner(short), cluster.start_learner(long)]
+    wait_until(lambda: not threads[0].is_alive(), 60, what="the short learner to finish and leave")
+    wait_until(lambda: "short" in shard._departed, 30, what="the shard to see that it finished")
+    cluster.stop_shard(0)                       # its checkpoint at stop
+    wait_until(lambda: not first_life.is_alive(), 30, what="the shard to stop")
+    assert threads[1].is_alive() and long.stats.steps < 150, "the long learner ended before the restart"
+    redis_server.restart_empty()
+    cluster.start_shard(0, 1)
+    wait_until(lambda: not threads[1].is_alive(), 60, what="the long learner to finish its steps without it")
+    assert not cluster.errors, cluster.errors
+    assert long.stats.steps == 150 and long.stats.unflushed == 0, long.stats
+
+
 def test_a_learner_with_a_stale_base_fetches_first_and_never_answers_against_it(make_cluster):
     from learner.network import Answer, RoundOpened
 
