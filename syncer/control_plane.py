@@ -46,8 +46,8 @@ class ControlPlane:
                 before = self._departed
                 self._departed = ((self._departed - self.live.keys())
                                   | control.finished_learners(self.redis, self.keys, seen - self._departed))
-                if self._departed - before:   # into the checkpoint now (a restart may find Redis empty too)
-                    self.checkpoint(reason="departed")
+                if self._departed - before and not any(f.recovery is not None for f in self.frags.values()):
+                    self.checkpoint(reason="departed")   # kept now: a restart may find Redis empty too
             self._remember_step_times()
             self._accept_token_claims()
             self._live_read_unix = time.time()
