@@ -2,6 +2,7 @@
 
     python3 -m ddloco.bench.gpu_quality OUT [--dry] [--budget-s 300] [--sizes s,m,l] [--seeds 2]
                                             [--only inproc|cluster] [--tokens-per-param R]
+                                            [--equal-tokens-per-param] [--cluster-step-floor-ms 60]
 
 A size sweep of the built-in ``gpt`` task through ``ddloco compare``, M = 4 learners, three
 systems at equal tokens: ``dp_emulated`` (data-parallel mathematics in one process: the M
@@ -276,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "four learners sharing one GPU otherwise step unevenly, 10-30 ms, and the slow ones' "
                          "answers miss rounds")
     ap.add_argument("--seed-start", type=int, default=0, help="first seed (a later run adds seeds 2, 3, ...)")
+    ap.add_argument("--equal-tokens-per-param", action="store_true",
+                    help="every size the same tokens per parameter, the most the budget fits (default: the "
+                         "time shared 1 : 2 : 3 by size, the smaller sizes nearer the ceiling): the ratio's "
+                         "trend with size at one training length")
     ap.add_argument("--tokens-per-param", type=float, default=None,
                     help="the ceiling of R, tokens per parameter (default 20; --dry 0.5); the plan takes the "
                          "largest R up to it that fits the budget")
@@ -363,7 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         notes = [f"plan of {args.merge} (its sizes and tokens); its runs are merged"]
     else:
-        plans, notes = plan(profile, machine, lane_s if not args.dry else 1e9, max_tpp=tpp)
+        plans, notes = plan(profile, machine, lane_s if not args.dry else 1e9, max_tpp=tpp,
+                            equal=args.equal_tokens_per_param)
     (work / "config.toml").write_text(CONFIG_TOML)
     meta = {"device": device, "device_name": facts.get("gpu") or ("cpu" if device == "cpu" else device),
             "dry": args.dry, "budget_s": budget, "lane_s": round(lane_s, 1), "machine_model": asdict(machine),

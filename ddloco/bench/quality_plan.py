@@ -207,12 +207,13 @@ class SizePlan:
     flops: float
 
 
-def plan(profile: Profile, machine: Machine, lane_s: float, *, max_tpp: float = MAX_TOKENS_PER_PARAM
-         ) -> tuple[list[SizePlan], list[str]]:
+def plan(profile: Profile, machine: Machine, lane_s: float, *, max_tpp: float = MAX_TOKENS_PER_PARAM,
+         equal: bool = False) -> tuple[list[SizePlan], list[str]]:
     """Tokens per size: each lane's time after its fixed costs is shared by the sizes in the
     ratio 1 : 2 : 3 ... (smallest first: the larger sizes need more); a size never trains more
     than ``max_tpp`` tokens per parameter (its unused share goes to the others) and both lanes
-    train a size on the same tokens (the slower lane's). A size under ``min_steps`` steps is left
+    train a size on the same tokens (the slower lane's). ``equal``: every size the same tokens
+    per parameter instead, the most that fits (size alone changes along the sweep). A size under ``min_steps`` steps is left
     out, largest first (the smallest alone is kept at ``min_steps``, said over budget).
     Returns the plans and the notes on what was cut."""
     notes: list[str] = []
@@ -220,7 +221,7 @@ def plan(profile: Profile, machine: Machine, lane_s: float, *, max_tpp: float = 
     step = profile.tokens_per_step()
     while sizes:
         prof = replace(profile, sizes=tuple(sizes))
-        tokens = _fit_tokens(prof, machine, lane_s, max_tpp)
+        tokens = _equal_tokens(prof, machine, lane_s, max_tpp) if equal else _fit_tokens(prof, machine, lane_s, max_tpp)
         steps = [int(t // step) for t in tokens]
         if min(steps) >= profile.min_steps:
             break
@@ -239,6 +240,18 @@ def plan(profile: Profile, machine: Machine, lane_s: float, *, max_tpp: float = 
     notes.append(f"tokens per parameter: " + ", ".join(f"{p.size} {p.tokens_per_param:.2f}" for p in plans)
                  + f" (ceiling {max_tpp:g}; {lane_s:.0f} s per lane{'; at the ceiling: ' + ', '.join(capped) if capped else ''})")
     return plans, notes
+
+
+def _equal_tokens(prof: Profile, machine: Machine, lane_s: float, max_tpp: float) -> list[float]:
+    """Per size, R × its parameters for the largest R (at most ``max_tpp``) that every lane fits
+    in ``lane_s``."""
+    params = [param_count(s, prof.seq_len) for s in prof.sizes]
+    r = max_tpp
+    for lane in ("inproc", "cluster"):
+        costs = [lane_cost(machine, lane, p, 0, prof.seeds_per_lane(i, lane), prof) for i, p in enumerate(params)]
+        per_r = sum(p * c for p, (_, c) in zip(params, costs))
+        r = min(r, max(0.0, lane_s - sum(a for a, _ in costs)) / per_r)
+    return [r * p for p in params]
 
 
 def _fit_tokens(prof: Profile, machine: Machine, lane_s: float, max_tpp: float) -> list[float]:

@@ -190,6 +190,19 @@ def test_a_cluster_whose_answers_came_late_is_marked_stale_with_its_merged_steps
     assert "merged_share" not in gq.cluster_health(rep)
 
 
+def test_equal_tokens_per_parameter_plans_one_training_length_for_every_size() -> None:
+    plans, notes = gq.plan(gq.FULL, gq.GPU, 200.0, equal=True)
+    assert [p.size for p in plans] == ["6x64", "6x192", "6x384"]
+    rs = [p.tokens_per_param for p in plans]
+    assert max(rs) - min(rs) < 0.15 * max(rs)               # whole steps apart (the smallest's are few)
+    for lane in ("inproc", "cluster"):
+        assert sum(p.est_s[lane] for p in plans) <= 200.0 + 1e-6
+    shared = gq.plan(gq.FULL, gq.GPU, 200.0)[0]
+    assert shared[0].tokens_per_param > 4 * rs[0]            # the default gives the smallest far more
+    capped = gq.plan(gq.FULL, gq.GPU, 1e6, equal=True)[0]    # no more than the ceiling, at any budget
+    assert all(abs(p.tokens_per_param - gq.MAX_TOKENS_PER_PARAM) < 0.2 for p in capped)
+
+
 def test_each_cluster_seed_has_a_lane_of_its_own(tmp_path: Path) -> None:
     """The done-when asks for two seeds below the largest size; two clusters one after the other
     would halve every size's tokens, side by side they cost one cluster's time (the learners wait
