@@ -15,8 +15,9 @@ Standard library only at import time: it first calls ``gpu_env.prepare`` (wheels
 then runs every stage as a subprocess of ``sys.executable`` with that environment. The lanes run
 side by side, sizes smallest first: the in-process systems (one ``ddloco compare`` per size,
 every seed and system at once) and one lane per cluster seed (``cluster``, ``cluster2``: one
-``ddloco compare --systems decoupled`` per size, the learners stepping no faster than a floor). Each stage has its own timeout from the plan, capped by the budget's end; a stage that
-fails or times out is recorded and the lane goes on. After every stage OUT gets (at most four
+``ddloco compare --systems decoupled`` per size, the learners stepping no faster than a floor).
+Each stage has its own timeout from the plan, capped by the budget's end; a stage that fails or
+times out is recorded and the lane goes on. After every stage OUT gets (at most four
 flat files): ``quality.json`` (every figure), ``quality.md`` (the table), ``quality.png``
 (ratio to DP vs parameters with the published points) and ``quality_logs.tar.gz`` (the stages'
 logs, the plan, env.json). ``--dry`` runs the same stages on the CPU at tiny sizes in seconds.

@@ -213,15 +213,16 @@ def plan(profile: Profile, machine: Machine, lane_s: float, *, max_tpp: float = 
     ratio 1 : 2 : 3 ... (smallest first: the larger sizes need more); a size never trains more
     than ``max_tpp`` tokens per parameter (its unused share goes to the others) and both lanes
     train a size on the same tokens (the slower lane's). ``equal``: every size the same tokens
-    per parameter instead, the most that fits (size alone changes along the sweep). A size under ``min_steps`` steps is left
-    out, largest first (the smallest alone is kept at ``min_steps``, said over budget).
+    per parameter instead, the most that fits (size alone changes along the sweep). A size under
+    ``min_steps`` steps is left out, largest first (the smallest alone is kept at ``min_steps``, said over budget).
     Returns the plans and the notes on what was cut."""
     notes: list[str] = []
     sizes = list(profile.sizes)
     step = profile.tokens_per_step()
     while sizes:
         prof = replace(profile, sizes=tuple(sizes))
-        tokens = _equal_tokens(prof, machine, lane_s, max_tpp) if equal else _fit_tokens(prof, machine, lane_s, max_tpp)
+        fit = _equal_tokens if equal else _fit_tokens
+        tokens = fit(prof, machine, lane_s, max_tpp)
         steps = [int(t // step) for t in tokens]
         if min(steps) >= profile.min_steps:
             break
