@@ -214,7 +214,8 @@ def plan(profile: Profile, machine: Machine, lane_s: float, *, max_tpp: float = 
     than ``max_tpp`` tokens per parameter (its unused share goes to the others) and both lanes
     train a size on the same tokens (the slower lane's). ``equal``: every size the same tokens
     per parameter instead, the most that fits (size alone changes along the sweep). A size under
-    ``min_steps`` steps is left out, largest first (the smallest alone is kept at ``min_steps``, said over budget).
+    ``min_steps`` steps is left out, largest first (the smallest alone is kept at ``min_steps``,
+    said over budget).
     Returns the plans and the notes on what was cut."""
     notes: list[str] = []
     sizes = list(profile.sizes)

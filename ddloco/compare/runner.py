@@ -243,13 +243,14 @@ class _Comparison:
         if steps < 1:
             raise ConfigError(f"--tokens {args.tokens} is less than one step of {args.learners} learners "
                               f"x {per_batch} tokens")
+        clusters = any(s in CLUSTER for s in systems)
         if args.step_time_floor_ms is not None:
             if not (math.isfinite(args.step_time_floor_ms) and args.step_time_floor_ms > 0):
                 raise ConfigError(f"--step-time-floor-ms must be a finite number > 0, got {args.step_time_floor_ms:g}")
-            if not any(s in CLUSTER for s in systems):
+            if not clusters:
                 print(f"note: --step-time-floor-ms applies to the cluster systems ({', '.join(CLUSTER)}); none "
                       "runs here, so it is ignored", flush=True)
-        self.cluster_floor_ms = (args.step_time_floor_ms if any(s in CLUSTER for s in systems) else None)
+        self.cluster_floor_ms = args.step_time_floor_ms if clusters else None
         if steps * args.learners * per_batch != args.tokens:
             print(f"note: {args.tokens:,} tokens is not a whole number of steps; using {steps} steps "
                   f"= {steps * args.learners * per_batch:,} tokens", flush=True)
