@@ -5,6 +5,14 @@ fsync of the directory), and loaded at start.
 When: ``checkpoint_due`` after each merge (a fragment ``checkpoint_every_merges`` - 1 versions
 past its checkpoint, or ``checkpoint_interval_s`` with any merge), and at stop.
 
+The journal: a small file next to the checkpoint with every owned fragment's version, written
+(atomically, durably, on a writer thread of its own) once a fragment is ``JOURNAL_EVERY`` versions
+past it. A restarted shard that loaded its checkpoint but finds no record in Redis (restarted
+empty) bounds the copies one learner alone may give it by the journal (``lone_limit``), not by
+the checkpoint's age: full checkpoints can be rare (each one writes every fragment's Θ and
+master: 400 MB a shard at 10^8 parameters) without a restart refusing the learners' copies of
+the versions merged since.
+
 Ownership: ``Checkpointing`` runs on the shard's loop thread (``_ckpt_versions``: the newest
 snapshot's versions; ``_ckpt_saved_versions``: those of the file on disk). The writer thread
 (``LatestWriter``) gets each checkpoint as a state dict (references to tensors no one writes in
@@ -14,6 +22,7 @@ and the cost counters (``_count_checkpoints``).
 """
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -89,17 +98,39 @@ class CheckpointOutcome:
     """The fragments' versions in it (on disk once ``written``)."""
 
 
+JOURNAL_EVERY = 5
+"""The journal is written once a fragment is this many versions past the journal on disk."""
+
+JOURNAL_SLACK = 20
+"""A restarted shard that lost Redis's record adopts a copy one learner alone holds up to the
+journal's version of that fragment + this: a journal written every ``JOURNAL_EVERY`` versions
+is behind the fragment by less, unless a write takes longer than three more writes' worth of
+merges (``lone_limit``)."""
+
+
+def lone_limit(*, recorded: int, checkpoint: int, journal: int | None, every_merges: int) -> int:
+    """The newest version of a fragment a restarted shard that loaded its checkpoint adopts from
+    one learner alone: the run's record in Redis, else the journal's version + ``JOURNAL_SLACK``
+    (never below the checkpoint's), else (no journal: a shard directory from before it) the
+    checkpoint's + ``every_merges``."""
+    if journal is None:
+        return max(recorded, checkpoint + every_merges)
+    return max(recorded, max(journal, checkpoint) + JOURNAL_SLACK)
+
+
 def checkpoint_due(*, advanced: int, merges_since: int, since_last_s: float, every_merges: int,
                    interval_s: float) -> str | None:
     """Why a merge that left its fragment ``advanced`` versions past its version in the newest
     checkpoint calls for another one (None: it does not).
 
-    "versions": ``advanced`` reached ``every_merges`` - 1. A restarted shard that lost Redis too
-    takes a copy one learner alone holds only up to its checkpoint's version + ``every_merges``
-    (``syncer.recovery``): a write started one version early leaves that fragment one more merge
-    before it lands and still within the bound (at ``every_merges`` = 1 every merge writes, with
-    no such margin). Counted per fragment, not over the shard's merges: a shard of 12 fragments
-    merging in turn writes its state about 12 × less often than after every 20 of its merges.
+    "versions": ``advanced`` reached ``every_merges`` - 1: a write started one version early leaves
+    that fragment one more merge before it lands and still within ``every_merges`` of the file
+    (at ``every_merges`` = 1 every merge writes, with no such margin). That many versions are what
+    a restart can lose where no learner holds a copy; one learner's copy is taken back up to the
+    journal's bound (``lone_limit``), or, with no journal in the directory, up to the checkpoint's
+    version + ``every_merges`` (``syncer.recovery``). Counted per fragment, not over the shard's
+    merges: a shard of 12 fragments merging in turn writes its state about 12 × less often than
+    after every ``every_merges`` of its merges.
     "interval": ``interval_s`` passed since the newest checkpoint with a merge since (a slow run)."""
     if advanced >= max(1, every_merges - 1):
         return "versions"
@@ -173,6 +204,57 @@ class Checkpointing:
             return None
         name = f"{self.endpoints.run_id}-shard{self.options.shard}of{self.options.shards}.pt"
         return Path(self.options.checkpoint_dir).absolute() / name
+
+    @property
+    def journal_path(self) -> Path | None:
+        """The journal of the fragments' versions, next to the checkpoint (None: no checkpoints)."""
+        path = self.checkpoint_path
+        return None if path is None else path.with_suffix(".versions.json")
+
+    def _journal_identity(self) -> dict[str, Any]:
+        return {"format": 1, "run_digest": self.run.digest(), "plan_digest": self.plan_digest,
+                "shard": self.options.shard, "shards": self.options.shards}
+
+    def _journal_after_merge(self, p: int, version: int) -> None:
+        """On the loop, after fragment p merged into ``version``: every fragment's version to the
+        journal's writer once p is ``JOURNAL_EVERY`` past the journal (a few hundred bytes; the
+        newest replaces one still waiting)."""
+        if self.journal_path is None or version - self._journal_versions.get(p, 0) < JOURNAL_EVERY:
+            return
+        self._journal_versions = {q: f.version for q, f in self.frags.items()}
+        self._journal_writer.submit({**self._journal_identity(), "epoch": self.epoch,
+                                     "versions": {str(q): v for q, v in self._journal_versions.items()}})
+
+    def _write_journal(self, entry: dict[str, Any]) -> None:
+        """On the journal's writer thread: atomically and durably; a failure is logged (the next
+        one is written at a fragment's next ``JOURNAL_EVERY`` versions)."""
+        path = self.journal_path
+        assert path is not None
+        try:
+            with atomic_path(path, durable=True) as tmp:
+                Path(tmp).write_text(json.dumps(entry, sort_keys=True))
+        except OSError as e:
+            self.log.error("syncer.journal_failed", path=str(path), error=str(e))
+
+    def _read_journal(self) -> dict[int, int] | None:
+        """The journal's versions of the owned fragments (None: none, or not this shard's run and
+        layout, or malformed: logged, and the checkpoint's bound applies)."""
+        path = self.journal_path
+        if path is None or not path.exists():
+            return None
+        try:
+            entry = json.loads(path.read_text())
+            own = self._journal_identity()
+            if (not isinstance(entry, dict) or entry.get("run_digest") not in {own.pop("run_digest"), *self.run.legacy_digests()}
+                    or any(entry.get(k) != v for k, v in own.items())):
+                raise ValueError("another run config, shard layout or format")
+            versions = {int(q): int(v) for q, v in entry["versions"].items()}
+            if any(v < 0 for v in versions.values()) or not set(versions) <= set(self.frags):
+                raise ValueError("versions of fragments this shard does not own, or negative")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            self.log.warning("syncer.journal_ignored", path=str(path), error=str(e))
+            return None
+        return versions
 
     def checkpoint(self, *, wait: bool = False, reason: str = "stop") -> None:
         """Snapshot {Θ, momentum, version, next_round} of every fragment (references to tensors no

@@ -185,6 +185,7 @@ class Merging:
                                 interval_s=self.options.checkpoint_interval_s)
         if reason:
             self.checkpoint(reason=reason)
+        self._journal_after_merge(f.spec.index, f.version)
 
     def _merge_dropped(self, job: MergeJob) -> None:
         """A merge that produced nothing: every answer clipped away, or a value not finite."""

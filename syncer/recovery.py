@@ -13,6 +13,7 @@ import torch
 
 from common import control, tokens as run_count, wire
 from common.robust import choose_copy
+from syncer.checkpoints import lone_limit
 from syncer.state import HOLDING, RECOVERY_COPIES, RECOVERY_QUIET_S, FragmentState, Recovery
 
 
@@ -23,7 +24,7 @@ class Recovering:
         """The newest version the run recorded for each owned fragment (0 when none)."""
         return {p: v or 0 for p, v in control.fragment_versions(self.redis, self.keys, self.frags).items()}
 
-    def _start_recovery(self, recorded: dict[int, int], loaded: bool) -> None:
+    def _start_recovery(self, recorded: dict[int, int], loaded: bool, journal: dict[int, int] | None = None) -> None:
         """Versions never go back. ``--fresh``: the initial model, above every recorded version.
         Otherwise each fragment asks the live learners for their copies before its first round
         when the run recorded a newer version than the checkpoint holds, learners are live (not
@@ -46,7 +47,8 @@ class Recovering:
                 continue
             behind = recorded[p] > f.version
             if behind or live or loaded:  # a checkpoint may be older than the copies learners hold
-                lone = max(recorded[p], f.version + self.options.checkpoint_every_merges) if loaded else \
+                lone = lone_limit(recorded=recorded[p], checkpoint=f.version, journal=(journal or {}).get(p),
+                                  every_merges=self.options.checkpoint_every_merges) if loaded else \
                     (recorded[p] or math.inf)
                 f.recovery = Recovery(recorded=recorded[p], deadline=now + self.options.recovery_timeout_s,
                                       quiet_until=0.0 if behind else now + RECOVERY_QUIET_S, lone_limit=lone)

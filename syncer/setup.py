@@ -104,7 +104,10 @@ class SetUp:
         the run's token count put back when Redis lost it."""
         recorded = self._recorded_versions()
         loaded = False if self.options.fresh else self._load_checkpoint()
-        self._start_recovery(recorded, loaded)
+        journal = self._read_journal() if loaded else None
+        if journal:
+            self._journal_versions = dict(journal)
+        self._start_recovery(recorded, loaded, journal)
         if self.token_shares:  # Redis may have restarted empty: the learners' LR schedule must not go back
             self.run_tokens = max(self.run_tokens, run_count.record(self.redis, self.keys, self.token_shares))
 

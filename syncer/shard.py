@@ -101,6 +101,9 @@ class Shard(SetUp, ControlPlane, Intake, Merging, Recovering, Checkpointing, Ser
         self._ckpt_writer = LatestWriter(self._write_checkpoint, name=f"{self.id}-checkpoint")
         self._ckpt_outcomes: queue.SimpleQueue[CheckpointOutcome] = queue.SimpleQueue()
         """From the writer thread: each checkpoint's outcome and cost (counted by the loop)."""
+        self._journal_versions: dict[int, int] = {}
+        """Each fragment's version in the newest journal handed to its writer (or loaded)."""
+        self._journal_writer = LatestWriter(self._write_journal, name=f"{self.id}-journal")
         self.grace_s = 0.0
         """The adaptive grace window of the last poll (seconds a round waits past its quorum)."""
         self.round_log = RoundStateLog(self.log.info)

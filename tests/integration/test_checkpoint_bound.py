@@ -1,6 +1,7 @@
-"""A shard's checkpoints keep every fragment within what a restart can take back: a shard that
-crashed, and whose Redis lost the run's record, adopts a copy one learner alone holds only up to
-its checkpoint's version + ``checkpoint_every_merges`` (``syncer.recovery``)."""
+"""A shard's checkpoints and its journal keep every fragment within what a restart can take back:
+a shard that crashed, and whose Redis lost the run's record, adopts a copy one learner alone
+holds only up to its journal's version + ``JOURNAL_SLACK`` (its checkpoint's version +
+``checkpoint_every_merges`` where there is no journal; ``syncer.checkpoints.lone_limit``)."""
 from __future__ import annotations
 
 import threading
@@ -139,4 +140,60 @@ def test_a_failed_write_is_retried_at_the_next_merge_and_the_costs_reach_the_sha
     assert shard.stats.checkpoint_errors == 1
     assert int(entry["checkpoint_bytes"]) > 0 and float(entry["checkpoint_cpu_s"]) > 0, entry
     assert float(entry["checkpoint_write_s"]) > 0, entry
+    assert not cluster.errors, cluster.errors
+
+
+@pytest.mark.timeout(120)
+def test_a_lone_learners_copy_far_past_the_checkpoint_is_recovered_by_the_journal(make_cluster, redis_server,
+                                                                                 monkeypatch):
+    """As above, but the shard dies long after its last checkpoint landed: its fragments are far
+    more than ``checkpoint_every_merges`` versions past the file on disk (every later write held).
+    The journal of their versions (written every ``JOURNAL_EVERY`` versions) bounds what one
+    learner alone may give back: after Redis restarted empty, the restarted shard still takes the
+    learner's copies, and nobody is moved back. (Bounded by the checkpoint alone, the copies were
+    refused and every fragment went back to the file's versions.)"""
+    from syncer import checkpoints
+    from syncer.shard import Shard
+    every, beyond = 3, 3 * checkpoints.JOURNAL_EVERY
+    write = Shard._write_checkpoint
+    victim: list = []
+    on_disk: list[dict[int, int]] = []
+    release = threading.Event()
+
+    def no_write_after_the_first_lands(self, state) -> None:   # the writer thread
+        if not victim or self is not victim[0]:
+            return write(self, state)
+        if not on_disk:
+            write(self, state)
+            on_disk.append(_versions(state))
+            return
+        release.wait(60)                            # the process died meanwhile: nothing written
+    monkeypatch.setattr(Shard, "_write_checkpoint", no_write_after_the_first_lands)
+    cluster = make_cluster(ASYNC)
+    shard = cluster.start_shard(0, 1, checkpoint_every_merges=every)
+    victim.append(shard)
+    crashed = _crash_at_a_merge(shard, lambda f: bool(on_disk) and f.version - on_disk[0][f.spec.index] >= every + beyond)
+    learner = cluster.learner("l0", 0, step_time_floor_ms=5)
+    cluster.start_learner(learner)
+    try:
+        wait_until(crashed.is_set, 90, what=f"a checkpoint on disk, then a fragment {every + beyond} versions past it")
+        crashed_at = {p: f.version for p, f in shard.frags.items()}
+        wait_until(lambda: all(int(learner.base_version[p]) == v for p, v in crashed_at.items()), 20,
+                   what="the learner holding the last merged versions")
+        cluster.stop_shard(0)
+        wait_until(lambda: shard._ctx is None, 10, what="the shard gone")
+    finally:
+        release.set()
+    saved = on_disk[0]
+    assert _versions(torch.load(shard.checkpoint_path, weights_only=True)) == saved
+    assert max(crashed_at[p] - saved[p] for p in saved) >= every + beyond          # far past the old bound
+    redis_server.restart_empty()
+    r = control.connect(redis_server.url)
+    wait_until(lambda: r.exists(Keys(cluster.endpoints.run_id).heartbeat("l0")), 20,
+               what="the learner's heartbeat rebuilt")
+    restarted = cluster.start_shard(0, 1, checkpoint_every_merges=every, recovery_timeout_s=30.0)
+    wait_until(lambda: all(f.recovery is None for f in restarted.frags.values()), 40, what="recovery done")
+    assert all(restarted.frags[p].version >= v for p, v in crashed_at.items()), \
+        ({p: f.version for p, f in restarted.frags.items()}, crashed_at, saved)
+    assert learner.stats.versions_regressed == 0
     assert not cluster.errors, cluster.errors

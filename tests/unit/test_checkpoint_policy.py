@@ -48,3 +48,54 @@ def test_a_checkpoint_file_has_no_crc32_records_and_loads_as_written(tmp_path) -
     assert torch.equal(fs["theta"], theta) and fs["version"] == 7 and loaded["reason"] == "versions"
     assert fs["momentum"].shape == (1000,) and fs["momentum"].untyped_storage().nbytes() == 4
     assert torch.serialization.get_crc32_options()    # the setting was the writer's, for that write only
+
+
+def test_one_learners_copy_is_bounded_by_the_journal_where_there_is_one_else_by_the_checkpoint() -> None:
+    from syncer.checkpoints import JOURNAL_SLACK, lone_limit
+    assert lone_limit(recorded=0, checkpoint=40, journal=None, every_merges=20) == 60        # no journal: as before
+    assert lone_limit(recorded=0, checkpoint=40, journal=95, every_merges=20) == 95 + JOURNAL_SLACK
+    assert lone_limit(recorded=0, checkpoint=40, journal=30, every_merges=20) == 40 + JOURNAL_SLACK  # an older journal
+    assert lone_limit(recorded=200, checkpoint=40, journal=95, every_merges=20) == 200       # Redis kept the record
+
+
+class _Shard:
+    """What ``Checkpointing``'s journal steps read of a shard."""
+
+    def __init__(self, tmp_path) -> None:
+        from types import SimpleNamespace
+
+        from common.config import RunConfig
+        self.options = SimpleNamespace(checkpoint_dir=str(tmp_path), shard=1, shards=2)
+        self.endpoints = SimpleNamespace(run_id="r")
+        self.run, self.plan_digest, self.epoch = RunConfig(), "plan", 3
+        self.frags = {1: SimpleNamespace(version=0), 3: SimpleNamespace(version=0)}
+        self.warnings: list[str] = []
+        self.log = SimpleNamespace(warning=lambda event, **kw: self.warnings.append(kw["error"]),
+                                   error=lambda event, **kw: self.warnings.append(kw["error"]))
+
+
+def test_the_journal_is_written_every_few_versions_and_read_back_and_a_bad_one_is_ignored(tmp_path) -> None:
+    import json
+
+    from syncer.checkpoints import JOURNAL_EVERY, Checkpointing, LatestWriter
+
+    class Shard(_Shard, Checkpointing):
+        pass
+    shard = Shard(tmp_path)
+    shard._journal_versions, written = {}, []
+    shard._journal_writer = LatestWriter(lambda e: (shard._write_journal(e), written.append(e)), name="j")
+    assert shard._read_journal() is None                                   # none yet
+    for v in range(1, JOURNAL_EVERY + 2):
+        shard.frags[1].version = v
+        shard._journal_after_merge(1, v)
+    shard._journal_writer.close()
+    assert [e["versions"] for e in written] == [{"1": JOURNAL_EVERY, "3": 0}]   # once, at JOURNAL_EVERY
+    assert shard.journal_path.name == "r-shard1of2.versions.json"
+    assert shard._read_journal() == {1: JOURNAL_EVERY, 3: 0}
+    good = json.loads(shard.journal_path.read_text())
+    for bad in ("{not json", json.dumps({**good, "plan_digest": "other"}), json.dumps({**good, "shard": 0}),
+                json.dumps({**good, "versions": {"2": 5}}), json.dumps({**good, "versions": {"1": -1}}),
+                json.dumps({**good, "versions": [1]}), json.dumps([good])):
+        shard.journal_path.write_text(bad)
+        assert shard._read_journal() is None, bad
+    assert len(shard.warnings) == 7
