@@ -41,6 +41,59 @@ def _crash_at_a_merge(shard, crash_after) -> threading.Event:
     return crashed
 
 
+def _only_the_first_write_lands(monkeypatch) -> tuple[list, list[dict[int, int]], list[dict], threading.Event]:
+    """Patches ``Shard._write_checkpoint``: the shard put in ``victim`` writes its first checkpoint
+    (its versions in ``on_disk``); every later one is held (in ``held``) until ``release``, as if
+    the process died while writing it. Returns (victim, on_disk, held, release)."""
+    from syncer.shard import Shard
+    write = Shard._write_checkpoint
+    victim: list = []
+    on_disk: list[dict[int, int]] = []
+    held: list[dict] = []
+    release = threading.Event()
+
+    def only_the_first_lands(self, state) -> None:   # the writer thread
+        if not victim or self is not victim[0]:
+            return write(self, state)
+        if not on_disk:
+            write(self, state)
+            on_disk.append(_versions(state))
+            return
+        held.append(state)
+        release.wait(60)                            # the process died meanwhile: nothing written
+    monkeypatch.setattr(Shard, "_write_checkpoint", only_the_first_lands)
+    return victim, on_disk, held, release
+
+
+def _stop_at_the_crash(cluster, shard, learner, crashed, release) -> dict[int, int]:
+    """Once ``crashed`` is set and the learner holds the last merged versions, the shard stops (its
+    held writes released as it ends); returns the versions at the crash."""
+    try:
+        wait_until(crashed.is_set, 90, what="the crash")
+        crashed_at = {p: f.version for p, f in shard.frags.items()}
+        wait_until(lambda: all(int(learner.base_version[p]) == v for p, v in crashed_at.items()), 20,
+                   what="the learner holding the last merged versions")
+        cluster.stop_shard(0)
+        wait_until(lambda: shard._ctx is None, 10, what="the shard gone")
+    finally:
+        release.set()
+    return crashed_at
+
+
+def _restart_after_redis_lost(cluster, redis_server, learner, crashed_at: dict[int, int], every: int) -> None:
+    """Redis restarts empty, the shard starts again: once its recovery is done, no fragment is
+    below its version at the crash and the learner was never moved back."""
+    redis_server.restart_empty()
+    r = control.connect(redis_server.url)
+    wait_until(lambda: r.exists(Keys(cluster.endpoints.run_id).heartbeat("l0")), 20,
+               what="the learner's heartbeat rebuilt")
+    restarted = cluster.start_shard(0, 1, checkpoint_every_merges=every, recovery_timeout_s=30.0)
+    wait_until(lambda: all(f.recovery is None for f in restarted.frags.values()), 40, what="recovery done")
+    assert all(restarted.frags[p].version >= v for p, v in crashed_at.items()), \
+        ({p: f.version for p, f in restarted.frags.items()}, crashed_at)
+    assert learner.stats.versions_regressed == 0
+
+
 @pytest.mark.timeout(120)
 def test_a_lone_learners_copy_a_full_bound_past_the_checkpoint_is_recovered_after_redis_lost_the_record(
         make_cluster, redis_server, monkeypatch):
@@ -50,24 +103,8 @@ def test_a_lone_learners_copy_a_full_bound_past_the_checkpoint_is_recovered_afte
     empty (no recorded version): the restarted shard still takes the one learner's copy of every
     fragment, and nobody is moved back."""
     from ddloco.export import from_checkpoints
-    from syncer.shard import Shard
     every = 3
-    write = Shard._write_checkpoint
-    victim: list = []
-    on_disk: list[dict[int, int]] = []
-    held: list[dict] = []
-    release = threading.Event()
-
-    def the_second_write_never_lands(self, state) -> None:   # the writer thread
-        if not victim or self is not victim[0]:
-            return write(self, state)
-        if not on_disk:
-            write(self, state)
-            on_disk.append(_versions(state))
-            return
-        held.append(state)
-        release.wait(60)                            # the process died meanwhile: nothing written
-    monkeypatch.setattr(Shard, "_write_checkpoint", the_second_write_never_lands)
+    victim, on_disk, held, release = _only_the_first_write_lands(monkeypatch)
     cluster = make_cluster(ASYNC)
     shard = cluster.start_shard(0, 1, checkpoint_every_merges=every)
     victim.append(shard)
@@ -80,28 +117,12 @@ def test_a_lone_learners_copy_a_full_bound_past_the_checkpoint_is_recovered_afte
     crashed = _crash_at_a_merge(shard, lambda f: bool(held) and (f.spec.index, f.version - 1) == furthest_ahead())
     learner = cluster.learner("l0", 0, step_time_floor_ms=5)
     cluster.start_learner(learner)
-    try:
-        wait_until(crashed.is_set, 60, what="a checkpoint on disk, the next one held, one more merge")
-        crashed_at = {p: f.version for p, f in shard.frags.items()}
-        wait_until(lambda: all(int(learner.base_version[p]) == v for p, v in crashed_at.items()), 20,
-                   what="the learner holding the last merged versions")
-        cluster.stop_shard(0)
-        wait_until(lambda: shard._ctx is None, 10, what="the shard gone")
-    finally:
-        release.set()
+    crashed_at = _stop_at_the_crash(cluster, shard, learner, crashed, release)
     saved = on_disk[0]
     q, _ = furthest_ahead()
     assert _versions(torch.load(shard.checkpoint_path, weights_only=True)) == saved
     assert from_checkpoints(cluster.checkpoint_dir, cluster.endpoints.run_id, task=cluster.task)[1] == saved
-    redis_server.restart_empty()
-    r = control.connect(redis_server.url)
-    wait_until(lambda: r.exists(Keys(cluster.endpoints.run_id).heartbeat("l0")), 20,
-               what="the learner's heartbeat rebuilt")
-    restarted = cluster.start_shard(0, 1, checkpoint_every_merges=every, recovery_timeout_s=30.0)
-    wait_until(lambda: all(f.recovery is None for f in restarted.frags.values()), 40, what="recovery done")
-    assert all(restarted.frags[p].version >= v for p, v in crashed_at.items()), \
-        ({p: f.version for p, f in restarted.frags.items()}, crashed_at, saved)
-    assert learner.stats.versions_regressed == 0
+    _restart_after_redis_lost(cluster, redis_server, learner, crashed_at, every)
     assert crashed_at[q] - saved[q] == every, (crashed_at, saved)      # it was at the bound's edge
     assert not cluster.errors, cluster.errors
 
@@ -153,47 +174,17 @@ def test_a_lone_learners_copy_far_past_the_checkpoint_is_recovered_by_the_journa
     learner's copies, and nobody is moved back. (Bounded by the checkpoint alone, the copies were
     refused and every fragment went back to the file's versions.)"""
     from syncer import checkpoints
-    from syncer.shard import Shard
     every, beyond = 3, 3 * checkpoints.JOURNAL_EVERY
-    write = Shard._write_checkpoint
-    victim: list = []
-    on_disk: list[dict[int, int]] = []
-    release = threading.Event()
-
-    def no_write_after_the_first_lands(self, state) -> None:   # the writer thread
-        if not victim or self is not victim[0]:
-            return write(self, state)
-        if not on_disk:
-            write(self, state)
-            on_disk.append(_versions(state))
-            return
-        release.wait(60)                            # the process died meanwhile: nothing written
-    monkeypatch.setattr(Shard, "_write_checkpoint", no_write_after_the_first_lands)
+    victim, on_disk, _, release = _only_the_first_write_lands(monkeypatch)
     cluster = make_cluster(ASYNC)
     shard = cluster.start_shard(0, 1, checkpoint_every_merges=every)
     victim.append(shard)
     crashed = _crash_at_a_merge(shard, lambda f: bool(on_disk) and f.version - on_disk[0][f.spec.index] >= every + beyond)
     learner = cluster.learner("l0", 0, step_time_floor_ms=5)
     cluster.start_learner(learner)
-    try:
-        wait_until(crashed.is_set, 90, what=f"a checkpoint on disk, then a fragment {every + beyond} versions past it")
-        crashed_at = {p: f.version for p, f in shard.frags.items()}
-        wait_until(lambda: all(int(learner.base_version[p]) == v for p, v in crashed_at.items()), 20,
-                   what="the learner holding the last merged versions")
-        cluster.stop_shard(0)
-        wait_until(lambda: shard._ctx is None, 10, what="the shard gone")
-    finally:
-        release.set()
+    crashed_at = _stop_at_the_crash(cluster, shard, learner, crashed, release)
     saved = on_disk[0]
     assert _versions(torch.load(shard.checkpoint_path, weights_only=True)) == saved
     assert max(crashed_at[p] - saved[p] for p in saved) >= every + beyond          # far past the old bound
-    redis_server.restart_empty()
-    r = control.connect(redis_server.url)
-    wait_until(lambda: r.exists(Keys(cluster.endpoints.run_id).heartbeat("l0")), 20,
-               what="the learner's heartbeat rebuilt")
-    restarted = cluster.start_shard(0, 1, checkpoint_every_merges=every, recovery_timeout_s=30.0)
-    wait_until(lambda: all(f.recovery is None for f in restarted.frags.values()), 40, what="recovery done")
-    assert all(restarted.frags[p].version >= v for p, v in crashed_at.items()), \
-        ({p: f.version for p, f in restarted.frags.items()}, crashed_at, saved)
-    assert learner.stats.versions_regressed == 0
+    _restart_after_redis_lost(cluster, redis_server, learner, crashed_at, every)
     assert not cluster.errors, cluster.errors
