@@ -98,6 +98,9 @@ class CheckpointOutcome:
     """The fragments' versions in it (on disk once ``written``)."""
 
 
+LEGACY_EVERY_MERGES = 20
+"""``checkpoint_every_merges`` of a checkpoint file that does not record it (written before 2026-11-28)."""
+
 JOURNAL_EVERY = 5
 """The journal is written once a fragment is this many versions past the journal on disk."""
 
@@ -110,9 +113,10 @@ merges (``lone_limit``)."""
 
 def lone_limit(*, recorded: int, checkpoint: int, journal: int | None, every_merges: int) -> int:
     """The newest version of a fragment a restarted shard that loaded its checkpoint adopts from
-    one learner alone: the run's record in Redis, else the journal's version + ``JOURNAL_SLACK``
-    (never below the checkpoint's), else (no journal: a shard directory from before it) the
-    checkpoint's + ``every_merges``."""
+    one learner alone: the larger of the run's record in Redis (which may lag, or be lost) and the
+    journal's version + ``JOURNAL_SLACK`` (never below the checkpoint's); with no journal (a shard
+    directory from before it, or a journal lost or ignored) the checkpoint's version +
+    ``every_merges``, the bound the checkpoint was written under."""
     if journal is None:
         return max(recorded, checkpoint + every_merges)
     return max(recorded, max(journal, checkpoint) + JOURNAL_SLACK)
@@ -216,20 +220,29 @@ class Checkpointing:
                 "shard": self.options.shard, "shards": self.options.shards}
 
     def _journal_after_merge(self, p: int, version: int) -> None:
-        """On the loop, after fragment p merged into ``version``: every fragment's version to the
-        journal's writer once p is ``JOURNAL_EVERY`` past the journal (a few hundred bytes; the
-        newest replaces one still waiting)."""
-        if self.journal_path is None or version - self._journal_versions.get(p, 0) < JOURNAL_EVERY:
+        """On the loop, after fragment p merged into (or recovered at) ``version``: the journal once
+        p is ``JOURNAL_EVERY`` past it."""
+        if self.journal_path is not None and version - self._journal_versions.get(p, 0) >= JOURNAL_EVERY:
+            self._journal_now()
+
+    def _journal_now(self) -> None:
+        """On the loop: every fragment's version to the journal's writer (a few hundred bytes; the
+        newest replaces one still waiting). A fragment's entry never goes back: one still
+        recovering keeps the version the journal gave it until its copy is in."""
+        if self.journal_path is None:
             return
-        self._journal_versions = {q: f.version for q, f in self.frags.items()}
+        self._journal_versions = {q: max(f.version, self._journal_versions.get(q, 0)) for q, f in self.frags.items()}
         self._journal_writer.submit({**self._journal_identity(), "epoch": self.epoch,
                                      "versions": {str(q): v for q, v in self._journal_versions.items()}})
 
     def _write_journal(self, entry: dict[str, Any]) -> None:
         """On the journal's writer thread: atomically and durably; a failure is logged (the next
-        one is written at a fragment's next ``JOURNAL_EVERY`` versions)."""
+        one is written at a fragment's next ``JOURNAL_EVERY`` versions). Nothing once the shard
+        lost its lease: its fragments' journal is the new owner's."""
         path = self.journal_path
         assert path is not None
+        if self._lease_lost:
+            return
         try:
             with atomic_path(path, durable=True) as tmp:
                 Path(tmp).write_text(json.dumps(entry, sort_keys=True))
@@ -244,14 +257,15 @@ class Checkpointing:
             return None
         try:
             entry = json.loads(path.read_text())
-            own = self._journal_identity()
-            if (not isinstance(entry, dict) or entry.get("run_digest") not in {own.pop("run_digest"), *self.run.legacy_digests()}
-                    or any(entry.get(k) != v for k, v in own.items())):
+            own = self._journal_identity()     # journals exist since the run digest they carry
+            if not isinstance(entry, dict) or any(entry.get(k) != v for k, v in own.items()):
                 raise ValueError("another run config, shard layout or format")
-            versions = {int(q): int(v) for q, v in entry["versions"].items()}
+            versions = {int(q): v for q, v in entry["versions"].items()}
+            if not all(type(v) is int for v in versions.values()):
+                raise ValueError("versions must be integers")
             if any(v < 0 for v in versions.values()) or not set(versions) <= set(self.frags):
                 raise ValueError("versions of fragments this shard does not own, or negative")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             self.log.warning("syncer.journal_ignored", path=str(path), error=str(e))
             return None
         return versions
@@ -280,6 +294,8 @@ class Checkpointing:
             "token_shares": dict(self.token_shares), "data_positions": dict(self.data_positions),
             # lock-step: who finished and left, which a restart with Redis lost too reads nowhere else
             "departed": sorted(self._departed),
+            # the bound this file was written under: a restart without a journal takes a lone copy up to it
+            "every_merges": self.options.checkpoint_every_merges,
             "reason": reason,
         }
         self._merges_since_ckpt = 0
@@ -364,6 +380,8 @@ class Checkpointing:
                                                    {} if "token_shares" in state or not self.run_tokens
                                                    else {run_count.EARLIER: self.run_tokens})
         self.data_positions = positions.raised({}, (state.get("data_positions") or {}).items())
+        every = state.get("every_merges", LEGACY_EVERY_MERGES)
+        self._ckpt_every = every if type(every) is int and every >= 1 else LEGACY_EVERY_MERGES
         departed = state.get("departed") or []
         if isinstance(departed, list) and all(isinstance(d, str) for d in departed):
             self._departed = set(departed)       # one live again is dropped at the next refresh

@@ -48,7 +48,7 @@ class Recovering:
             behind = recorded[p] > f.version
             if behind or live or loaded:  # a checkpoint may be older than the copies learners hold
                 lone = lone_limit(recorded=recorded[p], checkpoint=f.version, journal=(journal or {}).get(p),
-                                  every_merges=self.options.checkpoint_every_merges) if loaded else \
+                                  every_merges=self._ckpt_every) if loaded else \
                     (recorded[p] or math.inf)
                 f.recovery = Recovery(recorded=recorded[p], deadline=now + self.options.recovery_timeout_s,
                                       quiet_until=0.0 if behind else now + RECOVERY_QUIET_S, lone_limit=lone)
@@ -92,6 +92,7 @@ class Recovering:
                               from_version=old, version=version, learner=learners[0], agreeing=len(learners),
                               momentum=self._momentum_source)
             self._publish(self._frag_frames(f))
+            self._journal_after_merge(p, version)
         refused = {lid: c for lid, c in rec.copies.items() if c[0] > f.version}
         if refused:
             self.log.warning("syncer.recovery_copies_refused", fragment=p, version=f.version,

@@ -105,9 +105,9 @@ class SetUp:
         recorded = self._recorded_versions()
         loaded = False if self.options.fresh else self._load_checkpoint()
         journal = self._read_journal() if loaded else None
-        if journal:
-            self._journal_versions = dict(journal)
+        self._journal_versions = dict(journal or {})
         self._start_recovery(recorded, loaded, journal)
+        self._journal_now()   # this life's journal at once: never one of an earlier life with a newer checkpoint
         if self.token_shares:  # Redis may have restarted empty: the learners' LR schedule must not go back
             self.run_tokens = max(self.run_tokens, run_count.record(self.redis, self.keys, self.token_shares))
 

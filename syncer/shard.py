@@ -104,6 +104,8 @@ class Shard(SetUp, ControlPlane, Intake, Merging, Recovering, Checkpointing, Ser
         self._journal_versions: dict[int, int] = {}
         """Each fragment's version in the newest journal handed to its writer (or loaded)."""
         self._journal_writer = LatestWriter(self._write_journal, name=f"{self.id}-journal")
+        self._ckpt_every = options.checkpoint_every_merges
+        """The ``checkpoint_every_merges`` the loaded checkpoint was written under (``lone_limit``)."""
         self.grace_s = 0.0
         """The adaptive grace window of the last poll (seconds a round waits past its quorum)."""
         self.round_log = RoundStateLog(self.log.info)
@@ -223,6 +225,7 @@ class Shard(SetUp, ControlPlane, Intake, Merging, Recovering, Checkpointing, Ser
                 self._refresh_control(force=True)
             except control.LeaseHeld:
                 return        # another process owns these fragments now: write nothing
+            self._journal_writer.close()
             self.checkpoint(wait=True)
             control.add_event(self.redis, self.keys, "shard_stop", shard=self.options.shard,
                               versions={p: f.version for p, f in self.frags.items()})

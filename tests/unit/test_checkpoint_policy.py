@@ -56,6 +56,7 @@ def test_one_learners_copy_is_bounded_by_the_journal_where_there_is_one_else_by_
     assert lone_limit(recorded=0, checkpoint=40, journal=95, every_merges=20) == 95 + JOURNAL_SLACK
     assert lone_limit(recorded=0, checkpoint=40, journal=30, every_merges=20) == 40 + JOURNAL_SLACK  # an older journal
     assert lone_limit(recorded=200, checkpoint=40, journal=95, every_merges=20) == 200       # Redis kept the record
+    assert lone_limit(recorded=100, checkpoint=40, journal=95, every_merges=20) == 95 + JOURNAL_SLACK  # a lagging record
 
 
 class _Shard:
@@ -69,6 +70,7 @@ class _Shard:
         self.endpoints = SimpleNamespace(run_id="r")
         self.run, self.plan_digest, self.epoch = RunConfig(), "plan", 3
         self.frags = {1: SimpleNamespace(version=0), 3: SimpleNamespace(version=0)}
+        self._lease_lost = False
         self.warnings: list[str] = []
         self.log = SimpleNamespace(warning=lambda event, **kw: self.warnings.append(kw["error"]),
                                    error=lambda event, **kw: self.warnings.append(kw["error"]))
@@ -93,9 +95,31 @@ def test_the_journal_is_written_every_few_versions_and_read_back_and_a_bad_one_i
     assert shard.journal_path.name == "r-shard1of2.versions.json"
     assert shard._read_journal() == {1: JOURNAL_EVERY, 3: 0}
     good = json.loads(shard.journal_path.read_text())
-    for bad in ("{not json", json.dumps({**good, "plan_digest": "other"}), json.dumps({**good, "shard": 0}),
-                json.dumps({**good, "versions": {"2": 5}}), json.dumps({**good, "versions": {"1": -1}}),
-                json.dumps({**good, "versions": [1]}), json.dumps([good])):
+    bads = ["{not json", json.dumps([good]), "[" * 100_000 + "]" * 100_000,
+            *(json.dumps({**good, k: v}) for k, v in (("plan_digest", "other"), ("run_digest", "other"), ("shard", 0),
+                                                     ("shards", 3), ("format", 2), ("versions", {"2": 5}),
+                                                     ("versions", {"1": -1}), ("versions", {"1": 2.5}),
+                                                     ("versions", {"1": "7"}), ("versions", [1])))]
+    for bad in bads:
         shard.journal_path.write_text(bad)
-        assert shard._read_journal() is None, bad
-    assert len(shard.warnings) == 7
+        assert shard._read_journal() is None, bad[:80]
+    assert len(shard.warnings) == len(bads)
+
+
+def test_a_recovering_fragment_keeps_its_journal_version_while_another_one_moves_on(tmp_path) -> None:
+    """After a restart a fragment still waiting for the learners' copies is at its checkpoint's
+    version, below the journal's: a journal written meanwhile (another fragment merged) keeps the
+    journal's version for it, never the older one."""
+    from syncer.checkpoints import JOURNAL_EVERY, Checkpointing, LatestWriter
+
+    class Shard(_Shard, Checkpointing):
+        pass
+    shard = Shard(tmp_path)
+    shard._journal_writer = LatestWriter(shard._write_journal, name="j")
+    shard._journal_versions = {1: 100, 3: 100}                  # read back at the restart
+    shard.frags[1].version, shard.frags[3].version = 50, 118    # 1 recovering at its checkpoint's, 3 recovered
+    shard._journal_after_merge(3, 118 + JOURNAL_EVERY)
+    shard.frags[3].version += JOURNAL_EVERY
+    shard._journal_now()
+    shard._journal_writer.close()
+    assert shard._read_journal() == {1: 100, 3: 118 + JOURNAL_EVERY}
