@@ -355,6 +355,21 @@ class Checkpointing:
         except Exception:  # a damaged file is reported by _load_checkpoint
             return 0
 
+    def _journal_epoch(self) -> int:
+        """The epoch recorded in this shard's journal (0: none, another run's or layout's, or
+        unreadable): a life that crashed before its first checkpoint wrote its epoch there at start."""
+        path = self.journal_path
+        if self.options.fresh or path is None or not path.exists():
+            return 0
+        try:
+            entry = json.loads(path.read_text())
+            if any(entry.get(k) != v for k, v in self._journal_identity().items()):
+                return 0
+            epoch = entry.get("epoch", 0)
+            return epoch if type(epoch) is int and epoch >= 0 else 0
+        except (OSError, ValueError, AttributeError, RecursionError):
+            return 0
+
     def _load_checkpoint(self) -> bool:
         path = self.checkpoint_path
         if path is None or not path.exists():

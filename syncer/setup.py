@@ -76,9 +76,9 @@ class SetUp:
 
     def _take_lease(self) -> None:
         """This life of the shard (its epoch) and the lease of its fragments."""
-        # the run-wide counter, above any epoch this shard's checkpoint saw
-        # (Redis may have restarted empty; live shards and learners also put the counter back)
-        self.epoch = control.take_epoch(self.redis, self.keys, self._checkpoint_epoch())
+        # the run-wide counter, above any epoch this shard's checkpoint or journal saw (Redis may
+        # have restarted empty; live shards also put the counter back)
+        self.epoch = control.take_epoch(self.redis, self.keys, max(self._checkpoint_epoch(), self._journal_epoch()))
         self.lease_holder = f"{socket.gethostname()}:{os.getpid()}:{self.epoch}"
         control.acquire_lease(self.redis, self.keys.shard_lease(self.options.shard), self.lease_holder,
                               ttl_s=self.options.lease_ttl_s, wait_s=self.options.lease_wait_s)

@@ -123,3 +123,31 @@ def test_a_recovering_fragment_keeps_its_journal_version_while_another_one_moves
     shard._journal_now()
     shard._journal_writer.close()
     assert shard._read_journal() == {1: 100, 3: 118 + JOURNAL_EVERY}
+
+
+def test_a_shard_starts_above_the_epoch_of_its_journal_where_its_checkpoint_is_older(tmp_path) -> None:
+    """A life that crashed before its first checkpoint left its epoch in the journal (written at
+    start): the next life's floor is the larger of the two; another run's journal counts nothing."""
+    import json
+    from types import SimpleNamespace
+
+    from syncer.checkpoints import Checkpointing, LatestWriter
+
+    class Shard(_Shard, Checkpointing):
+        pass
+    shard = Shard(tmp_path)
+    shard.options.fresh = False
+    shard._journal_versions, shard.epoch = {}, 9
+    shard._journal_writer = LatestWriter(shard._write_journal, name="j")
+    assert shard._journal_epoch() == 0
+    shard._journal_now()
+    shard._journal_writer.close()
+    assert shard._journal_epoch() == 9
+    entry = json.loads(shard.journal_path.read_text())
+    shard.journal_path.write_text(json.dumps({**entry, "run_digest": "another run"}))
+    assert shard._journal_epoch() == 0
+    shard.journal_path.write_text(json.dumps({**entry, "epoch": "9"}))
+    assert shard._journal_epoch() == 0
+    shard.options = SimpleNamespace(**{**vars(shard.options), "fresh": True})
+    shard.journal_path.write_text(json.dumps(entry))
+    assert shard._journal_epoch() == 0                            # --fresh: as the checkpoint's epoch
