@@ -145,9 +145,9 @@ class SyncerOptions:
     SIGTERM), which leaves it one merge while the write lands. What a restart can lose when no
     learner holds a copy; a copy a learner holds is taken back (by a restarted shard that lost
     Redis too: a copy one learner alone holds, up to the version in the shard's journal +
-    ``JOURNAL_SLACK``, ``syncer.checkpoints``; ALGORITHM §8). Each write holds every owned fragment's Θ and master
-    (400 MB a shard at 10^8 parameters and 2 shards): 20 wrote every ~64 s at 10^8 on 2 cores, 6.7 %
-    of a shard's CPU (docs/results/scale.md)."""
+    ``JOURNAL_SLACK``, ``syncer.checkpoints``; ALGORITHM §8). Each write holds every owned
+    fragment's Θ and master (400 MB a shard at 10^8 parameters and 2 shards): 20 wrote every ~64 s
+    at 10^8 on 2 cores, 6.7 % of a shard's CPU (docs/results/scale.md)."""
     checkpoint_interval_s: float = 300.0
     """Also checkpoint when this many seconds passed since the last one with any merge since
     (a slow run's fragments rarely move ``checkpoint_every_merges`` versions)."""

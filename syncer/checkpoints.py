@@ -249,6 +249,15 @@ class Checkpointing:
         except OSError as e:
             self.log.error("syncer.journal_failed", path=str(path), error=str(e))
 
+    def _journal_entry(self, path: Path) -> dict[str, Any]:
+        """The journal at ``path``, this shard's (run, layout, format); ``ValueError`` otherwise
+        (``RecursionError``, ``OSError`` as reading raises them)."""
+        entry = json.loads(path.read_text())
+        own = self._journal_identity()     # journals exist since the run digest they carry
+        if not isinstance(entry, dict) or any(entry.get(k) != v for k, v in own.items()):
+            raise ValueError("another run config, shard layout or format")
+        return entry
+
     def _read_journal(self) -> dict[int, int] | None:
         """The journal's versions of the owned fragments (None: none, or not this shard's run and
         layout, or malformed: logged, and the checkpoint's bound applies)."""
@@ -256,11 +265,7 @@ class Checkpointing:
         if path is None or not path.exists():
             return None
         try:
-            entry = json.loads(path.read_text())
-            own = self._journal_identity()     # journals exist since the run digest they carry
-            if not isinstance(entry, dict) or any(entry.get(k) != v for k, v in own.items()):
-                raise ValueError("another run config, shard layout or format")
-            versions = {int(q): v for q, v in entry["versions"].items()}
+            versions = {int(q): v for q, v in self._journal_entry(path)["versions"].items()}
             if not all(type(v) is int for v in versions.values()):
                 raise ValueError("versions must be integers")
             if any(v < 0 for v in versions.values()) or not set(versions) <= set(self.frags):
@@ -362,13 +367,10 @@ class Checkpointing:
         if self.options.fresh or path is None or not path.exists():
             return 0
         try:
-            entry = json.loads(path.read_text())
-            if any(entry.get(k) != v for k, v in self._journal_identity().items()):
-                return 0
-            epoch = entry.get("epoch", 0)
-            return epoch if type(epoch) is int and epoch >= 0 else 0
-        except (OSError, ValueError, AttributeError, RecursionError):
+            epoch = self._journal_entry(path).get("epoch", 0)
+        except (OSError, ValueError, RecursionError):
             return 0
+        return epoch if type(epoch) is int and epoch >= 0 else 0
 
     def _load_checkpoint(self) -> bool:
         path = self.checkpoint_path
