@@ -222,8 +222,8 @@ class Checkpointing:
     def _journal_after_merge(self, p: int, version: int) -> None:
         """On the loop, after fragment p merged into (or recovered at) ``version``: the journal once
         p is ``JOURNAL_EVERY`` past it."""
-        if self.journal_path is not None and version - self._journal_versions.get(p, 0) >= JOURNAL_EVERY:
-            self._journal_now()
+        if version - self._journal_versions.get(p, 0) >= JOURNAL_EVERY:
+            self._journal_now()        # (nothing without a checkpoint directory)
 
     def _journal_now(self) -> None:
         """On the loop: every fragment's version to the journal's writer (a few hundred bytes; the
